@@ -1,0 +1,1 @@
+"""Invertible residual flows on sequences."""

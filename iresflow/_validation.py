@@ -1,0 +1,118 @@
+"""The single input-validation gate of iresflow.
+
+Every public entry point that receives sequences calls :func:`check_sequence` (and, where a
+padding mask is accepted, :func:`check_mask`) before doing any work, so bad input fails early
+with a message naming the argument and the expected shape/dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["check_finite", "check_mask", "check_sequence"]
+
+
+def check_sequence(
+    x: object,
+    name: str = "inputs",
+    *,
+    features: int | None = None,
+    allow_2d: bool = True,
+) -> Tensor:
+    """Validate a batch of sequences.
+
+    Args:
+        x: Candidate tensor, expected shape ``(B, N, D)`` (or ``(B, D)`` when ``allow_2d``).
+        name: Argument name used in error messages.
+        features: Required size ``D`` of the last dimension, if known.
+        allow_2d: Whether a ``(B, D)`` batch of vectors is accepted.
+
+    Returns:
+        ``x`` itself, unchanged.
+
+    Raises:
+        TypeError: ``x`` is not a floating-point tensor.
+        ValueError: wrong rank, wrong feature size, empty dimension or non-finite values.
+
+    Example:
+        >>> check_sequence(torch.zeros(2, 5, 3), features=3).shape
+        torch.Size([2, 5, 3])
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must have a floating-point dtype, got {x.dtype}")
+    ranks = (2, 3) if allow_2d else (3,)
+    if x.dim() not in ranks:
+        expected = "(B, N, D) or (B, D)" if allow_2d else "(B, N, D)"
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(x.shape)}")
+    if x.shape[0] == 0:
+        raise ValueError(f"{name} is an empty batch (shape {tuple(x.shape)})")
+    if any(s == 0 for s in x.shape[1:]):
+        raise ValueError(f"{name} has an empty dimension (shape {tuple(x.shape)})")
+    if features is not None and x.shape[-1] != features:
+        raise ValueError(
+            f"{name} must have {features} features in its last dimension, got shape {tuple(x.shape)}"
+        )
+    check_finite(x, name)
+    return x
+
+
+def check_finite(x: Tensor, name: str) -> Tensor:
+    """Raise ``ValueError`` if ``x`` contains NaN or Inf.
+
+    Args:
+        x: Any tensor.
+        name: Argument name used in the message.
+
+    Returns:
+        ``x`` itself.
+
+    Example:
+        >>> check_finite(torch.ones(3), "x").sum().item()
+        3.0
+    """
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} contains NaN or Inf values")
+    return x
+
+
+def check_mask(mask: object, x: Tensor, name: str = "mask") -> Tensor | None:
+    """Validate a boolean padding mask for a ``(B, N, D)`` batch.
+
+    The convention throughout iresflow: ``mask[b, n]`` is ``True`` for a real token and ``False``
+    for padding. Every sequence must contain at least one real token.
+
+    Args:
+        mask: ``None`` or a ``torch.bool`` tensor of shape ``(B, N)``.
+        x: The batch the mask belongs to, shape ``(B, N, D)``.
+        name: Argument name used in error messages.
+
+    Returns:
+        The mask (on ``x``'s device) or ``None``.
+
+    Raises:
+        TypeError: mask is not a boolean tensor.
+        ValueError: wrong shape, or a sequence with no real token.
+
+    Example:
+        >>> x = torch.zeros(2, 4, 3)
+        >>> check_mask(torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool), x).sum().item()
+        6
+    """
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of dtype torch.bool, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must have dtype torch.bool (True = real token), got {mask.dtype}")
+    if x.dim() != 3:
+        raise ValueError(f"{name} requires inputs of shape (B, N, D), got {tuple(x.shape)}")
+    if mask.shape != x.shape[:2]:
+        raise ValueError(
+            f"{name} must have shape (B, N) = {tuple(x.shape[:2])}, got {tuple(mask.shape)}"
+        )
+    if not bool(mask.any(dim=1).all()):
+        raise ValueError(f"{name} has a sequence with no real token (all padding)")
+    return mask.to(x.device)
