@@ -1,0 +1,328 @@
+"""The ``iresflow`` command: ``train``, ``evaluate``, ``sample`` and ``info``.
+
+Every setting of :class:`~iresflow.train.config.TrainConfig` is a flag of ``iresflow train``
+(``batch_size`` is ``--batch-size``); flags override a ``--config`` TOML file. User errors
+(unknown dataset or option, missing run, unreadable checkpoint, incompatible settings) end the
+command with one line ``iresflow: error: ...`` on stderr and a non-zero exit status. See
+``docs/cli.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import numpy as np
+import torch
+
+from iresflow.inverse.fixed_point import InversionError
+from iresflow.train.checkpoint import CheckpointError
+from iresflow.train.config import ConfigError, TrainConfig
+from iresflow.train.evaluate import evaluate_run, load_run, sample_run, write_plots
+from iresflow.train.loop import RunPaths, TrainingDivergedError, train
+from iresflow.train.plots import plot_traces
+
+__all__ = ["CLIError", "main"]
+
+_USER_FILE_SUFFIXES = (".npz", ".ts", ".ts.gz")
+
+
+class CLIError(Exception):
+    """A mistake in the command line, reported as one line without a traceback."""
+
+
+class _UsageError(CLIError):
+    """A malformed command line (exit status 2, like argparse)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser that reports mistakes through :class:`CLIError`."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{self.prog}: {message}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``iresflow`` command.
+
+    Args:
+        argv: Arguments without the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 on success, 1 for an error, 2 for a malformed command line, 130
+        when interrupted.
+
+    Example:
+        >>> main(["info", "no/such/run"])
+        1
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return args.handler(args)
+    except _UsageError as error:
+        print(f"iresflow: error: {error}", file=sys.stderr)
+        return 2
+    except (
+        CLIError, ConfigError, CheckpointError, TrainingDivergedError, InversionError, OSError,
+    ) as error:
+        print(f"iresflow: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("iresflow: interrupted (a training run continues with --resume)", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``iresflow`` command and its subcommands."""
+    parser = _Parser(
+        prog="iresflow",
+        description="Invertible residual flows on sequences: train, evaluate, sample, inspect.",
+    )
+    commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+
+    train_parser = commands.add_parser(
+        "train", help="train a flow on a dataset",
+        description="Train a residual-flow Transformer; evaluate it on the test split and "
+        "write plots at the end. Settings come from --config (TOML) and the flags below, "
+        "which take precedence.",
+    )
+    train_parser.set_defaults(handler=_train)
+    train_parser.add_argument("--config", type=Path, help="TOML file of settings")
+    train_parser.add_argument(
+        "--out", type=Path, help="run folder (default: runs/DATASET-seedSEED)"
+    )
+    train_parser.add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its last epoch"
+    )
+    train_parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing run in --out"
+    )
+    train_parser.add_argument(
+        "--quiet", action="store_true", help="no progress bar or per-epoch lines"
+    )
+    settings = train_parser.add_argument_group("settings (override --config)")
+    hints = typing.get_type_hints(TrainConfig)
+    for field in dataclasses.fields(TrainConfig):
+        _add_setting(settings, field, hints[field.name])
+
+    evaluate_parser = commands.add_parser(
+        "evaluate", help="NLL of a trained run on a split",
+        description="Print the NLL of a split in the dataset's unit (with its standard error "
+        "for the roulette estimator) and store it in RUN/evaluation.json.",
+    )
+    evaluate_parser.set_defaults(handler=_evaluate)
+    _add_run_arguments(evaluate_parser)
+    evaluate_parser.add_argument("--split", choices=("test", "val", "train"), default="test")
+    evaluate_parser.add_argument(
+        "--method", choices=("exact", "roulette"), default="exact",
+        help="log-determinant: exact, or unbiased Russian-roulette estimates (default: exact)",
+    )
+    evaluate_parser.add_argument(
+        "--n-samples", type=int, default=4,
+        help="roulette estimates per sequence (>= 2 gives a standard error; default: 4)",
+    )
+    evaluate_parser.add_argument("--seed", type=int, default=0, help="seed of the estimates")
+
+    sample_parser = commands.add_parser(
+        "sample", help="draw sequences from a trained run",
+        description="Draw sequences by inverting the flow, save them in original units to an "
+        ".npz file (x, mask, lengths) and plot them next to it.",
+    )
+    sample_parser.set_defaults(handler=_sample)
+    _add_run_arguments(sample_parser)
+    sample_parser.add_argument("--num", type=int, default=16, help="sequences (default: 16)")
+    sample_parser.add_argument(
+        "--length", type=int,
+        help="length of every sequence (default: drawn from the training lengths)",
+    )
+    sample_parser.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    sample_parser.add_argument(
+        "--out", type=Path, help="output .npz file (default: RUN/samples.npz)"
+    )
+
+    info_parser = commands.add_parser(
+        "info", help="settings, size and Lipschitz report of a run",
+        description="Print a run's settings, its parameter count and the certified and observed "
+        "Lipschitz constants of every residual branch.",
+    )
+    info_parser.set_defaults(handler=_info)
+    _add_run_arguments(info_parser)
+    info_parser.add_argument(
+        "--seq-len", type=int,
+        help="sequence length of the Lipschitz report (default: the data's longest)",
+    )
+    return parser
+
+
+def _add_setting(group: Any, field: dataclasses.Field, hint: Any) -> None:
+    """A ``--flag`` for one :class:`TrainConfig` field; absent flags leave the field alone."""
+    flag = "--" + field.name.replace("_", "-")
+    options: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS}
+    if hint is bool:
+        group.add_argument(
+            flag, action=argparse.BooleanOptionalAction,
+            help=f"{field.metadata['help']} (default: {field.default})", **options,
+        )
+        return
+    if isinstance(hint, types.UnionType):  # None means automatic; spelled "none" on the line
+        parse: Any = _optional(next(a for a in typing.get_args(hint) if a is not type(None)))
+        default = f"{field.metadata['unset']}; 'none' restores it"
+    else:
+        parse, default = hint, field.default
+    group.add_argument(
+        flag, type=parse, choices=field.metadata["choices"],
+        help=f"{field.metadata['help']} (default: {default})", **options,
+    )
+
+
+def _optional(base: type) -> Any:
+    def parse(text: str) -> Any:
+        return None if text.lower() == "none" else base(text)
+
+    parse.__name__ = base.__name__  # argparse names the type in its error messages
+    return parse
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", type=Path, metavar="RUN", help="run folder written by train")
+    parser.add_argument(
+        "--checkpoint", choices=("best", "last"), default="best",
+        help="which checkpoint to use (default: best)",
+    )
+    parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: the run's)")
+
+
+def _train(args: argparse.Namespace) -> int:
+    overrides = {
+        field.name: getattr(args, field.name)
+        for field in dataclasses.fields(TrainConfig)
+        if hasattr(args, field.name)
+    }
+    if args.resume:
+        if args.out is None:
+            raise CLIError("--resume needs --out RUN, the run folder to continue")
+        if args.config is not None:
+            raise CLIError("--resume takes the settings of the run; change them with flags")
+        base = TrainConfig.from_toml(RunPaths(args.out).config)
+    else:
+        base = TrainConfig.from_toml(args.config) if args.config is not None else TrainConfig()
+        data = overrides.get("data", base.data)
+        if data.lower().endswith(_USER_FILE_SUFFIXES):  # a run must find its file from anywhere
+            overrides["data"] = str(Path(data).expanduser().resolve())
+    config = base.replace(**overrides)
+    out = args.out
+    if out is None:
+        name = Path(config.data).name.split(".")[0]
+        out = Path("runs") / f"{name}-seed{config.seed}"
+    result = train(
+        config, out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet
+    )
+    print(
+        f"trained {result.epochs} epochs ({'stopped early' if result.stopped_early else 'done'}); "
+        f"best validation NLL {result.best_val_nll:.4f} at epoch {result.best_epoch}"
+    )
+    run = load_run(out)
+    evaluation = evaluate_run(
+        run, split="test", method=config.eval_method, n_samples=config.eval_n_samples,
+        seed=config.seed,
+    )
+    print(_describe_evaluation(evaluation))
+    for path in write_plots(run, seed=config.seed):
+        print(f"wrote {path}")
+    print(f"run folder: {out}")
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    if args.n_samples < 1:
+        raise CLIError(f"--n-samples must be >= 1, got {args.n_samples}")
+    run = load_run(args.run, checkpoint=args.checkpoint, device=args.device)
+    result = evaluate_run(
+        run, split=args.split, method=args.method, n_samples=args.n_samples, seed=args.seed
+    )
+    print(_describe_evaluation(result))
+    print(f"saved to {run.paths.evaluation}")
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    if args.num < 1:
+        raise CLIError(f"--num must be >= 1, got {args.num}")
+    run = load_run(args.run, checkpoint=args.checkpoint, device=args.device)
+    max_len = run.model.max_len
+    if args.length is not None and not 1 <= args.length <= max_len:
+        raise CLIError(f"--length must lie in [1, {max_len}] for this model, got {args.length}")
+    samples = sample_run(run, args.num, length=args.length, seed=args.seed)
+    out = args.out if args.out is not None else run.paths.root / "samples.npz"
+    if out.suffix != ".npz":
+        raise CLIError(f"--out must end in .npz, got {out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(
+        out, x=samples.x.numpy(), mask=samples.mask.numpy(), lengths=samples.lengths.numpy()
+    )
+    test = run.dataset.test
+    shown = min(len(test), args.num)
+    figure = plot_traces(
+        run.dataset.to_raw(test.x[:shown], test.mask[:shown]), test.mask[:shown],
+        samples.x, samples.mask, out.with_suffix(".png"),
+    )
+    diagnostics = samples.diagnostics
+    print(
+        f"sampled {args.num} sequences of lengths {int(samples.lengths.min())}.."
+        f"{int(samples.lengths.max())} ({run.checkpoint} checkpoint, epoch {run.epoch})"
+    )
+    print(
+        f"inverse: at most {diagnostics['max_iterations']} iterations per block, max residual "
+        f"{diagnostics['max_residual']:.2e}, "
+        f"{'converged' if diagnostics['converged'] else 'NOT converged'}"
+    )
+    print(f"wrote {out} and {figure}")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    run = load_run(args.run, checkpoint=args.checkpoint, device=args.device)
+    seq_len = args.seq_len if args.seq_len is not None else run.dataset.max_len
+    if not 1 <= seq_len <= run.model.max_len:
+        raise CLIError(f"--seq-len must lie in [1, {run.model.max_len}], got {seq_len}")
+    parameters = sum(p.numel() for p in run.model.parameters())
+    print(f"run: {run.paths.root}")
+    print(f"data: {run.dataset.name} ({run.dataset.features} features, up to "
+          f"{run.dataset.max_len} frames, NLL in {run.dataset.unit})")
+    print(f"checkpoint: {run.checkpoint}, epoch {run.epoch}")
+    if run.history:
+        best = min(run.history, key=lambda row: row["val_nll"])
+        print(f"best validation NLL: {best['val_nll']:.4f} (epoch {best['epoch']:.0f})")
+    print(f"parameters: {parameters:,}")
+    print("\nsettings:")
+    print(run.config.to_toml().rstrip())
+    generator = torch.Generator(next(run.model.parameters()).device).manual_seed(0)
+    report = run.model.lipschitz_report(seq_len, generator=generator)
+    print(f"\nLipschitz constants of the residual branches (sequence length {seq_len}):")
+    print(f"{'branch':<24}{'type':<36}{'norm':>5}{'certified':>11}{'observed':>10}")
+    for row in report:
+        print(
+            f"{row['name']:<24}{row['type']:<36}{row['norm']:>5}"
+            f"{row['certified']:>11.4f}{row['estimate']:>10.4f}"
+        )
+    return 0
+
+
+def _describe_evaluation(result: dict[str, Any]) -> str:
+    text = f"{result['split']} NLL: {result['nll']:.4f}"
+    if "stderr" in result:
+        text += f" ± {result['stderr']:.4f} (standard error)"
+    details = f"{result['method']}"
+    if "n_samples" in result:
+        details += f", {result['n_samples']} estimates per sequence"
+    return (
+        f"{text} {result['unit']} ({details}; {result['sequences']} sequences, "
+        f"{result['checkpoint']} checkpoint of epoch {result['epoch']})"
+    )

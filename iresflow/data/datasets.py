@@ -1,0 +1,486 @@
+r"""Offline sequence datasets and user-file loaders.
+
+:func:`load_dataset` returns a :class:`SequenceDataset`: train/validation/test splits of padded
+sequences in *model space* (preprocessed, float32) with padding masks and the per-sequence
+log-Jacobian of the preprocessing, so that negative log-likelihoods are reported in the original
+units of the data:
+
+.. math::
+
+    \mathrm{NLL} = -\frac{\sum_b \left(\log p_{\mathrm{model}}(x_b) + \log|\det J_b|\right)}
+    {\sum_b u_b},
+
+where :math:`u_b` counts the frames (``"nats/frame"``) or the dimensions (``"bits/dim"``, then
+divided by :math:`\ln 2`) of sequence :math:`b`. See ``docs/datasets.md`` for every dataset's
+source, licence, preprocessing and unit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from iresflow._validation import check_finite, check_mask, check_sequence
+from iresflow.data.preprocessing import (
+    LogitTransform,
+    Preprocessing,
+    Standardization,
+    interpolate_gaps,
+    uniform_dequantize,
+)
+from iresflow.data.readers import pad_sequences, read_npz, read_ts, read_weekly_csv
+
+__all__ = ["SequenceDataset", "SequenceSplit", "available_datasets", "load_dataset"]
+
+_FILES = Path(__file__).resolve().parent / "files"
+_UNITS = ("nats/frame", "bits/dim")
+
+#: Squeeze of the logit for ``digits_rows`` (RealNVP's value for 8-bit images).
+DIGITS_ALPHA = 0.05
+#: Number of pixel levels of the scikit-learn digits (values 0..16).
+DIGITS_LEVELS = 17
+#: Fraction of the digits and of user data held out for the test split.
+TEST_FRACTION = 0.1
+#: Window length (weeks of differences), stride and test fraction of ``co2_windows``.
+CO2_WINDOW = 52
+CO2_STRIDE = 4
+CO2_TEST_FRACTION = 0.15
+#: Recording resolution of the CO2 series, in ppm.
+CO2_RESOLUTION = 0.1
+
+
+@dataclass
+class SequenceSplit:
+    """One split of a dataset, in model space.
+
+    Attributes:
+        x: Preprocessed sequences, shape ``(B, N, D)``, float32, zero at padding.
+        mask: Padding mask ``(B, N)``, bool, ``True`` for real frames.
+        log_jacobian: Per-sequence :math:`\\log|\\det \\partial x / \\partial r|` of the
+            preprocessing from the raw data :math:`r`, shape ``(B,)``, float64, so that
+            :math:`\\log p_{\\mathrm{raw}}(r) = \\log p_{\\mathrm{model}}(x) +` ``log_jacobian``.
+
+    Example:
+        >>> split = SequenceSplit(torch.zeros(2, 3, 1), torch.ones(2, 3, dtype=torch.bool),
+        ...                       torch.zeros(2, dtype=torch.float64))
+        >>> len(split)
+        2
+    """
+
+    x: Tensor
+    mask: Tensor
+    log_jacobian: Tensor
+
+    def __post_init__(self) -> None:
+        check_sequence(self.x, "x", allow_2d=False)
+        check_mask(self.mask, self.x)
+        if not isinstance(self.log_jacobian, Tensor) or not self.log_jacobian.is_floating_point():
+            raise TypeError("log_jacobian must be a floating-point torch.Tensor")
+        if self.log_jacobian.shape != self.x.shape[:1]:
+            raise ValueError(
+                f"log_jacobian must have shape (B,) = ({self.x.shape[0]},), "
+                f"got {tuple(self.log_jacobian.shape)}"
+            )
+        check_finite(self.log_jacobian, "log_jacobian")
+        if bool((self.x[~self.mask.to(self.x.device)] != 0).any()):
+            raise ValueError("x must be zero at padded frames (mask False)")
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+
+@dataclass
+class SequenceDataset:
+    r"""Train/validation/test splits with the metadata to report likelihoods in original units.
+
+    Attributes:
+        name: Dataset name (the file name for user data).
+        features: Number of features ``D`` per frame.
+        max_len: Padded length ``N``.
+        unit: ``"nats/frame"`` or ``"bits/dim"``, the unit of :meth:`nll`.
+        train: Training split.
+        val: Validation split.
+        test: Test split.
+        preprocessing: The map from raw to model space, inverted by :meth:`to_raw`; ``None``
+            when the data are stored in raw space.
+
+    Example:
+        >>> ds = load_dataset("japanese_vowels")
+        >>> ds.features, ds.max_len, len(ds.test), ds.unit
+        (12, 29, 370, 'nats/frame')
+    """
+
+    name: str
+    features: int
+    max_len: int
+    unit: str
+    train: SequenceSplit
+    val: SequenceSplit
+    test: SequenceSplit
+    preprocessing: Preprocessing | None = None
+
+    def __post_init__(self) -> None:
+        if self.unit not in _UNITS:
+            raise ValueError(f"unit must be one of {_UNITS}, got {self.unit!r}")
+        for label, split in (("train", self.train), ("val", self.val), ("test", self.test)):
+            if split.x.shape[1:] != (self.max_len, self.features):
+                raise ValueError(
+                    f"{label}.x must have shape (B, {self.max_len}, {self.features}), "
+                    f"got {tuple(split.x.shape)}"
+                )
+
+    def units(self, mask: Tensor) -> Tensor:
+        """Number of units per sequence: frames (``nats/frame``) or frames times ``D``.
+
+        Args:
+            mask: Padding mask ``(B, N)``, bool.
+
+        Returns:
+            Counts of shape ``(B,)``, int64.
+
+        Example:
+            >>> ds = load_dataset("japanese_vowels")
+            >>> ds.units(torch.tensor([[True, True, False]])).tolist()
+            [2]
+        """
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+            raise TypeError("mask must be a torch.bool tensor of shape (B, N)")
+        frames = mask.sum(dim=1)
+        return frames * self.features if self.unit == "bits/dim" else frames
+
+    def _scale(self, split: SequenceSplit) -> float:
+        total = float(self.units(split.mask).sum())
+        return total * (math.log(2.0) if self.unit == "bits/dim" else 1.0)
+
+    def _check_per_sequence(self, values: Tensor, split: SequenceSplit, name: str) -> Tensor:
+        if not isinstance(values, Tensor) or not values.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point torch.Tensor")
+        if values.shape != (len(split),):
+            raise ValueError(
+                f"{name} must have shape (B,) = ({len(split)},), got {tuple(values.shape)}"
+            )
+        return check_finite(values, name)
+
+    def nll(self, log_prob: Tensor, split: SequenceSplit) -> float:
+        r"""Negative log-likelihood of a split in the dataset's unit, in original units.
+
+        .. math:: -\frac{\sum_b (\log p_b + \log|\det J_b|)}{\sum_b u_b}
+            \quad (\text{divided by } \ln 2 \text{ for bits/dim}).
+
+        Args:
+            log_prob: Model log-densities of ``split.x``, one per sequence, shape ``(B,)``.
+            split: The split they belong to.
+
+        Returns:
+            The NLL as a Python float.
+
+        Example:
+            >>> ds = load_dataset("japanese_vowels")
+            >>> log_prob = torch.zeros(len(ds.test))  # a model with density 1 in model space
+            >>> frames = ds.test.mask.sum().item()
+            >>> ds.nll(log_prob, ds.test) == -ds.test.log_jacobian.sum().item() / frames
+            True
+        """
+        log_prob = self._check_per_sequence(log_prob, split, "log_prob")
+        total = (log_prob.to(torch.float64) + split.log_jacobian.to(log_prob.device)).sum()
+        return -float(total) / self._scale(split)
+
+    def nll_stderr(self, log_prob_stderr: Tensor, split: SequenceSplit) -> float:
+        r"""Standard error of :meth:`nll` from independent per-sequence standard errors.
+
+        .. math:: \frac{\sqrt{\sum_b s_b^2}}{\sum_b u_b}
+            \quad (\text{divided by } \ln 2 \text{ for bits/dim}).
+
+        Args:
+            log_prob_stderr: Standard errors :math:`s_b \ge 0` of the per-sequence log-density
+                estimates, shape ``(B,)``.
+            split: The split they belong to.
+
+        Returns:
+            The standard error as a Python float.
+
+        Example:
+            >>> ds = load_dataset("japanese_vowels")
+            >>> ds.nll_stderr(torch.zeros(len(ds.test)), ds.test)
+            0.0
+        """
+        se = self._check_per_sequence(log_prob_stderr, split, "log_prob_stderr")
+        if bool((se < 0).any()):
+            raise ValueError("log_prob_stderr must be non-negative")
+        return float(se.to(torch.float64).square().sum().sqrt()) / self._scale(split)
+
+    def to_raw(self, x: Tensor, mask: Tensor) -> Tensor:
+        """Invert the preprocessing: model space to original units (zero at padding).
+
+        Args:
+            x: Model-space sequences, shape ``(B, N', D)`` (any length ``N'``).
+            mask: Padding mask ``(B, N')``, bool.
+
+        Returns:
+            Raw sequences, shape ``(B, N', D)``, in ``x``'s dtype and device.
+
+        Example:
+            >>> ds = load_dataset("japanese_vowels")
+            >>> raw = ds.to_raw(ds.test.x[:1], ds.test.mask[:1])
+            >>> round(raw[0, 0, 0].item(), 4)  # first value of the first test case
+            1.6355
+        """
+        check_sequence(x, "x", features=self.features, allow_2d=False)
+        checked = check_mask(mask, x)
+        assert checked is not None
+        if self.preprocessing is None:
+            return torch.where(checked.unsqueeze(-1), x, 0.0)
+        return self.preprocessing.inverse(x, checked)
+
+    def sample_lengths(self, num: int, generator: torch.Generator | None = None) -> Tensor:
+        """Draw sequence lengths from the empirical length distribution of the training split.
+
+        Args:
+            num: Number of lengths to draw (positive).
+            generator: Optional ``torch.Generator``; the result lives on its device.
+
+        Returns:
+            Lengths of shape ``(num,)``, int64, each in ``[1, max_len]``.
+
+        Example:
+            >>> ds = load_dataset("japanese_vowels")
+            >>> lengths = ds.sample_lengths(100, torch.Generator().manual_seed(0))
+            >>> bool((lengths >= 7).all() and (lengths <= 29).all())
+            True
+        """
+        if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+            raise ValueError(f"num must be a positive int, got {num!r}")
+        device = generator.device if generator is not None else torch.device("cpu")
+        lengths = self.train.mask.sum(dim=1).to(device)
+        index = torch.randint(len(lengths), (num,), generator=generator, device=device)
+        return lengths[index]
+
+
+def _split_sizes(total: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
+    n_val = max(1, round(val_fraction * total))
+    n_test = max(1, round(test_fraction * total)) if test_fraction > 0 else 0
+    n_train = total - n_val - n_test
+    if n_train < 2:
+        raise ValueError(
+            f"{total} sequences are too few to split with val_fraction={val_fraction} and "
+            f"test_fraction={test_fraction} (the training split needs at least 2)"
+        )
+    return n_train, n_val, n_test
+
+
+def _random_split(
+    total: int, val_fraction: float, test_fraction: float, generator: torch.Generator
+) -> tuple[Tensor, Tensor, Tensor]:
+    n_train, n_val, _ = _split_sizes(total, val_fraction, test_fraction)
+    perm = torch.randperm(total, generator=generator)
+    train, val, test = perm[:n_train], perm[n_train : n_train + n_val], perm[n_train + n_val :]
+    return train.sort().values, val.sort().values, test.sort().values
+
+
+def _dataset(
+    name: str,
+    unit: str,
+    parts: tuple[tuple[Tensor, Tensor], ...],
+    preprocessing: Preprocessing,
+) -> SequenceDataset:
+    splits = []
+    for raw, mask in parts:
+        x, log_jacobian = preprocessing.forward(raw, mask)
+        splits.append(SequenceSplit(x.to(torch.float32), mask, log_jacobian))
+    train, val, test = splits
+    return SequenceDataset(
+        name=name,
+        features=train.x.shape[2],
+        max_len=train.x.shape[1],
+        unit=unit,
+        train=train,
+        val=val,
+        test=test,
+        preprocessing=preprocessing,
+    )
+
+
+def _standardised(
+    name: str, raw: Tensor, mask: Tensor, indices: tuple[Tensor, Tensor, Tensor]
+) -> SequenceDataset:
+    parts = tuple((raw[i], mask[i]) for i in indices)
+    return _dataset(name, "nats/frame", parts, Standardization.fit(*parts[0]))
+
+
+def _load_japanese_vowels(seed: int, path: Path | None, val_fraction: float) -> SequenceDataset:
+    train_cases = read_ts(_FILES / "JapaneseVowels_TRAIN.ts.gz").series
+    test_cases = read_ts(_FILES / "JapaneseVowels_TEST.ts.gz").series
+    raw, mask = pad_sequences(train_cases + test_cases)
+    generator = torch.Generator().manual_seed(seed)
+    n_official = len(train_cases)
+    train, val, _ = _random_split(n_official, val_fraction, 0.0, generator)
+    test = torch.arange(n_official, raw.shape[0])
+    return _standardised("japanese_vowels", raw, mask, (train, val, test))
+
+
+@lru_cache(maxsize=1)
+def _digit_images() -> Tensor:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as error:
+        raise ImportError(
+            "the 'digits_rows' dataset needs scikit-learn (pip install scikit-learn)"
+        ) from error
+    return torch.from_numpy(load_digits().images).to(torch.float64)
+
+
+def _load_digits_rows(seed: int, path: Path | None, val_fraction: float) -> SequenceDataset:
+    images = _digit_images()  # (1797, 8, 8): 8 rows of 8 pixels, integers 0..16
+    generator = torch.Generator().manual_seed(seed)
+    raw = uniform_dequantize(images, 1.0, centred=False, generator=generator)
+    mask = torch.ones(raw.shape[:2], dtype=torch.bool)
+    indices = _random_split(raw.shape[0], val_fraction, TEST_FRACTION, generator)
+    parts = tuple((raw[i], mask[i]) for i in indices)
+    return _dataset("digits_rows", "bits/dim", parts, LogitTransform(DIGITS_LEVELS, DIGITS_ALPHA))
+
+
+def _load_co2_windows(seed: int, path: Path | None, val_fraction: float) -> SequenceDataset:
+    _, co2 = read_weekly_csv(_FILES / "co2_weekly_mauna_loa.csv")
+    generator = torch.Generator().manual_seed(seed)
+    filled = interpolate_gaps(co2)
+    noisy = uniform_dequantize(filled, CO2_RESOLUTION, centred=True, generator=generator)
+    diffs = noisy.diff()  # (T - 1,) weekly differences in ppm
+    n_train, n_val, _ = _split_sizes(diffs.shape[0], val_fraction, CO2_TEST_FRACTION)
+    segments = diffs[:n_train], diffs[n_train : n_train + n_val], diffs[n_train + n_val :]
+    parts: list[tuple[Tensor, Tensor]] = []
+    for segment in segments:
+        if segment.shape[0] < CO2_WINDOW:
+            raise ValueError(
+                f"val_fraction={val_fraction} leaves a chronological segment of "
+                f"{segment.shape[0]} weeks, shorter than one window of {CO2_WINDOW}"
+            )
+        windows = segment.unfold(0, CO2_WINDOW, CO2_STRIDE).unsqueeze(-1)  # (B, N, 1)
+        parts.append((windows, torch.ones(windows.shape[:2], dtype=torch.bool)))
+    standardization = Standardization.fit(*parts[0])
+    return _dataset("co2_windows", "nats/frame", tuple(parts), standardization)
+
+
+def _user_dataset(
+    name: str, raw: Tensor, mask: Tensor, seed: int, val_fraction: float
+) -> SequenceDataset:
+    generator = torch.Generator().manual_seed(seed)
+    indices = _random_split(raw.shape[0], val_fraction, TEST_FRACTION, generator)
+    return _standardised(name, raw, mask, indices)
+
+
+def _require_path(kind: str, path: Path | None) -> Path:
+    if path is None:
+        raise ValueError(f"load_dataset({kind!r}) needs path= pointing to a .{kind} file")
+    return path
+
+
+def _load_npz(seed: int, path: Path | None, val_fraction: float) -> SequenceDataset:
+    file = _require_path("npz", path)
+    raw, mask = read_npz(file)
+    try:
+        return _user_dataset(file.name, raw, mask, seed, val_fraction)
+    except ValueError as error:
+        raise ValueError(f"{file}: {error}") from None
+
+
+def _load_ts(seed: int, path: Path | None, val_fraction: float) -> SequenceDataset:
+    file = _require_path("ts", path)
+    raw, mask = pad_sequences(read_ts(file).series)
+    try:
+        return _user_dataset(file.name, raw, mask, seed, val_fraction)
+    except ValueError as error:
+        raise ValueError(f"{file}: {error}") from None
+
+
+_LOADERS: dict[str, Callable[[int, Path | None, float], SequenceDataset]] = {
+    "japanese_vowels": _load_japanese_vowels,
+    "digits_rows": _load_digits_rows,
+    "co2_windows": _load_co2_windows,
+    "npz": _load_npz,
+    "ts": _load_ts,
+}
+
+
+def available_datasets() -> list[str]:
+    """Names accepted by :func:`load_dataset` (besides a path ending in ``.npz``/``.ts``).
+
+    Returns:
+        ``["japanese_vowels", "digits_rows", "co2_windows", "npz", "ts"]``.
+
+    Example:
+        >>> "japanese_vowels" in available_datasets()
+        True
+    """
+    return list(_LOADERS)
+
+
+def load_dataset(
+    name: str,
+    *,
+    seed: int = 0,
+    path: str | os.PathLike | None = None,
+    val_fraction: float = 0.1,
+) -> SequenceDataset:
+    """Load a dataset by name, or user sequences from an ``.npz``/``.ts`` file.
+
+    Every loader is offline and deterministic given ``seed``, which drives the random
+    validation/test split and the dequantisation noise.
+
+    * ``japanese_vowels``: official 270/370 train/test split; ``val_fraction`` of the official
+      training cases are held out for validation; standardised; nats/frame.
+    * ``digits_rows``: 8x8 digits as 8 rows of 8 pixels, dequantised, logit; random split with
+      ``val_fraction`` validation and 10% test; bits/dim.
+    * ``co2_windows``: windows of 52 weekly CO2 differences, chronological split with
+      ``val_fraction`` validation and the last 15% test; standardised; nats/frame.
+    * ``npz`` / ``ts``: user file at ``path`` (or pass the path as ``name``); random split with
+      ``val_fraction`` validation and 10% test; standardised; nats/frame.
+
+    Args:
+        name: One of :func:`available_datasets`, or a path ending in ``.npz``, ``.ts`` or
+            ``.ts.gz``.
+        seed: Seed of the torch generator for splits and dequantisation.
+        path: The user file for ``"npz"`` and ``"ts"``.
+        val_fraction: Fraction in ``(0, 1)`` held out for validation.
+
+    Returns:
+        The dataset.
+
+    Raises:
+        ValueError: unknown name, missing or superfluous ``path``, bad ``val_fraction``, or a
+            malformed user file (naming the file and the problem).
+
+    Example:
+        >>> ds = load_dataset("japanese_vowels", seed=0)
+        >>> len(ds.train) + len(ds.val) + len(ds.test), ds.test.x.shape
+        (640, torch.Size([370, 29, 12]))
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float):
+        raise TypeError(f"val_fraction must be a float, got {type(val_fraction).__name__}")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
+    key = name
+    lowered = name.lower()
+    if lowered.endswith((".npz", ".ts", ".ts.gz")):
+        if path is not None:
+            raise ValueError(f"give the file either as name or as path, not both ({name!r})")
+        key, path = ("npz" if lowered.endswith(".npz") else "ts"), name
+    if key not in _LOADERS:
+        raise ValueError(
+            f"unknown dataset {name!r}; available: {available_datasets()} "
+            "(or a path ending in .npz, .ts or .ts.gz)"
+        )
+    if key not in ("npz", "ts") and path is not None:
+        raise ValueError(f"path is only used by the 'npz' and 'ts' loaders, not {name!r}")
+    file = Path(path).expanduser() if path is not None else None
+    return _LOADERS[key](seed, file, float(val_fraction))

@@ -1,0 +1,191 @@
+r"""Unbiased Russian-roulette log-determinant (MATH.md G4, G5; checks H12-H14).
+
+With a random count :math:`n \sim p(N)`, ``m`` = ``n_exact_terms`` and :math:`K = n + m`,
+
+.. math:: \hat\ell = \sum_{k=1}^{K} \frac{(-1)^{k+1}}{k}\, c_k\, v^\top J_g^k v, \qquad
+          c_k = \begin{cases} 1 & k \le m \\ 1 / \mathbb P(N \ge k - m) & k > m \end{cases}
+
+is an unbiased estimate of :math:`\log\det(I + J_g)`: term :math:`k > m` is present with
+probability :math:`\mathbb P(N \ge k - m)` and re-weighted by its inverse. Counts follow
+
+* ``"geometric"`` (support :math:`\{1, 2, \dots\}`): :math:`\mathbb P(N \ge j) = (1-p)^{j-1}`;
+* ``"poisson"`` (support :math:`\{0, 1, \dots\}`):
+  :math:`\mathbb P(N \ge j) = 1 - e^{-\lambda}\sum_{i<j} \lambda^i / i!`.
+
+One count is drawn per call and shared by the batch and the probes (the residual-flows
+convention); each sample's estimate is unbiased, and repeated calls give independent draws, from
+which a caller obtains per-sample means and standard errors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from iresflow.logdet._hutchinson import (
+    check_probe,
+    hutchinson_logdet,
+    needs_graph,
+    sample_probes,
+)
+from iresflow.logdet.base import LogDetEstimator, check_float, check_generator, check_int
+from iresflow.logdet.neumann import neumann_logdet
+from iresflow.nn.base import LipschitzBranch
+
+__all__ = ["RouletteLogDet"]
+
+DISTRIBUTIONS = ("geometric", "poisson")
+
+
+class RouletteLogDet(LogDetEstimator):
+    r"""Unbiased Russian-roulette estimator of :math:`\log\det(I + J_g)` (MATH.md G4).
+
+    In training mode (``branch.training``) the first ``n_exact_terms`` terms always have weight
+    1; in evaluation mode ``eval_exact_terms`` do (more exact terms, lower variance). Traces are
+    Hutchinson estimates averaged over ``n_probes`` probes per sample that share one
+    vector-Jacobian chain; probes are zero at padded positions.
+
+    Gradients (when grad mode is on and ``x`` or a branch parameter requires grad):
+
+    * ``neumann_gradient=True``: the log-det *value* is the roulette estimate and its *gradient*
+      is that of the Neumann surrogate (G5, :mod:`iresflow.logdet.neumann`), exact for arbitrary
+      per-sample upstream gradients. ``memory_efficient=True`` uses the custom autograd Function
+      that keeps no graph between forward and backward.
+    * ``neumann_gradient=False``: backpropagation through the whole estimator.
+
+    The term count is drawn from ``generator`` (on its device; the default CPU generator when
+    ``None``) before the probes, so a seeded generator reproduces an estimate exactly.
+
+    Args:
+        distribution: ``"geometric"`` or ``"poisson"``.
+        p: Success probability of the geometric distribution, in :math:`(0, 1)`.
+        lam: Rate :math:`\lambda > 0` of the Poisson distribution.
+        n_exact_terms: Terms with weight 1 in training mode, :math:`m \ge 0`.
+        eval_exact_terms: Terms with weight 1 in evaluation mode.
+        n_probes: Probes per sample :math:`P \ge 1`.
+        probe: ``"rademacher"`` or ``"gaussian"``.
+        neumann_gradient: Use the Neumann-surrogate gradient.
+        memory_efficient: With the Neumann gradient, keep no graph between forward and backward.
+        generator: Optional ``torch.Generator`` for counts and probes.
+
+    Example:
+        >>> import torch
+        >>> from iresflow.nn.base import LipschitzBranch
+        >>> class Half(LipschitzBranch):  # g(x) = x / 2 on every token
+        ...     position_wise, norm = True, "2"
+        ...     def forward(self, x, mask=None): return x / 2
+        ...     def lipschitz_constant(self, seq_len=None): return torch.tensor(0.5)
+        >>> gen = torch.Generator().manual_seed(0)
+        >>> estimator = RouletteLogDet("poisson", lam=2.0, generator=gen)
+        >>> g, logdet = estimator(Half(), torch.zeros(3, 2, 2))
+        >>> logdet.shape
+        torch.Size([3])
+    """
+
+    def __init__(
+        self,
+        distribution: str = "geometric",
+        p: float = 0.5,
+        lam: float = 2.0,
+        n_exact_terms: int = 2,
+        eval_exact_terms: int = 20,
+        n_probes: int = 1,
+        probe: str = "rademacher",
+        neumann_gradient: bool = True,
+        memory_efficient: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if distribution not in DISTRIBUTIONS:
+            raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
+        self.distribution = distribution
+        self.p = check_float(p, "p", 0.0, 1.0)
+        self.lam = check_float(lam, "lam", 0.0)
+        self.n_exact_terms = check_int(n_exact_terms, "n_exact_terms", 0)
+        self.eval_exact_terms = check_int(eval_exact_terms, "eval_exact_terms", 0)
+        self.n_probes = check_int(n_probes, "n_probes", 1)
+        self.probe = check_probe(probe)
+        for name, flag in (
+            ("neumann_gradient", neumann_gradient),
+            ("memory_efficient", memory_efficient),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        self.neumann_gradient = neumann_gradient
+        self.memory_efficient = memory_efficient
+        self.generator = check_generator(generator)
+
+    def tail_probability(self, j: int) -> float:
+        r""":math:`\mathbb P(N \ge j)` of the count distribution.
+
+        The Poisson tail is summed upwards, :math:`\sum_{i \ge j} e^{-\lambda}\lambda^i/i!`,
+        which equals :math:`1 - e^{-\lambda}\sum_{i<j}\lambda^i/i!` without its cancellation.
+
+        Args:
+            j: Integer threshold.
+
+        Returns:
+            The probability (1 for ``j`` at or below the smallest support point).
+
+        Example:
+            >>> RouletteLogDet("geometric", p=0.5).tail_probability(3)
+            0.25
+        """
+        if self.distribution == "geometric":
+            return (1.0 - self.p) ** max(j - 1, 0)
+        if j <= 0:
+            return 1.0
+        tail, i = 0.0, j
+        term = math.exp(-self.lam + j * math.log(self.lam) - math.lgamma(j + 1))
+        while term > 0.0 and (i <= self.lam or term > 1e-17 * tail):
+            tail += term
+            i += 1
+            term *= self.lam / i
+        return tail
+
+    def weights(self, n: int, m: int) -> list[float]:
+        r"""Roulette weights :math:`c_0, \dots, c_{n+m}`: 1 up to :math:`m`, then
+        :math:`1/\mathbb P(N \ge k - m)`.
+
+        Args:
+            n: Drawn count.
+            m: Number of exact terms.
+
+        Returns:
+            A list of ``n + m + 1`` floats.
+
+        Example:
+            >>> RouletteLogDet("geometric", p=0.5).weights(3, 2)
+            [1.0, 1.0, 1.0, 1.0, 2.0, 4.0]
+        """
+        return [1.0 if k <= m else 1.0 / self.tail_probability(k - m) for k in range(n + m + 1)]
+
+    def sample_count(self) -> int:
+        """Draw the roulette count :math:`n` from ``generator`` (on its device).
+
+        Returns:
+            A non-negative integer (at least 1 for the geometric distribution).
+        """
+        device = self.generator.device if self.generator is not None else torch.device("cpu")
+        if self.distribution == "geometric":
+            draw = torch.empty((), dtype=torch.float64, device=device)
+            draw.geometric_(self.p, generator=self.generator)
+        else:
+            rate = torch.full((), self.lam, dtype=torch.float64, device=device)
+            draw = torch.poisson(rate, generator=self.generator)
+        return int(draw)
+
+    def _estimate(
+        self, branch: LipschitzBranch, x: Tensor, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        m = self.n_exact_terms if branch.training else self.eval_exact_terms
+        c = self.weights(self.sample_count(), m)
+        coeffs = [(-1) ** (k + 1) / k * c[k] for k in range(1, len(c))]
+        v = sample_probes(self.probe, self.n_probes, x, mask, self.generator)
+        if self.neumann_gradient and needs_graph(branch, x):
+            neumann_coeffs = [(-1) ** k * c_k for k, c_k in enumerate(c)]
+            return neumann_logdet(
+                branch, x, mask, v, coeffs, neumann_coeffs, memory_efficient=self.memory_efficient
+            )
+        return hutchinson_logdet(branch, x, mask, v, coeffs)

@@ -1,0 +1,211 @@
+r"""The invertible residual block :math:`x \mapsto x + g(x)` (MATH.md D, G1, G8; check H9)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from iresflow._validation import check_mask, check_sequence
+from iresflow.inverse.fixed_point import InverseStats, fixed_point_inverse
+from iresflow.logdet.base import LogDetEstimator, make_logdet
+from iresflow.nn.base import LipschitzBranch
+from iresflow.transforms.base import SequenceTransform
+
+__all__ = ["ResidualTransform"]
+
+
+class ResidualTransform(SequenceTransform):
+    r"""Invertible residual block :math:`f(x) = x + g(x)` with a contractive branch :math:`g`.
+
+    Since the branch certifies :math:`\mathrm{lip}(g) \le L < 1` (MATH.md D), :math:`f` is
+    invertible, :math:`\det(I + J_g) > 0`, and (MATH.md G1)
+
+    .. math:: \log|\det J_f(x)| = \log\det(I + J_g(x))
+        = \sum_{k \ge 1} \frac{(-1)^{k+1}}{k} \mathrm{tr}\big(J_g(x)^k\big),
+
+    evaluated by the configured :class:`~iresflow.logdet.base.LogDetEstimator` (exact, truncated
+    series or unbiased Russian roulette; with roulette the training gradient is the Neumann
+    surrogate of MATH.md G5). The inverse solves :math:`x + g(x) = y` per sample with
+    :func:`~iresflow.inverse.fixed_point.fixed_point_inverse` (MATH.md G8) and returns
+    :math:`-\log\det(I + J_g(x))` at the solution.
+
+    Sequences ``(B, N, D)`` and vectors ``(B, D)`` (treated as ``N = 1``) are accepted. With a
+    padding mask, padded positions pass through unchanged (the branch is exactly 0 there) and add
+    nothing to ``logabsdet``. The block is unconditional: ``context`` must be ``None`` (the
+    argument exists for nflows compatibility).
+
+    ``inverse`` is meant for sampling and evaluation: it runs without gradient tracking and its
+    outputs are detached. The diagnostics of the last call are kept in
+    :attr:`last_inverse_stats`.
+
+    Args:
+        branch: The residual branch; its certificate :meth:`~LipschitzBranch.lipschitz_constant`
+            must be below 1.
+        logdet: Log-determinant method (name accepted by :func:`~iresflow.logdet.base.make_logdet`,
+            e.g. ``"exact"``, ``"series"``, ``"roulette"``) or an estimator instance.
+        inverse_tol: Max-abs step tolerance of the inverse; ``None`` uses the dtype default of
+            :func:`~iresflow.inverse.fixed_point.default_tolerance`.
+        inverse_max_iter: Maximum branch evaluations per sample in the inverse.
+        inverse_solver: ``"anderson"`` (accelerated, the default: several times fewer
+            evaluations near :math:`L = 1`, see ``benchmarks/inverse.py``) or ``"plain"``.
+        on_failure: ``"raise"`` or ``"warn"`` when the inverse does not converge.
+
+    Raises:
+        TypeError: ``branch`` is not a :class:`~iresflow.nn.base.LipschitzBranch`.
+        ValueError: the branch certificate is not below 1, or an invalid option.
+
+    Example:
+        >>> from iresflow.nn.mlp import LipschitzMLP
+        >>> block = ResidualTransform(LipschitzMLP((3, 8, 3), coeff=0.9), logdet="exact").double()
+        >>> x = torch.randn(2, 4, 3, dtype=torch.float64)
+        >>> y, logabsdet = block(x)
+        >>> x_rec, inverse_logabsdet = block.inverse(y)
+        >>> torch.allclose(x_rec, x, atol=1e-9), torch.allclose(logabsdet, -inverse_logabsdet)
+        (True, True)
+    """
+
+    last_inverse_stats: InverseStats | None
+
+    def __init__(
+        self,
+        branch: LipschitzBranch,
+        logdet: str | LogDetEstimator = "roulette",
+        *,
+        inverse_tol: float | None = None,
+        inverse_max_iter: int = 1000,
+        inverse_solver: Literal["plain", "anderson"] = "anderson",
+        on_failure: Literal["raise", "warn"] = "raise",
+    ) -> None:
+        super().__init__()
+        if not isinstance(branch, LipschitzBranch):
+            raise TypeError(f"branch must be a LipschitzBranch, got {type(branch).__name__}")
+        with torch.no_grad():
+            certificate = float(branch.lipschitz_constant())
+        if not certificate < 1:
+            raise ValueError(
+                f"branch must be contractive (certified Lipschitz constant < 1) for the block "
+                f"to be invertible, got {certificate:.6g}"
+            )
+        if inverse_tol is not None and (
+            isinstance(inverse_tol, bool)
+            or not isinstance(inverse_tol, (int, float))
+            or not 0 < inverse_tol < float("inf")
+        ):
+            raise ValueError(f"inverse_tol must be a positive float or None, got {inverse_tol!r}")
+        if (
+            isinstance(inverse_max_iter, bool)
+            or not isinstance(inverse_max_iter, int)
+            or inverse_max_iter < 1
+        ):
+            raise ValueError(f"inverse_max_iter must be a positive int, got {inverse_max_iter!r}")
+        if inverse_solver not in ("plain", "anderson"):
+            raise ValueError(
+                f"inverse_solver must be 'plain' or 'anderson', got {inverse_solver!r}"
+            )
+        if on_failure not in ("raise", "warn"):
+            raise ValueError(f"on_failure must be 'raise' or 'warn', got {on_failure!r}")
+        self.branch = branch
+        self.logdet = make_logdet(logdet)
+        self.inverse_tol = inverse_tol
+        self.inverse_max_iter = inverse_max_iter
+        self.inverse_solver = inverse_solver
+        self.on_failure = on_failure
+        self.last_inverse_stats = None
+
+    @property
+    def features(self) -> int | None:
+        """Feature size ``D`` the branch requires, if it declares one."""
+        return getattr(self.branch, "features", None)
+
+    def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
+        """Certified Lipschitz constant of the branch :math:`g` (0-dim tensor, ``< 1``).
+
+        Args:
+            seq_len: Sequence length ``N``, for branches whose bound depends on it.
+        """
+        return self.branch.lipschitz_constant(seq_len)
+
+    def forward(
+        self,
+        inputs: Tensor,
+        context: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        logdet: str | LogDetEstimator | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        r"""Compute :math:`y = x + g(x)` and :math:`\log\det(I + J_g(x))`.
+
+        Args:
+            inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
+            context: Must be ``None``.
+            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
+            logdet: Per-call override of the log-determinant method.
+
+        Returns:
+            ``outputs`` with the shape of ``inputs`` and ``logabsdet`` of shape ``(B,)``.
+        """
+        x, mask, vector = self._prepare(inputs, context, mask)
+        estimator = self.logdet if logdet is None else make_logdet(logdet)
+        g, logabsdet = estimator(self.branch, x, mask)
+        outputs = x + g
+        return (outputs.squeeze(1) if vector else outputs), logabsdet
+
+    def inverse(
+        self,
+        inputs: Tensor,
+        context: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        logdet: str | LogDetEstimator | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        r"""Solve :math:`x + g(x) = y` and return :math:`-\log\det(I + J_g(x))`.
+
+        Runs without gradient tracking; the diagnostics are stored in
+        :attr:`last_inverse_stats`.
+
+        Args:
+            inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
+            context: Must be ``None``.
+            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
+            logdet: Per-call override of the log-determinant method.
+
+        Returns:
+            ``outputs`` with the shape of ``inputs`` and ``logabsdet`` of shape ``(B,)``.
+
+        Raises:
+            InversionError: the fixed-point iteration did not converge (with
+                ``on_failure="raise"``).
+        """
+        y, mask, vector = self._prepare(inputs, context, mask)
+        estimator = self.logdet if logdet is None else make_logdet(logdet)
+        with torch.no_grad():
+            x, stats = fixed_point_inverse(
+                self.branch,
+                y,
+                args=() if mask is None else (mask,),
+                tol=self.inverse_tol,
+                max_iter=self.inverse_max_iter,
+                solver=self.inverse_solver,
+                on_failure=self.on_failure,
+            )
+            self.last_inverse_stats = stats
+            _, logabsdet = estimator(self.branch, x, mask)
+        return (x.squeeze(1) if vector else x), -logabsdet
+
+    def _prepare(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor | None, bool]:
+        if context is not None:
+            raise ValueError("ResidualTransform is unconditional: context must be None")
+        x = check_sequence(inputs, "inputs", features=self.features)
+        mask = check_mask(mask, x)
+        vector = x.dim() == 2
+        return (x.unsqueeze(1) if vector else x), mask, vector
+
+    def extra_repr(self) -> str:
+        return (
+            f"logdet={type(self.logdet).__name__}, inverse_solver={self.inverse_solver!r}, "
+            f"inverse_tol={self.inverse_tol}, inverse_max_iter={self.inverse_max_iter}"
+        )

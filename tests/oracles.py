@@ -1,0 +1,271 @@
+"""Independent oracles and reference branches shared by the test suite.
+
+Oracles use only plain autograd (``torch.autograd.functional.jacobian``, one sample at a time),
+``slogdet`` and finite differences, never iresflow's engines. Reference branches are tiny
+:class:`~iresflow.nn.base.LipschitzBranch` es with exactly known Lipschitz certificates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.parametrizations import spectral_norm
+
+from iresflow.nn.base import LipschitzBranch
+
+SequenceMap = Callable[[Tensor, "Tensor | None"], Tensor]
+
+
+def jacobian(
+    f: SequenceMap, x: Tensor, mask: Tensor | None = None, *, create_graph: bool = False
+) -> Tensor:
+    """Dense Jacobian of a ``(B, N, D) -> (B, N, D)`` map, per sample.
+
+    Args:
+        f: Called as ``f(x_b, mask_b)`` with ``x_b`` of shape ``(1, N, D)`` and ``mask_b`` of
+            shape ``(1, N)`` (or ``None``).
+        x: Inputs ``(B, N, D)``.
+        mask: Optional padding mask ``(B, N)``.
+        create_graph: Make the Jacobian differentiable (for gradient oracles).
+
+    Returns:
+        ``(B, N D, N D)``: entry ``[b, i, j]`` is ``d vec(f(x_b))_i / d vec(x_b)_j`` in row-major
+        ``(N, D)`` order.
+    """
+    batch, length, features = x.shape
+    size = length * features
+    rows = []
+    for b in range(batch):
+        mb = None if mask is None else mask[b : b + 1]
+        jac = torch.autograd.functional.jacobian(
+            lambda t, mb=mb: f(t, mb), x[b : b + 1], create_graph=create_graph
+        )
+        rows.append(jac.reshape(size, size))
+    return torch.stack(rows)
+
+
+def real_indices(mask: Tensor | None, b: int, length: int, features: int) -> Tensor:
+    """Flat ``vec`` indices of the real tokens of sample ``b`` (all indices without a mask)."""
+    tokens = torch.ones(length, dtype=torch.bool) if mask is None else mask[b].cpu()
+    return (tokens[:, None].expand(length, features)).reshape(-1).nonzero().flatten()
+
+
+def jacobian_logdet(
+    f: SequenceMap, x: Tensor, mask: Tensor | None = None, *, create_graph: bool = False
+) -> Tensor:
+    """``log|det|`` of the Jacobian of ``f`` restricted to the real tokens, per sample.
+
+    For a residual branch ``g`` pass ``f = lambda x, m: x + g(x, m)``. Padded rows and columns
+    are removed before ``slogdet``, so the oracle does not rely on the padding contract.
+
+    Args:
+        f: Map as in :func:`jacobian`.
+        x: Inputs ``(B, N, D)``.
+        mask: Optional padding mask ``(B, N)``.
+        create_graph: Make the result differentiable.
+
+    Returns:
+        ``(B,)`` log-absolute-determinants.
+
+    Raises:
+        AssertionError: a determinant is not positive (not a contractive residual map).
+    """
+    batch, length, features = x.shape
+    jac = jacobian(f, x, mask, create_graph=create_graph)
+    out = []
+    for b in range(batch):
+        idx = real_indices(mask, b, length, features).to(x.device)
+        sign, logabsdet = torch.linalg.slogdet(jac[b][idx][:, idx])
+        assert sign > 0, "non-positive Jacobian determinant"
+        out.append(logabsdet)
+    return torch.stack(out)
+
+
+def finite_difference_grad(
+    fn: Callable[[], Tensor], tensors: Sequence[Tensor], eps: float = 1e-6
+) -> list[Tensor]:
+    """Central finite differences of a scalar function with respect to tensors it reads.
+
+    Every entry of every tensor is perturbed in place (under ``torch.no_grad``) and restored.
+
+    Args:
+        fn: Zero-argument function returning a scalar tensor (reads ``tensors``).
+        tensors: Leaf tensors or parameters.
+        eps: Step size.
+
+    Returns:
+        One gradient tensor per input, same shapes.
+    """
+    grads = []
+    for t in tensors:
+        grad = torch.zeros_like(t)
+        flat, gflat = t.data.view(-1), grad.view(-1)
+        for i in range(flat.numel()):
+            orig = flat[i].item()
+            with torch.no_grad():
+                flat[i] = orig + eps
+                plus = fn().item()
+                flat[i] = orig - eps
+                minus = fn().item()
+                flat[i] = orig
+            gflat[i] = (plus - minus) / (2 * eps)
+        grads.append(grad)
+    return grads
+
+
+def _masked(out: Tensor, mask: Tensor | None) -> Tensor:
+    return out if mask is None else out * mask.unsqueeze(-1).to(out.dtype)
+
+
+class TanhMLPBranch(LipschitzBranch):
+    r"""Position-wise :math:`g(x_n) = W_2 \tanh(W_1 (x_n + e_n) + b_1) + b_2`.
+
+    Scaled at construction so that :math:`\|W_1\|_2 \|W_2\|_2 =` ``lipschitz``, an exact
+    2-norm certificate (tanh is 1-Lipschitz). With ``positional=True`` a fixed random table
+    :math:`e` (a buffer of ``max_len`` rows) is added inside the branch, making the map
+    position-dependent while staying position-wise.
+    """
+
+    position_wise = True
+    norm = "2"
+
+    def __init__(
+        self,
+        features: int,
+        hidden: int,
+        lipschitz: float,
+        *,
+        positional: bool = False,
+        max_len: int = 8,
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        w1 = torch.randn(hidden, features, **kw)
+        w2 = torch.randn(features, hidden, **kw)
+        w1 = w1 / torch.linalg.matrix_norm(w1, 2)
+        w2 = w2 * lipschitz / torch.linalg.matrix_norm(w2, 2)
+        self.w1, self.w2 = nn.Parameter(w1), nn.Parameter(w2)
+        self.b1 = nn.Parameter(0.5 * torch.randn(hidden, **kw))
+        self.b2 = nn.Parameter(0.5 * torch.randn(features, **kw))
+        self.positional = positional
+        if positional:
+            self.register_buffer("table", torch.randn(max_len, features, **kw))
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        if self.positional:
+            x = x + self.table[: x.shape[1]]
+        out = torch.tanh(x @ self.w1.T + self.b1) @ self.w2.T + self.b2
+        return _masked(out, mask)
+
+    def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
+        with torch.no_grad():
+            return torch.linalg.matrix_norm(self.w1, 2) * torch.linalg.matrix_norm(self.w2, 2)
+
+
+class MixingBranch(LipschitzBranch):
+    r"""Position-mixing :math:`g(X) = \tanh(A X W^\top + b)` with :math:`A = \mathrm{softmax}(S)`.
+
+    :math:`A` (row-stochastic, learned logits :math:`S`) mixes tokens; with a mask its columns at
+    padded tokens are zero and padded outputs are zeroed. :math:`\|A \otimes W\|_\infty =
+    \|W\|_\infty` (max abs row sum), scaled to ``lipschitz`` at construction: an exact
+    :math:`\infty`-norm certificate.
+    """
+
+    position_wise = False
+    norm = "inf"
+
+    def __init__(
+        self,
+        features: int,
+        lipschitz: float,
+        *,
+        max_len: int = 8,
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        # a dominant negative diagonal keeps the log-determinant far from 0
+        w = 0.5 * torch.randn(features, features, **kw) - torch.eye(features, **kw)
+        self.w = nn.Parameter(w * lipschitz / w.abs().sum(1).max())
+        self.b = nn.Parameter(0.2 * torch.randn(features, **kw))
+        self.logits = nn.Parameter(torch.randn(max_len, max_len, **kw))
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        n = x.shape[1]
+        logits = self.logits[:n, :n]
+        if mask is not None:
+            logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+        out = torch.tanh(torch.softmax(logits, -1) @ x @ self.w.T + self.b)
+        return _masked(out, mask)
+
+    def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
+        with torch.no_grad():
+            return self.w.abs().sum(1).max()
+
+
+class SpectralNormBranch(LipschitzBranch):
+    r"""Position-wise :math:`g(x_n) = c \tanh(\tilde W x_n + b)` with torch's power-iteration
+    spectral normalisation :math:`\tilde W = W / \hat\sigma`.
+
+    Stateful: every training forward advances the power iteration (buffers ``_u``, ``_v``),
+    which starts from random, unconverged vectors, so consecutive training forwards give
+    different maps.
+    """
+
+    position_wise = True
+    norm = "2"
+
+    def __init__(
+        self,
+        features: int,
+        coeff: float,
+        *,
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.coeff = coeff
+        self.linear = spectral_norm(nn.Linear(features, features, dtype=dtype, device=device))
+        sn = self.linear.parametrizations.weight[0]
+        with torch.no_grad():
+            sn._u.copy_(nn.functional.normalize(torch.randn_like(sn._u), dim=0))
+            sn._v.copy_(nn.functional.normalize(torch.randn_like(sn._v), dim=0))
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        return _masked(self.coeff * torch.tanh(self.linear(x)), mask)
+
+    def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
+        """``c * sigma(W) / sigma_hat`` for the current power-iteration state."""
+        sn = self.linear.parametrizations.weight[0]
+        with torch.no_grad():
+            weight = self.linear.parametrizations.weight.original
+            sigma_hat = torch.dot(sn._u, weight @ sn._v)
+            return self.coeff * torch.linalg.matrix_norm(weight, 2) / sigma_hat
+
+
+class ScaleBranch(LipschitzBranch):
+    r"""Linear position-wise :math:`g(x) = c\,x` with a learnable scalar :math:`c`, :math:`|c| < 1`.
+
+    Closed forms: :math:`J = c I`, :math:`\log\det(I + J) = d \log(1 + c)` with :math:`d` the
+    number of real entries, and with Rademacher probes :math:`v^\top J^k v = d\,c^k` exactly.
+    """
+
+    position_wise = True
+    norm = "2"
+
+    def __init__(
+        self, c: float, *, dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__()
+        self.c = nn.Parameter(torch.tensor(c, dtype=dtype, device=device))
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        return _masked(self.c * x, mask)
+
+    def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
+        return self.c.detach().abs()

@@ -1,0 +1,209 @@
+"""The ``iresflow`` command, called in-process through ``main`` (and once as a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from iresflow.cli import main
+from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.train.checkpoint import load_checkpoint
+from iresflow.train.config import TrainConfig
+
+TINY = [
+    "--n-blocks", "1", "--hidden", "8", "--max-train", "12", "--max-eval", "6",
+    "--batch-size", "6", "--device", "cpu", "--quiet",
+]
+
+
+class _Payload:
+    """Pickles as a call of ``os.mkdir(marker)``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.mkdir, (str(self.marker),)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny trained run; its settings come partly from a file, partly from flags."""
+    folder = tmp_path_factory.mktemp("cli")
+    config = folder / "run.toml"
+    config.write_text('epochs = 5\nlr = 0.01\nattention = "lipschitznorm"\n', encoding="utf-8")
+    out = folder / "run"
+    assert main(["train", "--config", str(config), "--epochs", "1", "--out", str(out)] + TINY) == 0
+    return out
+
+
+def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("iresflow: error: "), err
+    return lines[0]
+
+
+def test_module_help_runs_as_a_subprocess() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "iresflow", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert completed.returncode == 0
+    for command in ("train", "evaluate", "sample", "info"):
+        assert command in completed.stdout
+
+
+def test_train_writes_the_run_folder_with_flags_over_file(run: Path) -> None:
+    config = TrainConfig.from_toml(run / "config.toml")
+    assert (config.epochs, config.lr, config.attention, config.hidden) == (1, 0.01, "lipschitznorm", 8)
+    for name in ("checkpoints/last.pt", "checkpoints/best.pt", "metrics.jsonl", "metrics.csv",
+                 "evaluation.json", "plots/learning_curves.png", "plots/samples.png",
+                 "plots/marginals.png"):
+        assert (run / name).is_file(), name
+    evaluation = json.loads((run / "evaluation.json").read_text())
+    assert evaluation["test"]["exact"]["unit"] == "nats/frame"
+    assert evaluation["test"]["exact"]["sequences"] == 6
+
+
+def test_evaluate_exact_reproduces_and_roulette_reports_stderr(
+    run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trained = json.loads((run / "evaluation.json").read_text())["test"]["exact"]["nll"]
+    assert main(["evaluate", str(run), "--device", "cpu"]) == 0
+    assert json.loads((run / "evaluation.json").read_text())["test"]["exact"]["nll"] == trained
+    assert main(["evaluate", str(run), "--method", "roulette", "--n-samples", "3",
+                 "--split", "val"]) == 0
+    out = capsys.readouterr().out
+    assert "val NLL" in out and "standard error" in out
+    result = json.loads((run / "evaluation.json").read_text())["val"]["roulette"]
+    assert result["n_samples"] == 3 and result["stderr"] > 0
+    assert "exact" in json.loads((run / "evaluation.json").read_text())["test"]
+
+
+def test_sample_saves_raw_sequences_and_a_plot(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "s" / "samples.npz"
+    assert main(["sample", str(run), "--num", "3", "--length", "5", "--out", str(out)]) == 0
+    with np.load(out) as data:
+        assert data["x"].shape == (3, 5, 12) and data["mask"].all()
+        assert data["lengths"].tolist() == [5, 5, 5]
+        assert np.isfinite(data["x"]).all()
+    assert out.with_suffix(".png").is_file()
+    assert "converged" in capsys.readouterr().out
+    assert main(["sample", str(run), "--num", "4", "--seed", "1", "--out", str(out)]) == 0
+    with np.load(out) as data:
+        lengths = data["lengths"]
+        assert (data["mask"].sum(axis=1) == lengths).all()
+        assert ((lengths >= 1) & (lengths <= 29)).all()
+        assert (data["x"][~data["mask"]] == 0).all()
+
+
+def test_info_reports_size_and_lipschitz_constants(
+    run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["info", str(run), "--seq-len", "6"]) == 0
+    out = capsys.readouterr().out
+    state = load_checkpoint(run / "checkpoints" / "best.pt")
+    model = ResidualFlowTransformer(**state["model_config"])
+    assert f"parameters: {sum(p.numel() for p in model.parameters()):,}" in out
+    assert "block0.attention" in out and "block0.mlp" in out
+    assert 'attention = "lipschitznorm"' in out
+
+
+def test_resume_continues_exactly(tmp_path: Path) -> None:
+    settings = ["--ema", "0.9", "--clip", "1.0", "--seed", "3"] + TINY
+    assert main(["train", "--epochs", "2", "--out", str(tmp_path / "a")] + settings) == 0
+    assert main(["train", "--epochs", "4", "--out", str(tmp_path / "a"), "--resume"]
+                + settings) == 0
+    assert main(["train", "--epochs", "4", "--out", str(tmp_path / "b")] + settings) == 0
+
+    def curve(name: str) -> list[dict]:
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+        for row in rows:
+            del row["train_seconds"]
+        return rows
+
+    assert len(curve("a")) == 4 and curve("a") == curve("b")
+    resumed = load_checkpoint(tmp_path / "a" / "checkpoints" / "last.pt")
+    uninterrupted = load_checkpoint(tmp_path / "b" / "checkpoints" / "last.pt")
+    for name, value in uninterrupted["model"].items():
+        assert torch.equal(resumed["model"][name], value), name
+    for name, value in uninterrupted["rng"].items():
+        assert torch.equal(resumed["rng"][name], value), name
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--data", "no_such_data", "--out", "{tmp}/r"], "unknown dataset"),
+        (["train", "--heads", "5", "--out", "{tmp}/r"], "heads must divide"),
+        (["train", "--resume"], "--resume needs --out"),
+        (["train", "--config", "{tmp}/missing.toml"], "cannot read config file"),
+        (["evaluate", "{tmp}/missing"], "run folder not found"),
+        (["info", "{tmp}"], "holds no checkpoint"),
+        (["sample", "{tmp}/missing", "--num", "0"], "--num must be >= 1"),
+    ],
+)
+def test_errors_are_one_line_messages(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 1
+    assert message in _error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("colour = 1\n", "unknown option 'colour'"), ("epochs = = 2\n", "invalid TOML")],
+)
+def test_bad_config_files_are_one_line_messages(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    (tmp_path / "bad.toml").write_text(text, encoding="utf-8")
+    assert main(["train", "--config", str(tmp_path / "bad.toml"), "--out", str(tmp_path / "r")]) == 1
+    assert message in _error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--colour", "red"], "unrecognized arguments: --colour"),
+        (["train", "--attention", "dot"], "invalid choice: 'dot'"),
+        (["train", "--epochs", "many"], "invalid int value: 'many'"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_malformed_command_lines_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert main(argv) == 2
+    assert message in _error_line(capsys)
+
+
+def test_run_folder_errors(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--out", str(run)] + TINY) == 1
+    assert "not empty" in _error_line(capsys)
+    assert main(["train", "--out", str(run), "--resume", "--hidden", "16"] + TINY[2:]) == 1
+    assert "cannot resume" in _error_line(capsys)
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    for name in ("best.pt", "last.pt"):
+        (copy / "checkpoints" / name).write_bytes(b"\x00garbage")
+    assert main(["evaluate", str(copy)]) == 1
+    assert "cannot read checkpoint" in _error_line(capsys)
+
+    marker = tmp_path / "marker"
+    torch.save({"model": _Payload(marker)}, copy / "checkpoints" / "best.pt")
+    assert main(["info", str(copy)]) == 1
+    assert "refusing checkpoint" in _error_line(capsys)
+    assert not marker.exists()

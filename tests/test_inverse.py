@@ -1,0 +1,280 @@
+"""The fixed-point inverse engine (MATH.md D, G8; check H9) on maps with known constants."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from iresflow.inverse.anderson import AndersonMixer
+from iresflow.inverse.fixed_point import (
+    InversionError,
+    InversionWarning,
+    default_tolerance,
+    fixed_point_inverse,
+)
+
+SOLVERS = ["plain", "anderson"]
+F64 = torch.float64
+
+
+def symmetric_unit_matrix(dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Symmetric matrix with eigenvalues evenly spread over [-1, 1] (spectral norm exactly 1)."""
+    q, _ = torch.linalg.qr(torch.randn(dim, dim, device=device, dtype=F64))
+    eigenvalues = torch.linspace(-1.0, 1.0, dim, device=device, dtype=F64)
+    return (q @ torch.diag(eigenvalues) @ q.T).to(dtype)
+
+
+def tanh_contraction(lipschitz: float, dim: int, device: torch.device, dtype=F64, bias=True):
+    """g(x) = L tanh(A x + b) token-wise, with lip_2(g) <= L and near-tight near x = 0."""
+    a = symmetric_unit_matrix(dim, device, dtype)
+    b = 0.1 * torch.randn(dim, device=device, dtype=dtype) if bias else torch.zeros_like(a[0])
+
+    def g(x: torch.Tensor) -> torch.Tensor:
+        return lipschitz * torch.tanh(x @ a.T + b)
+
+    return g
+
+
+def per_sample_norm(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1)
+
+
+def test_plain_iteration_obeys_banach_bound(device):
+    lipschitz = 0.9
+    g = tanh_contraction(lipschitz, 6, device)
+    x = torch.randn(8, 6, device=device, dtype=F64)
+    y = x + g(x)
+    x_hat, stats = fixed_point_inverse(g, y, solver="plain")
+    assert bool(stats.converged.all())
+    k = stats.iterations.to(F64)
+    # a priori: ||x_k - x*|| <= L^k / (1 - L) ||x_1 - x_0||, with x_0 = y and x_1 = y - g(y)
+    bound = lipschitz**k / (1 - lipschitz) * per_sample_norm(g(y))
+    error = per_sample_norm(x_hat - x)
+    assert bool((error <= bound + 1e-13).all())
+    assert float((x_hat - x).abs().max()) < 1e-9
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("lipschitz", [0.5, 0.97])
+def test_solution_accuracy_and_a_posteriori_bound(device, solver, lipschitz):
+    g = tanh_contraction(lipschitz, 5, device)
+    x = torch.randn(4, 3, 5, device=device, dtype=F64)
+    y = x + g(x)
+    x_hat, stats = fixed_point_inverse(g, y, solver=solver)
+    assert x_hat.shape == y.shape and x_hat.dtype == y.dtype
+    assert bool(stats.converged.all())
+    assert bool((stats.residual < default_tolerance(y)).all())
+    # ||x - x*|| <= ||T(x) - x|| / (1 - L) for the returned point x (Banach, one step)
+    step = per_sample_norm(y - g(x_hat) - x_hat)
+    assert bool((per_sample_norm(x_hat - x) <= step / (1 - lipschitz) + 1e-13).all())
+    assert float((x_hat - x).abs().max()) < 1e-9
+
+
+def test_anderson_needs_fewer_evaluations_near_one(device):
+    g = tanh_contraction(0.97, 8, device)
+    x = 0.3 * torch.randn(16, 8, device=device, dtype=F64)
+    y = x + g(x)
+    _, plain = fixed_point_inverse(g, y, solver="plain")
+    x_hat, anderson = fixed_point_inverse(g, y, solver="anderson")
+    assert float((x_hat - x).abs().max()) < 1e-9
+    assert 2 * int(anderson.iterations.sum()) < int(plain.iterations.sum())
+    assert 2 * anderson.evaluations < plain.evaluations
+
+
+def test_anderson_solves_linear_problem_in_few_steps(device):
+    # On an affine map in R^n, Anderson mixing with memory >= n is a Krylov method: it reaches
+    # the fixed point after about n + 1 steps (twice that if the safeguard restarts it once),
+    # where the plain iteration needs ~log(tol)/log(L).
+    dim = 3
+    m = 0.9 * symmetric_unit_matrix(dim, device, F64)
+    y = torch.randn(2, dim, device=device, dtype=F64)
+
+    def g(x):
+        return x @ m.T
+
+    x_hat, stats = fixed_point_inverse(g, y, solver="anderson", memory=5)
+    expected = torch.linalg.solve(torch.eye(dim, dtype=F64, device=device) + m, y.T).T
+    assert torch.allclose(x_hat, expected, atol=1e-10, rtol=0)
+    assert int(stats.iterations.max()) <= 2 * (dim + 2)
+    _, plain = fixed_point_inverse(g, y, solver="plain")
+    assert int(plain.iterations.min()) > 100
+
+
+def test_anderson_mixer_with_one_pair_is_the_plain_step(device):
+    mixer = AndersonMixer(2, 3, memory=4, like=torch.zeros(1, dtype=F64, device=device))
+    index = torch.tensor([1, 0], device=device)
+    x = torch.randn(2, 3, device=device, dtype=F64)
+    image = torch.randn(2, 3, device=device, dtype=F64)
+    x_next = mixer.step(index, x, image, (image - x).abs().amax(1))
+    assert torch.equal(x_next, image)
+
+
+def test_anderson_converges_on_nonsmooth_contraction(device):
+    # |.| is not differentiable at 0, which makes extrapolation unreliable; the safeguard keeps
+    # the iteration convergent.
+    a = 0.95 * symmetric_unit_matrix(6, device, F64)
+
+    def g(x):
+        return (x @ a.T).abs() - 0.5
+
+    x = torch.randn(32, 6, device=device, dtype=F64)
+    y = x + g(x)
+    x_hat, stats = fixed_point_inverse(g, y, solver="anderson", memory=3)
+    assert bool(stats.converged.all())
+    assert float((x_hat - x).abs().max()) < 1e-9
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_converged_samples_are_frozen(device, solver):
+    g = tanh_contraction(0.9, 4, device, bias=False)
+    scales = torch.tensor([1e-12, 1e-3, 1.0, 4.0], device=device, dtype=F64)
+    x = scales[:, None] * torch.randn(4, 4, device=device, dtype=F64)
+    y = x + g(x)
+    calls: list[int] = []
+
+    def recorded(z):
+        calls.append(z.shape[0])
+        return g(z)
+
+    x_hat, stats = fixed_point_inverse(recorded, y, solver=solver)
+    iterations = stats.iterations
+    assert len(set(iterations.tolist())) > 1
+    assert stats.evaluations == len(calls) == int(iterations.max())
+    # call k evaluates exactly the samples that have not stopped before it
+    assert calls == [int((iterations >= k).sum()) for k in range(1, len(calls) + 1)]
+    for b in range(4):
+        alone, stats_alone = fixed_point_inverse(g, y[b : b + 1], solver=solver)
+        assert torch.allclose(alone[0], x_hat[b], atol=1e-14, rtol=0)
+        assert int(stats_alone.iterations[0]) == int(iterations[b])
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_extra_args_are_sliced_with_the_active_rows(device, solver):
+    a = symmetric_unit_matrix(3, device, F64)
+    scale = torch.tensor([[0.0], [0.5], [0.95]], device=device, dtype=F64)
+
+    def g(x, s):
+        return s * torch.tanh(x @ a.T)
+
+    x = torch.randn(3, 3, device=device, dtype=F64)
+    y = x + g(x, scale)
+    x_hat, stats = fixed_point_inverse(g, y, args=(scale,), solver=solver)
+    assert int(stats.iterations[0]) == 1
+    assert torch.allclose(x_hat, x, atol=1e-9, rtol=0)
+
+
+def test_failure_raises_with_residual(device):
+    g = tanh_contraction(0.9, 4, device)
+    y = torch.randn(5, 4, device=device, dtype=F64)
+    with pytest.raises(InversionError) as info:
+        fixed_point_inverse(g, y, max_iter=3)
+    assert info.value.residual.shape == (5,)
+    assert bool((info.value.residual > 1e-6).all())
+    assert info.value.iterations.tolist() == [3] * 5
+
+
+def test_failure_can_warn_and_return_the_last_iterate(device):
+    g = tanh_contraction(0.9, 4, device)
+    y = torch.randn(5, 4, device=device, dtype=F64)
+    with pytest.warns(InversionWarning, match="did not converge"):
+        x_hat, stats = fixed_point_inverse(g, y, max_iter=3, on_failure="warn")
+    expected = y
+    for _ in range(3):
+        expected = y - g(expected)
+    assert torch.equal(x_hat, expected)
+    assert not bool(stats.converged.any())
+    assert torch.allclose(stats.residual, (x_hat - (y - g(y - g(y)))).abs().amax(1))
+
+
+def test_non_finite_iterates_stop_at_once(device):
+    y = torch.randn(3, 2, device=device, dtype=F64)
+    with pytest.raises(InversionError) as info:
+        fixed_point_inverse(lambda x: x * float("nan"), y, max_iter=50)
+    assert info.value.iterations.tolist() == [1, 1, 1]
+
+
+def test_start_at_the_solution(device):
+    g = tanh_contraction(0.9, 4, device)
+    x = torch.randn(3, 4, device=device, dtype=F64)
+    x_hat, stats = fixed_point_inverse(g, x + g(x), x0=x.clone())
+    assert stats.iterations.tolist() == [1, 1, 1]
+    assert torch.allclose(x_hat, x, atol=1e-14, rtol=0)
+
+
+def test_default_tolerance_scales_with_the_input(device):
+    y = torch.tensor([[0.1, -0.2], [30.0, 1.0]], device=device, dtype=F64)
+    assert torch.allclose(default_tolerance(y), torch.tensor([1e-11, 3e-10], dtype=F64))
+    assert float(default_tolerance(y.float())[0]) == pytest.approx(1e-6)
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_float32_large_inputs_converge_with_the_default_tolerance(device, solver):
+    a = 0.9 * symmetric_unit_matrix(4, device, torch.float32)
+
+    def g(x):  # linear, so that large inputs do not saturate it
+        return x @ a.T
+
+    x = 1e3 * torch.randn(6, 4, device=device)
+    y = x + g(x)
+    x_hat, stats = fixed_point_inverse(g, y, solver=solver)
+    assert bool(stats.converged.all())
+    relative = (x_hat - x).abs().amax(1) / x.abs().amax(1)
+    assert float(relative.max()) < 1e-5
+
+
+def test_no_gradient_is_tracked(device):
+    w = torch.tensor(0.5, device=device, dtype=F64, requires_grad=True)
+    y = torch.randn(2, 3, device=device, dtype=F64, requires_grad=True)
+    x_hat, _ = fixed_point_inverse(lambda x: w * torch.sin(x), y)
+    assert not x_hat.requires_grad
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"y": torch.ones(2, 3, dtype=torch.int64)}, TypeError),
+        ({"y": torch.tensor([[1.0, float("nan")]])}, ValueError),
+        ({"y": torch.ones(0, 3)}, ValueError),
+        ({"tol": -1.0}, ValueError),
+        ({"tol": float("inf")}, ValueError),
+        ({"max_iter": 0}, ValueError),
+        ({"solver": "newton"}, ValueError),
+        ({"memory": 0}, ValueError),
+        ({"on_failure": "ignore"}, ValueError),
+        ({"x0": torch.ones(2, 4)}, ValueError),
+        ({"x0": torch.ones(2, 3, dtype=torch.float64)}, TypeError),
+        ({"args": (torch.ones(3),)}, ValueError),
+        ({"args": [torch.ones(2)]}, TypeError),
+    ],
+)
+def test_bad_arguments_raise(kwargs, error):
+    call = {"y": torch.ones(2, 3), **kwargs}
+    with pytest.raises(error):
+        fixed_point_inverse(lambda x, *a: 0.5 * torch.sin(x), **call)
+
+
+def test_g_with_wrong_output_shape_raises():
+    with pytest.raises(ValueError, match="shape"):
+        fixed_point_inverse(lambda x: x.sum(1), torch.ones(2, 3))
+
+
+def test_non_callable_g_raises():
+    with pytest.raises(TypeError, match="callable"):
+        fixed_point_inverse(torch.ones(2), torch.ones(2, 3))
+
+
+def test_banach_iteration_count_estimate(device):
+    # the plain solver stops no later than the a priori estimate of the iterations needed
+    lipschitz = 0.8
+    g = tanh_contraction(lipschitz, 3, device)
+    y = torch.randn(4, 3, device=device, dtype=F64)
+    tol = 1e-8
+    _, stats = fixed_point_inverse(g, y, tol=tol, solver="plain")
+    # max-abs step k+1 <= ||step k+1||_2 <= L^k ||g(y)||_2 < tol  once  k > log(tol/|g(y)|)/log L
+    first = per_sample_norm(g(y))
+    bound = torch.tensor(
+        [math.ceil(math.log(tol / float(f)) / math.log(lipschitz)) + 2 for f in first]
+    )
+    assert bool((stats.iterations.cpu() <= bound).all())

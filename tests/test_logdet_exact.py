@@ -1,0 +1,210 @@
+"""ExactLogDet, the shared estimator interface and make_logdet (MATH.md G1, check H10)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from oracles import (
+    MixingBranch,
+    ScaleBranch,
+    SpectralNormBranch,
+    TanhMLPBranch,
+    finite_difference_grad,
+    jacobian_logdet,
+)
+
+from iresflow.logdet.base import LogDetEstimator, make_logdet
+from iresflow.logdet.exact import ExactLogDet, jacobian_blocks
+from iresflow.logdet.roulette import RouletteLogDet
+from iresflow.logdet.series import SeriesLogDet
+
+F64 = torch.float64
+BRANCHES = {
+    "mlp": lambda device: TanhMLPBranch(3, 5, 0.6, device=device),
+    "positional-mlp": lambda device: TanhMLPBranch(3, 5, 0.6, positional=True, device=device),
+    "mixing": lambda device: MixingBranch(3, 0.6, max_len=4, device=device),
+}
+
+
+def _inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(3, 4, 3, dtype=F64, device=device)
+    mask = torch.tensor(
+        [[True, True, True, True], [True, True, False, False], [True, False, True, True]],
+        device=device,
+    )
+    return x, mask
+
+
+def _residual(branch):
+    return lambda t, m: t + branch(t, m)
+
+
+@pytest.mark.parametrize("kind", sorted(BRANCHES))
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_matches_jacobian_oracle(device, kind, masked, chunk_size):
+    branch = BRANCHES[kind](device)
+    x, mask = _inputs(device)
+    mask = mask if masked else None
+    out, logdet = ExactLogDet(chunk_size=chunk_size)(branch, x, mask)
+    expected = jacobian_logdet(_residual(branch), x, mask)
+    assert logdet.shape == (3,) and out.shape == x.shape
+    torch.testing.assert_close(logdet, expected, atol=1e-8, rtol=0)
+    torch.testing.assert_close(out, branch(x, mask), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("kind", sorted(BRANCHES))
+def test_prefix_mask_equals_truncated_sequence(device, kind):
+    branch = BRANCHES[kind](device)
+    x = torch.randn(1, 4, 3, dtype=F64, device=device)
+    for real in (1, 2, 3):
+        mask = (torch.arange(4, device=device) < real)[None]
+        padded = x.clone()
+        padded[:, real:] = 1e3  # padding values must not matter
+        _, masked_logdet = ExactLogDet()(branch, padded, mask)
+        _, short_logdet = ExactLogDet()(branch, x[:, :real])
+        torch.testing.assert_close(masked_logdet, short_logdet, atol=1e-12, rtol=0)
+
+
+def test_position_wise_blocks_are_diagonal_blocks_of_full_jacobian(device):
+    branch = TanhMLPBranch(3, 5, 0.6, positional=True, device=device)
+    x, mask = _inputs(device)
+    _, blocks = jacobian_blocks(branch, x, mask)
+    mixing_view = copy.deepcopy(branch)
+    mixing_view.position_wise = False  # instance override: dense path on the same map
+    _, full = jacobian_blocks(mixing_view, x, mask)
+    full = full[:, 0].reshape(3, 4, 3, 4, 3)
+    for n in range(4):
+        torch.testing.assert_close(blocks[:, n], full[:, n, :, n, :], atol=1e-14, rtol=0)
+        if n > 0:  # off-diagonal blocks vanish for a position-wise branch
+            assert full[:, n, :, 0, :].abs().max() == 0
+
+
+@pytest.mark.parametrize("kind", ["mlp", "mixing"])
+def test_gradcheck_wrt_inputs(device, kind):
+    branch = BRANCHES[kind](device)
+    x, mask = _inputs(device)
+    x = x.requires_grad_()
+    estimator = ExactLogDet(chunk_size=2)
+    assert torch.autograd.gradcheck(lambda t: estimator(branch, t, mask), (x,))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "mixing"])
+def test_parameter_gradients_match_finite_differences(device, kind):
+    branch = BRANCHES[kind](device)
+    x, mask = _inputs(device)
+    weights = torch.tensor([0.5, -1.5, 2.0], dtype=F64, device=device)
+    estimator = ExactLogDet()
+
+    def loss() -> torch.Tensor:
+        return (estimator(branch, x, mask)[1] * weights).sum()
+
+    params = list(branch.parameters())
+    grads = torch.autograd.grad(loss(), params, materialize_grads=True)
+    expected = finite_difference_grad(loss, params)
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-7, rtol=1e-6)
+
+
+def test_non_contractive_branch_raises(device):
+    branch = ScaleBranch(-2.0, device=device)  # det(I - 2 I) = (-1)^3 on 3 features
+    x = torch.randn(2, 2, 3, dtype=F64, device=device)
+    with pytest.raises(ValueError, match="not contractive"):
+        ExactLogDet()(branch, x)
+    singular = ScaleBranch(-1.0, device=device)
+    with pytest.raises(ValueError, match="not contractive"):
+        ExactLogDet()(singular, x)
+
+
+def test_stateful_branch_chunks_see_one_forward(device):
+    torch.manual_seed(3)
+    branch = SpectralNormBranch(3, 0.6, device=device).train()
+    x, mask = _inputs(device)
+    chunked, reference = copy.deepcopy(branch), copy.deepcopy(branch)
+    out_all, logdet_all = ExactLogDet(chunk_size=None)(branch, x, mask)
+    out_one, logdet_one = ExactLogDet(chunk_size=1)(chunked, x, mask)
+    expected_out = reference(x, mask)  # one ordinary training forward
+    for module in (branch, chunked):  # buffers advanced exactly once, as by that forward
+        for b, r in zip(module.buffers(), reference.buffers(), strict=True):
+            assert torch.equal(b, r)
+    torch.testing.assert_close(out_all, expected_out, atol=1e-14, rtol=0)
+    torch.testing.assert_close(out_one, expected_out, atol=1e-14, rtol=0)
+    torch.testing.assert_close(logdet_one, logdet_all, atol=1e-14, rtol=0)
+    frozen = reference.eval()  # evaluation mode reuses the advanced power-iteration state
+    expected = jacobian_logdet(_residual(frozen), x, mask)
+    torch.testing.assert_close(logdet_all, expected, atol=1e-8, rtol=0)
+
+
+def test_no_grad_gives_plain_tensors(device):
+    branch = BRANCHES["mixing"](device)
+    x, mask = _inputs(device)
+    with_grad = ExactLogDet()(branch, x.requires_grad_(), mask)
+    with torch.no_grad():
+        out, logdet = ExactLogDet()(branch, x, mask)
+    assert not out.requires_grad and not logdet.requires_grad
+    torch.testing.assert_close(logdet, with_grad[1].detach())
+
+
+def test_float32_follows_input(device):
+    branch = TanhMLPBranch(3, 5, 0.6, dtype=torch.float32, device=device)
+    x = torch.randn(2, 3, 3, device=device)
+    out, logdet = ExactLogDet()(branch, x)
+    assert out.dtype == logdet.dtype == torch.float32
+    assert out.device == logdet.device == x.device
+    expected = jacobian_logdet(_residual(branch.double()), x.double())
+    torch.testing.assert_close(logdet.double(), expected, atol=1e-5, rtol=0)
+
+
+ESTIMATORS = [
+    ExactLogDet(),
+    SeriesLogDet(n_terms=3),
+    RouletteLogDet(),
+]
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS, ids=lambda e: type(e).__name__)
+def test_input_validation(device, estimator):
+    branch = ScaleBranch(0.5, device=device)
+    x = torch.randn(2, 3, 4, dtype=F64, device=device)
+    with pytest.raises(TypeError, match="branch"):
+        estimator(torch.nn.Identity(), x)
+    with pytest.raises(ValueError, match=r"\(B, N, D\)"):
+        estimator(branch, x[:, 0])
+    with pytest.raises(TypeError, match="floating-point"):
+        estimator(branch, torch.ones(2, 3, 4, dtype=torch.long, device=device))
+    with pytest.raises(TypeError, match="float32 or torch.float64"):
+        estimator(branch, x.half())
+    bad = x.clone()
+    bad[0, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        estimator(branch, bad)
+    with pytest.raises(ValueError, match="mask must have shape"):
+        estimator(branch, x, torch.ones(2, 4, dtype=torch.bool, device=device))
+    with pytest.raises(TypeError, match="torch.bool"):
+        estimator(branch, x, torch.ones(2, 3, device=device))
+
+
+def test_make_logdet():
+    assert isinstance(make_logdet("exact"), ExactLogDet)
+    series = make_logdet("series", n_terms=4, probe="gaussian")
+    assert isinstance(series, SeriesLogDet) and series.n_terms == 4 and series.probe == "gaussian"
+    roulette = make_logdet("roulette", distribution="poisson", lam=3.0)
+    assert isinstance(roulette, RouletteLogDet) and roulette.lam == 3.0
+    instance = RouletteLogDet()
+    assert make_logdet(instance) is instance
+    assert isinstance(instance, LogDetEstimator)
+    with pytest.raises(ValueError, match="method must be one of"):
+        make_logdet("brute")
+    with pytest.raises(ValueError, match="cannot be combined"):
+        make_logdet(instance, n_probes=2)
+    with pytest.raises(TypeError, match="method"):
+        make_logdet(3)
+
+
+def test_bad_chunk_size():
+    with pytest.raises(ValueError, match="chunk_size"):
+        ExactLogDet(chunk_size=0)
+    with pytest.raises(TypeError, match="chunk_size"):
+        ExactLogDet(chunk_size=2.0)

@@ -1,0 +1,345 @@
+"""The sequence residual-flow Transformer and its positional encodings (MATH.md D, G1, G9)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from iresflow.models.transformer import ResidualFlowTransformer, default_heads
+from iresflow.nn.mlp import LipschitzMLP
+from iresflow.nn.positional import (
+    LearnedPositionalEncoding,
+    PositionalBranch,
+    SinusoidalPositionalEncoding,
+)
+from tests.oracles import MixingBranch, jacobian, jacobian_logdet
+
+
+def _mask(lengths: list[int], n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+
+
+def _model(device, dtype, *, features=2, seq_len=3, **kwargs) -> ResidualFlowTransformer:
+    """A tiny model with ActNorm initialised on shifted, scaled data, in eval mode."""
+    options = {"n_blocks": 1, "hidden": 8, "max_len": 6} | kwargs
+    model = ResidualFlowTransformer(features, **options).to(device=device, dtype=dtype)
+    data = torch.randn(8, seq_len, features, device=device, dtype=dtype) * 1.7 + 0.3
+    model.train().log_prob(data, method="exact")
+    return model.eval()
+
+
+def _oracle_log_prob(model, x, mask):
+    """Base log-density of the noise plus the dense-Jacobian log-det of the whole flow."""
+    z = model.transform_to_noise(x, mask)
+    base = -0.5 * z.square().sum(-1) - 0.5 * z.shape[-1] * math.log(2 * math.pi)
+    if mask is not None:
+        base = base * mask
+    logdet = jacobian_logdet(lambda t, m: model.transform_to_noise(t, m), x, mask)
+    return base.sum(-1) + logdet
+
+
+CONFIGS = [
+    {"attention": "l2", "positional": "sinusoidal"},
+    {"attention": "l2", "positional": "learned", "n_blocks": 2},
+    {"attention": "lipschitznorm", "positional": "sinusoidal"},
+    {"attention": "none"},
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c.values())))
+def test_exact_log_prob_matches_dense_jacobian_oracle(device, dtype, config):
+    model = _model(device, dtype, **config)
+    x = torch.randn(3, 3, 2, device=device, dtype=dtype)
+    mask = _mask([3, 2, 1], 3, device)
+    tol = 1e-10 if dtype == torch.float64 else 1e-3
+    for m in (mask, None):
+        expected = _oracle_log_prob(model, x, m)
+        torch.testing.assert_close(model.log_prob(x, m, method="exact"), expected, atol=tol,
+                                   rtol=tol)
+
+
+def test_exact_chunking_does_not_change_the_result(device, dtype):
+    model = _model(device, dtype)
+    x = torch.randn(5, 3, 2, device=device, dtype=dtype)
+    mask = _mask([3, 1, 2, 3, 2], 3, device)
+    whole = model.log_prob(x, mask, method="exact")
+    torch.testing.assert_close(model.log_prob(x, mask, method="exact", chunk_size=2), whole)
+
+
+@pytest.mark.parametrize("config", CONFIGS[:2] + CONFIGS[3:],
+                         ids=lambda c: "-".join(map(str, c.values())))
+def test_inverse_of_forward_is_identity(device, dtype, config):
+    model = _model(device, dtype, **config)
+    x = torch.randn(3, 4, 2, device=device, dtype=dtype) * 2
+    mask = _mask([4, 2, 1], 4, device)
+    z = model.transform_to_noise(x, mask)
+    x_back = model.inverse(z, mask)
+    tol = 1e-8 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(x_back, x, atol=tol, rtol=tol)
+    assert torch.equal(z[~mask], x[~mask]) and torch.equal(x_back[~mask], x[~mask])
+    diagnostics = model.inverse_diagnostics()
+    assert diagnostics["converged"]
+    assert len(diagnostics["blocks"]) == len(model.lipschitz_report())
+    assert diagnostics["max_iterations"] == max(b["max_iterations"] for b in diagnostics["blocks"])
+
+
+def test_inverse_diagnostics_before_any_inverse_raises(device, dtype):
+    with pytest.raises(RuntimeError, match="no inverse"):
+        _model(device, dtype).inverse_diagnostics()
+
+
+def test_padding_never_changes_a_sequence_log_prob(device, dtype):
+    model = _model(device, dtype, n_blocks=2)
+    x = torch.randn(2, 3, 2, device=device, dtype=dtype)
+    reference = model.log_prob(x, method="exact")
+    padded = torch.cat([x, 50 * torch.randn(2, 2, 2, device=device, dtype=dtype)], dim=1)
+    mask = _mask([3, 3], 5, device)
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(model.log_prob(padded, mask, method="exact"), reference,
+                               atol=tol, rtol=tol)
+    # The noise of the real tokens does not depend on the padding either.
+    torch.testing.assert_close(model.transform_to_noise(padded, mask)[:, :3],
+                               model.transform_to_noise(x), atol=tol, rtol=tol)
+
+
+def test_without_attention_frames_are_independent(device, dtype):
+    model = _model(device, dtype, attention="none", n_blocks=2)
+    x = torch.randn(2, 4, 2, device=device, dtype=dtype)
+    per_frame = model.log_prob(x.reshape(8, 1, 2), method="exact").reshape(2, 4).sum(1)
+    torch.testing.assert_close(model.log_prob(x, method="exact"), per_frame)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 1), (1, 2)])
+def test_density_integrates_to_one(device, dtype, shape):
+    if dtype != torch.float64:
+        pytest.skip("quadrature check in float64 only")
+    n, d = shape
+    model = _model(device, dtype, features=d, seq_len=n, max_len=2, n_blocks=2)
+    points = 1201 if n * d == 1 else 241
+    grid = torch.linspace(-9.0, 9.0, points, device=device, dtype=dtype)
+    axes = torch.meshgrid(*([grid] * (n * d)), indexing="ij")
+    x = torch.stack([a.reshape(-1) for a in axes], dim=-1).reshape(-1, n, d)
+    with torch.no_grad():
+        density = model.log_prob(x, method="exact").exp().reshape([points] * (n * d))
+    for _ in range(n * d):
+        density = torch.trapezoid(density, grid, dim=0)
+    assert density.item() == pytest.approx(1.0, abs=2e-3)
+
+
+def test_sample_shapes_masks_and_reproducibility(device, dtype):
+    model = _model(device, dtype)
+    x, mask = model.sample(5, seq_len=4, generator=torch.Generator(device).manual_seed(1))
+    assert x.shape == (5, 4, 2) and mask.shape == (5, 4) and bool(mask.all())
+    again, _ = model.sample(5, seq_len=4, generator=torch.Generator(device).manual_seed(1))
+    assert torch.equal(x, again)
+    lengths = torch.tensor([1, 3, 2, 3], device=device)
+    x, mask = model.sample(4, lengths=lengths, generator=torch.Generator(device).manual_seed(2))
+    assert x.shape == (4, 3, 2)
+    assert torch.equal(mask, _mask([1, 3, 2, 3], 3, device))
+    assert bool((x[~mask] == 0).all()) and bool(torch.isfinite(x).all())
+    # The samples map back to the drawn noise (zero at padding).
+    z = torch.randn(4, 3, 2, generator=torch.Generator(device).manual_seed(2), device=device,
+                    dtype=dtype)
+    z = torch.where(mask.unsqueeze(-1), z, 0.0)
+    tol = 1e-8 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(model.transform_to_noise(x, mask), z, atol=tol, rtol=tol)
+    cold, _ = model.sample(4, lengths=lengths, generator=torch.Generator(device).manual_seed(2),
+                           temperature=1e-3)
+    torch.testing.assert_close(model.transform_to_noise(cold, mask), 1e-3 * z, atol=tol,
+                               rtol=tol)
+
+
+@pytest.mark.parametrize("method", [None, "exact"])
+@pytest.mark.parametrize("config", CONFIGS[1:3], ids=lambda c: "-".join(map(str, c.values())))
+def test_every_parameter_gets_a_gradient(device, dtype, method, config):
+    model = ResidualFlowTransformer(2, hidden=8, max_len=4, **(config | {"n_blocks": 2}))
+    model = model.to(device=device, dtype=dtype)
+    x = torch.randn(4, 3, 2, device=device, dtype=dtype)
+    mask = _mask([3, 2, 3, 1], 3, device)
+    model.log_prob(x, mask, method=method).mean().neg().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and bool(p.grad.abs().sum() > 0), name
+
+
+def test_save_load_round_trip(device, dtype):
+    model = _model(device, dtype, positional="learned")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    config = json.loads(json.dumps(model.config))
+    rebuilt = ResidualFlowTransformer(**config).to(device=device, dtype=dtype)
+    rebuilt.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4, 2, device=device, dtype=dtype)
+    mask = _mask([4, 2, 3], 4, device)
+    assert torch.equal(rebuilt.eval().log_prob(x, mask, method="exact"),
+                       model.log_prob(x, mask, method="exact"))
+    # A training forward of the loaded model does not re-initialise its ActNorms.
+    state = {k: v.clone() for k, v in rebuilt.state_dict().items() if "shift" in k}
+    rebuilt.train().log_prob(5 * x + 3, mask, method="exact")
+    for key, value in state.items():
+        assert torch.equal(rebuilt.state_dict()[key], value), key
+
+
+def test_transform_is_the_flow(device, dtype):
+    model = _model(device, dtype, logdet="exact")
+    x = torch.randn(3, 4, 2, device=device, dtype=dtype)
+    mask = _mask([4, 1, 3], 4, device)
+    z, logdet = model.transform(x, mask=mask)
+    torch.testing.assert_close(z, model.transform_to_noise(x, mask))
+    torch.testing.assert_close(model.log_prob(x, mask), _oracle_log_prob(model, x, mask))
+    base = torch.distributions.Normal(0.0, 1.0).log_prob(z).sum(-1) * mask
+    torch.testing.assert_close(model.log_prob(x, mask), base.sum(-1) + logdet)
+
+
+def test_exact_and_roulette_agree_within_four_standard_errors(device, dtype):
+    model = ResidualFlowTransformer(2, n_blocks=1, hidden=8, max_len=4).to(device=device,
+                                                                            dtype=dtype)
+    data = torch.randn(16, 4, 2, device=device, dtype=dtype) @ torch.tensor(
+        [[1.0, 0.8], [0.0, 0.5]], device=device, dtype=dtype)
+    optimiser = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(5):
+        optimiser.zero_grad()
+        model.log_prob(data).mean().neg().backward()
+        optimiser.step()
+    model.eval()
+    x, mask = data[:4], _mask([4, 3, 2, 4], 4, device)
+    exact = model.log_prob(x, mask, method="exact")
+    estimate, stderr = model.log_prob(x, mask, method="roulette", n_samples=30,
+                                      return_stderr=True)
+    assert bool((stderr > 0).all())
+    assert bool(((estimate - exact).abs() <= 4 * stderr + 1e-9).all())
+    exact_again, zero = model.log_prob(x, mask, method="exact", return_stderr=True)
+    assert torch.equal(exact_again, exact) and not bool(zero.any())
+
+
+def test_lipschitz_report(device, dtype):
+    model = _model(device, dtype, n_blocks=2, coeff=0.8)
+    report = model.lipschitz_report(seq_len=4, generator=torch.Generator(device).manual_seed(0))
+    assert [r["name"] for r in report] == [
+        "block0.attention", "block0.mlp", "block1.attention", "block1.mlp"
+    ]
+    assert [r["norm"] for r in report] == ["inf", "2", "inf", "2"]
+    assert report[1]["type"] == "LipschitzMLP"
+    for r in report:
+        assert 0 < r["estimate"] <= r["certified"] <= 0.8 + 1e-9
+    # The estimate is the local Jacobian norm of the branch at random inputs: check one by hand.
+    branch = model.transform._transforms[1].branch
+    probe = torch.randn(4, 4, 2, generator=torch.Generator(device).manual_seed(0), device=device,
+                        dtype=dtype)
+    jac = jacobian(lambda t, m: branch(t, m), probe)
+    assert report[0]["estimate"] == pytest.approx(jac.abs().sum(-1).amax().item(), rel=1e-9)
+
+
+def test_config_and_defaults(device, dtype):
+    model = ResidualFlowTransformer(12)
+    assert model.config == {
+        "features": 12, "n_blocks": 4, "hidden": 64, "heads": 4, "coeff": 0.9,
+        "attention": "l2", "positional": "sinusoidal", "max_len": 512, "logdet": "roulette",
+        "n_power_iterations": 1,
+    }
+    assert ResidualFlowTransformer(**model.config).config == model.config
+    assert [default_heads(d) for d in (1, 2, 3, 4, 5, 6, 12)] == [1, 2, 3, 4, 1, 3, 4]
+    assert len(model.lipschitz_report(seq_len=2, n_inputs=1)) == 8
+    assert len(ResidualFlowTransformer(3, n_blocks=3, attention="none").lipschitz_report()) == 3
+
+
+def test_bad_inputs_raise(device, dtype):
+    model = _model(device, dtype, positional="learned")
+    x = torch.randn(2, 3, 2, device=device, dtype=dtype)
+    with pytest.raises(ValueError, match="2 features"):
+        model.log_prob(torch.randn(2, 3, 3, device=device, dtype=dtype))
+    with pytest.raises(ValueError, match=r"\(B, N, D\)"):
+        model.log_prob(x[:, 0])
+    with pytest.raises(ValueError, match="max_len"):
+        model.log_prob(torch.randn(1, 7, 2, device=device, dtype=dtype))
+    with pytest.raises(TypeError, match="bool"):
+        model.log_prob(x, torch.ones(2, 3, device=device))
+    with pytest.raises(ValueError, match="NaN"):
+        model.transform_to_noise(torch.full_like(x, float("inf")))
+    with pytest.raises(ValueError, match="method"):
+        model.log_prob(x, method="series")
+    with pytest.raises(ValueError, match="n_samples >= 2"):
+        model.log_prob(x, method="roulette", return_stderr=True)
+    with pytest.raises(ValueError, match="deterministic"):
+        model.log_prob(x, method="exact", n_samples=3)
+    with pytest.raises(ValueError, match="n_samples"):
+        model.log_prob(x, n_samples=0)
+    with pytest.raises(ValueError, match="exactly one"):
+        model.sample(2)
+    with pytest.raises(ValueError, match="exactly one"):
+        model.sample(2, seq_len=2, lengths=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"lengths must lie"):
+        model.sample(2, lengths=torch.tensor([1, 7]))
+    with pytest.raises(TypeError, match="integer"):
+        model.sample(2, lengths=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="temperature"):
+        model.sample(2, seq_len=2, temperature=0.0)
+    with pytest.raises(ValueError, match="max_len"):
+        model.lipschitz_report(seq_len=7)
+    with pytest.raises(ValueError, match="heads"):
+        ResidualFlowTransformer(4, heads=3)
+    with pytest.raises(ValueError, match="attention"):
+        ResidualFlowTransformer(4, attention="dot")
+    with pytest.raises(ValueError, match="positional"):
+        ResidualFlowTransformer(4, positional="rotary")
+    with pytest.raises(ValueError, match="coeff"):
+        ResidualFlowTransformer(4, coeff=1.0)
+    with pytest.raises(ValueError, match="logdet"):
+        ResidualFlowTransformer(4, logdet="hutchinson")
+    with pytest.raises(TypeError, match="features"):
+        ResidualFlowTransformer(4.0)
+
+
+# ------------------------------------------------------------------------------------------
+# positional encodings
+
+
+def test_sinusoidal_table_matches_the_formula(device, dtype):
+    table = SinusoidalPositionalEncoding(5)(torch.zeros(1, 7, 5, device=device, dtype=dtype))
+    expected = [
+        [
+            math.sin(n / 10000 ** (d / 5)) if d % 2 == 0 else math.cos(n / 10000 ** ((d - 1) / 5))
+            for d in range(5)
+        ]
+        for n in range(7)
+    ]
+    torch.testing.assert_close(table, torch.tensor(expected, device=device, dtype=dtype))
+
+
+def test_learned_table_rejects_longer_sequences(device, dtype):
+    encoding = LearnedPositionalEncoding(3, max_len=4).to(device=device, dtype=dtype)
+    assert encoding(torch.zeros(2, 4, 3, device=device, dtype=dtype)).shape == (4, 3)
+    with pytest.raises(ValueError, match="max_len=4"):
+        encoding(torch.zeros(2, 5, 3, device=device, dtype=dtype))
+    with pytest.raises(ValueError, match=r"\(B, N, 3\)"):
+        encoding(torch.zeros(2, 5, 2, device=device, dtype=dtype))
+
+
+@pytest.mark.parametrize("inner", ["mlp", "mixing"])
+def test_positional_branch_is_a_translated_branch(device, dtype, inner):
+    if inner == "mlp":
+        branch = LipschitzMLP((3, 8, 3), coeff=0.9).to(device=device, dtype=dtype).eval()
+    else:
+        branch = MixingBranch(3, 0.7, max_len=5, dtype=dtype, device=device)
+    encoding = LearnedPositionalEncoding(3, max_len=5, init_std=1.0).to(device=device,
+                                                                       dtype=dtype)
+    wrapped = PositionalBranch(branch, encoding)
+    assert wrapped.position_wise == branch.position_wise and wrapped.norm == branch.norm
+    assert torch.equal(wrapped.lipschitz_constant(5), branch.lipschitz_constant(5))
+    x = torch.randn(2, 5, 3, device=device, dtype=dtype)
+    mask = _mask([5, 3], 5, device)
+    shifted = x + encoding.table
+    out = wrapped(x, mask)
+    torch.testing.assert_close(out, branch(shifted, mask))
+    assert bool((out[~mask] == 0).all())
+    torch.testing.assert_close(jacobian(wrapped, x, mask), jacobian(branch, shifted, mask))
+
+
+def test_positional_branch_rejects_non_branches():
+    with pytest.raises(TypeError, match="LipschitzBranch"):
+        PositionalBranch(torch.nn.Identity(), SinusoidalPositionalEncoding(2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="encoding"):
+        PositionalBranch(LipschitzMLP((2, 2)), lambda x: x)  # type: ignore[arg-type]
