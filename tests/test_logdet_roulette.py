@@ -116,9 +116,9 @@ def _z_scores(distribution, probe, lip, calls, device):
     torch.manual_seed(0)
     branch = MixingBranch(2, lip, max_len=3, device=device).train()
     with torch.no_grad():
-        branch.w.copy_(-lip * torch.eye(2, dtype=F64))
+        branch.w.copy_(-lip * torch.eye(2, dtype=F64, device=device))
         branch.b.zero_()
-        branch.logits.add_(2 * torch.eye(3, dtype=F64))
+        branch.logits.add_(2 * torch.eye(3, dtype=F64, device=device))
     assert branch.lipschitz_constant().item() == pytest.approx(lip)
     x, mask = _inputs(device)
     _, exact = ExactLogDet()(branch, x, mask)

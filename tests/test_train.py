@@ -214,7 +214,7 @@ def test_split_log_prob_matches_full_padded_batch() -> None:
 
 
 def test_train_writes_run_folder_and_restores_global_state(tmp_path: Path) -> None:
-    config = TrainConfig(**TINY, epochs=2)
+    config = TrainConfig(**TINY).replace(epochs=2)
     before = torch.are_deterministic_algorithms_enabled()
     result = train(config, tmp_path / "run", progress=False)
     assert torch.are_deterministic_algorithms_enabled() == before

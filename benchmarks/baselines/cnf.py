@@ -7,11 +7,14 @@ The flow maps data to noise by integrating :math:`\dot z = v_\theta(t, z)` from 
 .. math:: \log p_x(x) = \log \mathcal N\big(z(1); 0, I\big) + \ell(1).
 
 The vector field :class:`AttentionVectorField` is a small time-conditioned self-attention network
-over positions. The divergence is exact (trace of the dense :math:`ND\times ND` Jacobian, one
-batched vector-Jacobian product per dimension) when :math:`ND` is small, and Hutchinson's
-estimator :math:`\varepsilon^\top (\partial_z v)\,\varepsilon` with one Rademacher probe per
-sequence, fixed along the trajectory, otherwise. Padded positions have zero velocity, so they
-stay where they are, add nothing to the divergence and never influence real positions.
+over positions. The divergence is either exact (trace of the dense :math:`ND\times ND` Jacobian,
+one batched vector-Jacobian product per dimension) or Hutchinson's unbiased estimator
+:math:`\varepsilon^\top (\partial_z v)\,\varepsilon` with one Rademacher probe per sequence,
+fixed along the trajectory. As in FFJORD, training uses Hutchinson's estimator (the exact trace
+costs :math:`ND` backward passes per function evaluation, twice differentiated); likelihoods in
+evaluation mode use the exact trace when :math:`ND` is small. Padded positions have zero
+velocity, so they stay where they are, add nothing to the divergence and never influence real
+positions.
 Training integrates with :func:`torchdiffeq.odeint_adjoint` (constant memory).
 """
 
@@ -24,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torchdiffeq import odeint, odeint_adjoint
 
-from benchmarks.baselines.common import masked_normal_log_prob, sample_lengths_mask
+from benchmarks.baselines.common import sample_mask
 from iresflow._validation import check_mask, check_sequence
 
 __all__ = ["CNF", "AttentionVectorField", "exact_divergence", "hutchinson_divergence"]
@@ -59,7 +62,9 @@ def exact_divergence(v: Tensor, x: Tensor, create_graph: bool = False) -> Tensor
     return rows.reshape(nd, b, nd).diagonal(dim1=0, dim2=2).sum(-1)
 
 
-def hutchinson_divergence(v: Tensor, x: Tensor, probe: Tensor, create_graph: bool = False) -> Tensor:
+def hutchinson_divergence(
+    v: Tensor, x: Tensor, probe: Tensor, create_graph: bool = False
+) -> Tensor:
     r"""Hutchinson estimate :math:`\varepsilon^\top (\partial v/\partial x)\,\varepsilon`.
 
     Unbiased for the divergence when :math:`\mathbb E\varepsilon=0`,
@@ -176,8 +181,8 @@ class CNF(nn.Module):
         max_len: Longest sequence :math:`N`.
         hidden: Width of the vector field.
         heads: Attention heads of the vector field.
-        divergence: ``"exact"``, ``"hutchinson"`` or ``"auto"`` (exact iff
-            :math:`ND\le` ``exact_max_dim``).
+        divergence: ``"exact"``, ``"hutchinson"`` or ``"auto"`` (Hutchinson in training mode;
+            in evaluation mode exact iff :math:`ND\le` ``exact_max_dim``).
         exact_max_dim: Threshold of ``"auto"``.
         train_tol: ``rtol = atol`` of the dopri5 solver in training mode.
         eval_tol: ``rtol = atol`` in evaluation mode (likelihoods and sampling).
@@ -185,7 +190,7 @@ class CNF(nn.Module):
     Example:
         >>> cnf = CNF(2, max_len=3, hidden=8).eval()
         >>> x, mask = torch.randn(4, 3, 2), torch.tensor([[True, True, False]] * 4)
-        >>> cnf.log_prob(x, mask).shape, cnf.sample(2, seq_len=3).shape
+        >>> cnf.log_prob(x, mask).shape, cnf.sample(2, seq_len=3)[0].shape
         (torch.Size([4]), torch.Size([2, 3, 2]))
     """
 
@@ -202,16 +207,18 @@ class CNF(nn.Module):
     ) -> None:
         super().__init__()
         if divergence not in ("auto", "exact", "hutchinson"):
-            raise ValueError(f"divergence must be 'auto', 'exact' or 'hutchinson', got {divergence!r}")
+            raise ValueError(
+                f"divergence must be 'auto', 'exact' or 'hutchinson', got {divergence!r}"
+            )
         self.features, self.max_len = features, max_len
         self.divergence, self.exact_max_dim = divergence, exact_max_dim
         self.train_tol, self.eval_tol = train_tol, eval_tol
         self.field = AttentionVectorField(features, max_len, hidden, heads)
 
     def uses_exact_divergence(self, seq_len: int) -> bool:
-        """Whether sequences of length ``seq_len`` get the exact divergence."""
+        """Whether sequences of length ``seq_len`` get the exact divergence (in this mode)."""
         if self.divergence == "auto":
-            return seq_len * self.features <= self.exact_max_dim
+            return not self.training and seq_len * self.features <= self.exact_max_dim
         return self.divergence == "exact"
 
     def _tol(self) -> float:
@@ -244,10 +251,14 @@ class CNF(nn.Module):
             z, div = odeint_adjoint(
                 dyn, state, times, rtol=tol, atol=tol, method="dopri5",
                 adjoint_params=tuple(self.field.parameters()),
+                adjoint_options={"norm": "seminorm"},  # step control on the state, not the grads
             )
         else:
             z, div = odeint(dyn, state, times, rtol=tol, atol=tol, method="dopri5")
-        return masked_normal_log_prob(z[-1], mask) + div[-1]
+        base = torch.distributions.Normal(0.0, 1.0).log_prob(z[-1]).sum(-1)  # (B, N)
+        if mask is not None:
+            base = torch.where(mask, base, 0.0)
+        return base.sum(-1) + div[-1]
 
     @torch.no_grad()
     def sample(
@@ -256,10 +267,16 @@ class CNF(nn.Module):
         seq_len: int | None = None,
         lengths: Tensor | None = None,
         generator: torch.Generator | None = None,
-    ) -> Tensor:
-        """Draw ``num`` sequences (num, N, D) by integrating noise from t=1 back to t=0."""
+    ) -> tuple[Tensor, Tensor]:
+        """Draw ``num`` sequences by integrating noise from t=1 back to t=0.
+
+        Exactly one of ``seq_len`` (common length) and ``lengths`` (``(num,)`` integers).
+
+        Returns:
+            ``(x (num, N, D), mask (num, N))``, ``x`` zero at padding.
+        """
         param = self.field.out.weight
-        mask = sample_lengths_mask(num, seq_len, lengths, self.max_len, param.device)
+        mask = sample_mask(num, seq_len, lengths, self.max_len, param.device)
         z = torch.randn(
             *mask.shape, self.features, generator=generator, dtype=param.dtype, device=param.device
         )
@@ -270,4 +287,4 @@ class CNF(nn.Module):
         def velocity(t: Tensor, x: Tensor) -> Tensor:
             return self.field(t, x, mask)
 
-        return odeint(velocity, z, times, rtol=tol, atol=tol, method="dopri5")[-1]
+        return odeint(velocity, z, times, rtol=tol, atol=tol, method="dopri5")[-1], mask

@@ -4,7 +4,8 @@ Two models, both maximum-likelihood fits on the training split with a small ridg
 covariance diagonal:
 
 * :class:`FrameGaussian` treats the real frames of every sequence as i.i.d. draws of one
-  :math:`D`-dimensional Gaussian, :math:`\log p(X) = \sum_{i\,:\,m_i=1}\log\mathcal N(x_i;\mu,\Sigma)`.
+  :math:`D`-dimensional Gaussian,
+  :math:`\log p(X) = \sum_{i\,:\,m_i=1}\log\mathcal N(x_i;\mu,\Sigma)`.
 * :class:`SequenceGaussian` models the flattened sequence :math:`\mathrm{vec}(X)\in\mathbb R^{ND}`
   with one :math:`ND`-dimensional Gaussian (fixed-length data only).
 
@@ -19,7 +20,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from benchmarks.baselines.common import sample_lengths_mask
+from benchmarks.baselines.common import sample_mask
 from iresflow._validation import check_mask, check_sequence
 
 __all__ = ["FrameGaussian", "SequenceGaussian", "fit_gaussian"]
@@ -99,8 +100,9 @@ class FrameGaussian(_GaussianBase):
     Example:
         >>> x = torch.randn(16, 5, 2)
         >>> model = FrameGaussian(2, max_len=5).fit(x)
-        >>> model.log_prob(x).shape, model.sample(3).shape
-        (torch.Size([16]), torch.Size([3, 5, 2]))
+        >>> samples, mask = model.sample(3, lengths=torch.tensor([5, 2, 4]))
+        >>> model.log_prob(x).shape, samples.shape, samples[1, 2:].abs().sum().item()
+        (torch.Size([16]), torch.Size([3, 5, 2]), 0.0)
     """
 
     def __init__(self, features: int, max_len: int, ridge: float = 1e-4) -> None:
@@ -132,11 +134,14 @@ class FrameGaussian(_GaussianBase):
         seq_len: int | None = None,
         lengths: Tensor | None = None,
         generator: torch.Generator | None = None,
-    ) -> Tensor:
-        """Draw ``num`` sequences (num, N, D); padded positions are zero."""
-        mask = sample_lengths_mask(num, seq_len, lengths, self.max_len, self.mean.device)
+    ) -> tuple[Tensor, Tensor]:
+        """Draw ``num`` sequences: ``(x (num, N, D), mask (num, N))``, ``x`` zero at padding.
+
+        Exactly one of ``seq_len`` (common length) and ``lengths`` (``(num,)`` integers).
+        """
+        mask = sample_mask(num, seq_len, lengths, self.max_len, self.mean.device)
         x = self._draw(tuple(mask.shape), generator)
-        return x * mask[..., None].to(x.dtype)
+        return x * mask[..., None].to(x.dtype), mask
 
 
 class SequenceGaussian(_GaussianBase):
@@ -150,7 +155,7 @@ class SequenceGaussian(_GaussianBase):
     Example:
         >>> x = torch.randn(32, 3, 2)
         >>> model = SequenceGaussian(3, 2).fit(x)
-        >>> model.log_prob(x).shape, model.sample(4).shape
+        >>> model.log_prob(x).shape, model.sample(4, seq_len=3)[0].shape
         (torch.Size([32]), torch.Size([4, 3, 2]))
     """
 
@@ -185,9 +190,9 @@ class SequenceGaussian(_GaussianBase):
         seq_len: int | None = None,
         lengths: Tensor | None = None,
         generator: torch.Generator | None = None,
-    ) -> Tensor:
-        """Draw ``num`` sequences (num, N, D)."""
-        mask = sample_lengths_mask(num, seq_len, lengths, self.seq_len)
+    ) -> tuple[Tensor, Tensor]:
+        """Draw ``num`` sequences of length ``seq_len = N``: ``(x (num, N, D), mask (num, N))``."""
+        mask = sample_mask(num, seq_len, lengths, self.seq_len, self.mean.device)
         if mask.shape[1] != self.seq_len or not bool(mask.all()):
             raise ValueError(f"SequenceGaussian only samples length {self.seq_len}")
-        return self._draw((num,), generator).reshape(num, self.seq_len, self.features)
+        return self._draw((num,), generator).reshape(num, self.seq_len, self.features), mask

@@ -18,7 +18,7 @@ from nflows.flows.base import Flow
 from nflows.flows.realnvp import SimpleRealNVP
 from torch import Tensor, nn
 
-from benchmarks.baselines.common import sample_lengths_mask
+from benchmarks.baselines.common import sample_mask
 from iresflow._validation import check_mask, check_sequence
 
 __all__ = ["FlattenedSequenceFlow", "FrameFlow", "frame_maf", "sequence_maf", "sequence_realnvp"]
@@ -52,12 +52,15 @@ class FlattenedSequenceFlow(nn.Module):
         return self.flow.log_prob(x.reshape(x.shape[0], -1))
 
     @torch.no_grad()
-    def sample(self, num: int, seq_len: int | None = None, lengths: Tensor | None = None) -> Tensor:
-        """Draw ``num`` sequences (num, N, D)."""
-        mask = sample_lengths_mask(num, seq_len, lengths, self.seq_len)
+    def sample(
+        self, num: int, seq_len: int | None = None, lengths: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Draw ``num`` sequences of length ``seq_len = N``: ``(x (num, N, D), mask (num, N))``."""
+        device = next(self.flow.parameters()).device
+        mask = sample_mask(num, seq_len, lengths, self.seq_len, device)
         if mask.shape[1] != self.seq_len or not bool(mask.all()):
             raise ValueError(f"this flow only samples sequences of length {self.seq_len}")
-        return self.flow.sample(num).reshape(num, self.seq_len, self.features)
+        return self.flow.sample(num).reshape(num, self.seq_len, self.features), mask
 
 
 class FrameFlow(nn.Module):
@@ -87,12 +90,18 @@ class FrameFlow(nn.Module):
         return per_frame.sum(-1)
 
     @torch.no_grad()
-    def sample(self, num: int, seq_len: int | None = None, lengths: Tensor | None = None) -> Tensor:
-        """Draw ``num`` sequences (num, N, D); padded positions are zero."""
+    def sample(
+        self, num: int, seq_len: int | None = None, lengths: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Draw ``num`` sequences: ``(x (num, N, D), mask (num, N))``, ``x`` zero at padding.
+
+        Exactly one of ``seq_len`` (common length) and ``lengths`` (``(num,)`` integers).
+        """
         device = next(self.flow.parameters()).device
-        mask = sample_lengths_mask(num, seq_len, lengths, self.max_len, device)
-        x = self.flow.sample(mask.numel()).reshape(*mask.shape, self.features)
-        return x * mask[..., None].to(x.dtype)
+        mask = sample_mask(num, seq_len, lengths, self.max_len, device)
+        x = torch.zeros(*mask.shape, self.features, device=device)
+        x[mask] = self.flow.sample(int(mask.sum())).to(x.dtype)
+        return x, mask
 
 
 def sequence_maf(
@@ -139,7 +148,7 @@ def sequence_realnvp(
 
     Example:
         >>> model = sequence_realnvp(3, 2, hidden=8, n_layers=2)
-        >>> model.sample(4).shape
+        >>> model.sample(4, seq_len=3)[0].shape
         torch.Size([4, 3, 2])
     """
     if seq_len * features < 2:

@@ -1,1 +1,15 @@
-"""iresflow.logdet."""
+"""Log-determinants of residual blocks: exact, truncated series and unbiased Russian roulette."""
+
+from iresflow.logdet.base import LogDetEstimator, make_logdet
+from iresflow.logdet.exact import ExactLogDet, jacobian_blocks
+from iresflow.logdet.roulette import RouletteLogDet
+from iresflow.logdet.series import SeriesLogDet
+
+__all__ = [
+    "ExactLogDet",
+    "LogDetEstimator",
+    "RouletteLogDet",
+    "SeriesLogDet",
+    "jacobian_blocks",
+    "make_logdet",
+]

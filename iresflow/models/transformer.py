@@ -26,12 +26,15 @@ from torch import Tensor, nn
 
 from iresflow._validation import check_mask, check_sequence
 from iresflow.logdet.base import LogDetEstimator, check_float, check_generator, check_int
-from iresflow.logdet.exact import ExactLogDet, jacobian_blocks
+from iresflow.logdet.exact import ExactLogDet
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.logdet.series import SeriesLogDet
-from iresflow.nn.attention import ContractiveL2MultiheadAttention
+from iresflow.nn.attention import (
+    ContractiveL2MultiheadAttention,
+    ContractiveLipschitzNormAttention,
+)
 from iresflow.nn.base import LipschitzBranch
-from iresflow.nn.lipschitz_norm import ContractiveLipschitzNormAttention
+from iresflow.nn.diagnostics import jacobian_norm
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.nn.positional import PositionalBranch, make_positional_encoding
 from iresflow.transforms.actnorm import ActNorm
@@ -372,23 +375,29 @@ class ResidualFlowTransformer(nn.Module):
     ) -> list[dict[str, Any]]:
         r"""Certified and observed Lipschitz constants of every residual branch.
 
-        ``"estimate"`` is the largest local Lipschitz constant observed: the operator norm, in
-        the branch's certificate norm (``"inf"``: max abs row sum; ``"2"``: largest singular
-        value), of the exact branch Jacobian :math:`J_g(X)` at ``n_inputs`` random standard
-        normal sequences of length ``seq_len``. It is a lower bound of the true Lipschitz
-        constant, so ``estimate <= certified`` and their ratio shows how much of the
-        certificate the current weights use.
+        * ``"certified"``: the branch certificate :meth:`LipschitzBranch.lipschitz_constant`
+          (``coeff`` for the normalised attention; the product of the exact layer norms for the
+          MLP, at most ``coeff``).
+        * ``"estimate"``: the largest *local* Lipschitz constant observed, i.e. the operator
+          norm, in the certificate's norm (``"inf"``: max abs row sum; ``"2"``: largest
+          singular value), of the exact branch Jacobian :math:`J_g(X)`
+          (:func:`~iresflow.nn.diagnostics.jacobian_norm`) at ``n_inputs`` random standard
+          normal sequences of length ``seq_len``. A lower bound of the true constant, so
+          ``estimate <= certified``; the ratio shows how much of the certificate is used.
+        * ``"raw_bound"``: for attention, the certified bound of the attention map *before*
+          the normalisation by it (:math:`B(\theta, N)` of MATH.md C/F, at ``seq_len``), which
+          measures how expansive the learned weights are; ``None`` for the MLP.
 
         Args:
-            seq_len: Sequence length for the length-dependent attention bound and the probe
-                inputs; ``None`` uses ``min(max_len, 16)``.
+            seq_len: Sequence length of the probe inputs and of ``"raw_bound"``; ``None`` uses
+                ``min(max_len, 16)``.
             n_inputs: Number of random probe sequences.
             generator: Optional ``torch.Generator`` for the probe inputs.
 
         Returns:
             One dict per residual step, in order: ``name`` (e.g. ``"block0.attention"``),
-            ``type`` (branch class), ``norm``, ``seq_len``, ``certified`` and ``estimate``
-            (floats).
+            ``type`` (branch class), ``norm``, ``seq_len``, ``certified``, ``estimate`` and
+            ``raw_bound``.
         """
         seq_len = min(self.max_len, 16) if seq_len is None else check_int(seq_len, "seq_len", 1)
         if seq_len > self.max_len:
@@ -401,12 +410,10 @@ class ResidualFlowTransformer(nn.Module):
         report = []
         for name, step in self._residual_steps():
             branch = step.branch
-            _, blocks = jacobian_blocks(branch, x)
-            if branch.norm == "inf":
-                local = blocks.abs().sum(-1).amax(-1)
-            else:
-                local = torch.linalg.matrix_norm(blocks, 2)
             inner = branch.branch if isinstance(branch, PositionalBranch) else branch
+            raw = getattr(inner, "raw_bound", None)
+            with torch.enable_grad():
+                local = jacobian_norm(lambda t, g=branch: g(t), x, branch.norm)
             report.append({
                 "name": name,
                 "type": type(inner).__name__,
@@ -414,6 +421,7 @@ class ResidualFlowTransformer(nn.Module):
                 "seq_len": seq_len,
                 "certified": float(branch.lipschitz_constant(seq_len)),
                 "estimate": float(local.max()),
+                "raw_bound": None if raw is None else float(raw(seq_len)),
             })
         return report
 

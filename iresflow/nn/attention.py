@@ -1,0 +1,417 @@
+r"""Multi-head self-attention: L2 (Lipschitz), dot-product, and their contractive residual branches.
+
+All modules are batch-first: inputs ``(B, N, D)`` with an optional boolean padding mask ``(B, N)``
+(``True`` = real token). Padded keys get no attention weight (masked before the softmax), outputs at
+padded positions are exactly zero, and padded inputs never influence real outputs.
+
+Weights are plain ``(D, D)`` parameters in the *math orientation* of MATH.md section 0: tokens are
+rows and a weight acts by right multiplication, ``X @ W``; head ``h`` uses the columns
+``h * d_h : (h + 1) * d_h`` of the query/key/value weights and ``d_h = D / H``. There are no biases:
+Kim's Theorem 3.2 bound assumes none (MATH.md A, B).
+
+Execution path: when no autograd graph is recorded (``torch.no_grad``, e.g. fixed-point inversion
+and sampling) and no ``torch.func`` transform is active, attention runs through
+:func:`torch.nn.functional.scaled_dot_product_attention` (fused kernel); otherwise through an
+explicit max-subtracted softmax. The fused CPU kernel has no forward-mode derivative, no
+double-backward and no vmap batching rule, all of which the log-determinant estimators and the
+exact log-det engine need; both paths compute the same function (checked to 1e-10 in float64).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from iresflow._validation import check_mask, check_sequence
+from iresflow.nn.base import LipschitzBranch
+from iresflow.nn.bounds import _is_transformed, l2_attention_bound
+from iresflow.nn.lipschitz_norm import (
+    _check_positive,
+    lipschitz_norm_scale,
+    multihead_bound,
+    transformer_head_bound,
+)
+
+__all__ = [
+    "ContractiveL2MultiheadAttention",
+    "ContractiveLipschitzNormAttention",
+    "DotProductMultiheadAttention",
+    "L2MultiheadAttention",
+]
+
+
+class L2MultiheadAttention(nn.Module):
+    r"""L2 multi-head self-attention with tied query/key weights (Kim Eq. (8), MATH.md B).
+
+    .. math::
+        P^h_{ij} = \mathrm{softmax}_j\Big(-\frac{\|x_i^\top W^{Q,h} - x_j^\top W^{Q,h}\|_2^2}
+            {\sqrt{d_h}}\Big),\qquad
+        F(X) = \big[P^1 X A_1 W^{V,1}, \dots, P^H X A_H W^{V,H}\big] W^O ,
+
+    with :math:`A_h = W^{Q,h} W^{Q,h\top} / \sqrt{d_h}`. Tying :math:`W^K = W^Q` is what makes the
+    map Lipschitz (Kim Lemma F.1), so there is no key weight. Computed without the
+    :math:`N \times N \times d_h` differences (MATH.md B): with :math:`Q^h = X W^{Q,h}` and
+    :math:`s_j = \|q^h_j\|^2`, :math:`P^h = \mathrm{softmax}_{\mathrm{row}}((2 Q^h Q^{h\top} -
+    \mathbf 1 s^\top) / \sqrt{d_h})` and the head output is
+    :math:`P^h Q^h (W^{Q,h\top} W^{V,h}) / \sqrt{d_h}`, cost :math:`O(N^2 D + N D^2)`. Its
+    Lipschitz bounds are :func:`iresflow.nn.bounds.lipschitz_bound`.
+
+    Args:
+        dim: Token dimension ``D``.
+        heads: Number of heads ``H`` (divides ``D``).
+
+    Example:
+        >>> attn = L2MultiheadAttention(dim=4, heads=2)
+        >>> attn(torch.randn(3, 5, 4)).shape
+        torch.Size([3, 5, 4])
+    """
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        _check_dims(dim, heads)
+        self.dim = dim
+        self.heads = heads
+        self.w_query = nn.Parameter(torch.empty(dim, dim))
+        self.w_value = nn.Parameter(torch.empty(dim, dim))
+        self.w_out = nn.Parameter(torch.empty(dim, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw every weight from :math:`U[-1/\\sqrt D, 1/\\sqrt D]` (``nn.Linear``'s default)."""
+        for w in (self.w_query, self.w_value, self.w_out):
+            nn.init.uniform_(w, -self.dim**-0.5, self.dim**-0.5)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Apply L2-MHA.
+
+        Args:
+            x: Sequences, shape ``(B, N, D)``.
+            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
+
+        Returns:
+            :math:`F(X)`, shape ``(B, N, D)``, zero at padded positions.
+        """
+        mask = _check_inputs(x, mask, self.w_query)
+        q = _split_heads(x @ self.w_query, self.heads)  # (B, H, N, d_h)
+        d_head = q.shape[-1]
+        wq = self.w_query.reshape(self.dim, self.heads, d_head).transpose(0, 1)
+        wv = self.w_value.reshape(self.dim, self.heads, d_head).transpose(0, 1)
+        value = q @ (wq.transpose(1, 2) @ wv / math.sqrt(d_head))  # (B, H, N, d_h)
+        sq = (q * q).sum(dim=-1, keepdim=True)
+        # Augmented vectors: [2q_i, -1] . [q_j, |q_j|^2] = 2 q_i.q_j - |q_j|^2, i.e. the logits up
+        # to the row constant -|q_i|^2, which cancels in the row softmax.
+        query = torch.cat([2 * q, -torch.ones_like(sq)], dim=-1)
+        key = torch.cat([q, sq], dim=-1)
+        heads = _attend(query, key, value, mask, scale=d_head**-0.5)
+        return _merge_heads(heads, self.w_out, mask)
+
+
+class DotProductMultiheadAttention(nn.Module):
+    r"""Dot-product multi-head self-attention (MATH.md A), optionally with LipschitzNorm (F6).
+
+    .. math::
+        \mathrm{DP}^h(X) = \mathrm{softmax}\Big(\frac{X W^{Q,h} (X W^{K,h})^\top}{\sqrt{d_h}}\Big)
+            X W^{V,h},\qquad \mathrm{MHA}(X) = [\mathrm{DP}^1(X), \dots, \mathrm{DP}^H(X)] W^O .
+
+    It is **not** Lipschitz (Kim Thm 3.1): a baseline, not a residual branch. With
+    ``lipschitz_norm="transformer"`` the scores of each head become (Das, MATH.md F6)
+    :math:`\alpha Q K^\top / \max\{uv, uw, vw\}` with :math:`u = \|Q\|_F`,
+    :math:`v = \max_j \|k_j\|`, :math:`w = \max_j \|v_j\|` over the real tokens, replacing the
+    :math:`1/\sqrt{d_h}` scaling; scores are then bounded by :math:`\alpha` and the map has the
+    certificate of :func:`iresflow.nn.lipschitz_norm.transformer_head_bound` per head.
+
+    Args:
+        dim: Token dimension ``D``.
+        heads: Number of heads ``H`` (divides ``D``).
+        lipschitz_norm: ``None`` (plain scaled dot product) or ``"transformer"`` (F6).
+        alpha: Score bound :math:`\alpha > 0` of LipschitzNorm (ignored without it).
+
+    Example:
+        >>> attn = DotProductMultiheadAttention(dim=4, heads=2, lipschitz_norm="transformer")
+        >>> attn(torch.randn(3, 5, 4)).shape
+        torch.Size([3, 5, 4])
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        lipschitz_norm: Literal["transformer"] | None = None,
+        alpha: float = 1.0,
+    ) -> None:
+        super().__init__()
+        _check_dims(dim, heads)
+        if lipschitz_norm not in (None, "transformer"):
+            raise ValueError(
+                f"lipschitz_norm must be None or 'transformer', got {lipschitz_norm!r}"
+            )
+        _check_positive(alpha, "alpha")
+        self.dim = dim
+        self.heads = heads
+        self.lipschitz_norm = lipschitz_norm
+        self.alpha = float(alpha)
+        self.w_query = nn.Parameter(torch.empty(dim, dim))
+        self.w_key = nn.Parameter(torch.empty(dim, dim))
+        self.w_value = nn.Parameter(torch.empty(dim, dim))
+        self.w_out = nn.Parameter(torch.empty(dim, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw every weight from :math:`U[-1/\\sqrt D, 1/\\sqrt D]` (``nn.Linear``'s default)."""
+        for w in (self.w_query, self.w_key, self.w_value, self.w_out):
+            nn.init.uniform_(w, -self.dim**-0.5, self.dim**-0.5)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Apply dot-product MHA.
+
+        Args:
+            x: Sequences, shape ``(B, N, D)``.
+            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
+
+        Returns:
+            ``MHA(X)``, shape ``(B, N, D)``, zero at padded positions.
+        """
+        mask = _check_inputs(x, mask, self.w_query)
+        q = _split_heads(x @ self.w_query, self.heads)
+        k = _split_heads(x @ self.w_key, self.heads)
+        v = _split_heads(x @ self.w_value, self.heads)
+        if self.lipschitz_norm is None:
+            scale = q.shape[-1] ** -0.5
+        else:
+            token_mask = None if mask is None else mask[:, None, :]
+            q = q * lipschitz_norm_scale(q, k, v, self.alpha, token_mask)
+            scale = 1.0
+        return _merge_heads(_attend(q, k, v, mask, scale), self.w_out, mask)
+
+
+class ContractiveL2MultiheadAttention(LipschitzBranch):
+    r"""Contractive L2-MHA residual branch (MATH.md D): :math:`c\,F(X) / B(\theta, N)`.
+
+    :math:`F` is :class:`L2MultiheadAttention` and :math:`B` its Kim Theorem 3.2 bound for the
+    current weights (:math:`\infty`-norm by default), recomputed in every forward and
+    differentiated through (no update call; MATH.md D), so the branch is :math:`c`-Lipschitz in
+    that norm for any weights. With a mask and ``length="actual"`` the bound uses each sequence's
+    real length (real outputs only see real tokens, so the bound of the shorter sequence holds);
+    ``length="max"`` uses the padded length, also valid because :math:`\varphi^{-1}` increases.
+
+    Args:
+        dim: Token dimension ``D``.
+        heads: Number of heads ``H`` (divides ``D``).
+        coeff: Contraction coefficient :math:`c \in (0, 1)`.
+        norm: Norm of the certificate: ``"inf"`` (the tighter one, default) or ``"2"``.
+        length: ``"actual"`` (per-sequence lengths from the mask) or ``"max"`` (padded length).
+
+    Example:
+        >>> branch = ContractiveL2MultiheadAttention(dim=4, heads=2, coeff=0.9)
+        >>> branch(torch.randn(3, 5, 4)).shape, branch.lipschitz_constant(5)
+        (torch.Size([3, 5, 4]), tensor(0.9000))
+    """
+
+    position_wise = False
+    norm = "inf"
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        coeff: float = 0.9,
+        norm: Literal["inf", "2"] = "inf",
+        length: Literal["actual", "max"] = "actual",
+    ) -> None:
+        super().__init__()
+        _check_coeff(coeff)
+        if norm not in ("inf", "2"):
+            raise ValueError(f"norm must be 'inf' or '2', got {norm!r}")
+        if length not in ("actual", "max"):
+            raise ValueError(f"length must be 'actual' or 'max', got {length!r}")
+        self.attention = L2MultiheadAttention(dim, heads)
+        self.coeff = float(coeff)
+        self.norm = norm  # type: ignore[misc]  # per-instance choice of the certified norm
+        self.length = length
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Evaluate :math:`c F(X) / B(\\theta, N)`.
+
+        Args:
+            x: Sequences, shape ``(B, N, D)``.
+            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
+
+        Returns:
+            Branch output, shape ``(B, N, D)``, zero at padded positions.
+        """
+        y = self.attention(x, mask)
+        bound = self.raw_bound(_lengths(x, mask, self.length))
+        return self.coeff * y / bound.reshape(-1, 1, 1)
+
+    def raw_bound(self, seq_len: int | Tensor) -> Tensor:
+        """Kim's bound :math:`B(\\theta, N)` of the unnormalised L2-MHA for the current weights.
+
+        Args:
+            seq_len: Sequence length (int) or per-sequence lengths, e.g. shape ``(B,)``.
+
+        Returns:
+            The bound in the branch's norm, 0-dim or of ``seq_len``'s shape.
+        """
+        a = self.attention
+        return l2_attention_bound(a.w_query, a.w_value, a.w_out, a.heads, seq_len, self.norm)
+
+    def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
+        """Certified Lipschitz constant of the branch: ``coeff`` for every length.
+
+        Args:
+            seq_len: Unused; the normalisation makes the certificate length-free.
+
+        Returns:
+            ``coeff`` as a 0-dim tensor on the parameters' device and dtype.
+        """
+        return self.attention.w_query.new_tensor(self.coeff)
+
+
+class ContractiveLipschitzNormAttention(LipschitzBranch):
+    r"""Contractive LipschitzNorm attention branch: :math:`c\,\mathrm{MHA}_{LN}(X) / B(\theta, N)`.
+
+    :math:`\mathrm{MHA}_{LN}` is :class:`DotProductMultiheadAttention` with
+    ``lipschitz_norm="transformer"`` (MATH.md F6) and :math:`B` the 2-norm certificate obtained by
+    combining the per-head F6 bounds with F7:
+    :math:`B = \|W^O\|_2 (\sum_h L_h^2)^{1/2}`,
+    :math:`L_h = \sqrt{32\alpha^2 + (s_{\max}(N) + 2\alpha)^2}\,
+    \|[W^{Q,h}, W^{K,h}, W^{V,h}]\|_2`. Recomputed and differentiated in every forward; with a
+    mask, :math:`N` is each sequence's real length.
+
+    Args:
+        dim: Token dimension ``D``.
+        heads: Number of heads ``H`` (divides ``D``).
+        coeff: Contraction coefficient :math:`c \in (0, 1)`.
+        alpha: Score bound :math:`\alpha > 0` of LipschitzNorm.
+
+    Example:
+        >>> branch = ContractiveLipschitzNormAttention(dim=4, heads=2)
+        >>> branch(torch.randn(3, 5, 4)).shape
+        torch.Size([3, 5, 4])
+    """
+
+    position_wise = False
+    norm = "2"
+
+    def __init__(self, dim: int, heads: int, coeff: float = 0.9, alpha: float = 1.0) -> None:
+        super().__init__()
+        _check_coeff(coeff)
+        self.attention = DotProductMultiheadAttention(dim, heads, "transformer", alpha)
+        self.coeff = float(coeff)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Evaluate :math:`c\\,\\mathrm{MHA}_{LN}(X) / B(\\theta, N)`.
+
+        Args:
+            x: Sequences, shape ``(B, N, D)``.
+            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
+
+        Returns:
+            Branch output, shape ``(B, N, D)``, zero at padded positions.
+        """
+        y = self.attention(x, mask)
+        bound = self.raw_bound(_lengths(x, mask, "actual"))
+        return self.coeff * y / bound.reshape(-1, 1, 1)
+
+    def raw_bound(self, seq_len: int | Tensor) -> Tensor:
+        """F6/F7 certificate :math:`B(\\theta, N)` of the unnormalised attention (2-norm).
+
+        Args:
+            seq_len: Sequence length (int) or per-sequence lengths, e.g. shape ``(B,)``.
+
+        Returns:
+            The bound, 0-dim or of ``seq_len``'s shape.
+        """
+        a = self.attention
+        heads = transformer_head_bound(
+            a.alpha, seq_len, a.w_query, a.w_key, a.w_value, a.heads
+        )  # (..., H)
+        return multihead_bound(heads, a.w_out)
+
+    def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
+        """Certified Lipschitz constant of the branch (2-norm): ``coeff`` for every length.
+
+        Args:
+            seq_len: Unused; the normalisation makes the certificate length-free.
+
+        Returns:
+            ``coeff`` as a 0-dim tensor on the parameters' device and dtype.
+        """
+        return self.attention.w_query.new_tensor(self.coeff)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """``softmax(q k^T * scale) v`` per (batch, head), padded keys excluded.
+
+    Shapes: ``q, k`` ``(B, H, N, E)``, ``v`` ``(B, H, N, d)``, ``mask`` ``(B, N)``; returns
+    ``(B, H, N, d)``. See the module docstring for the choice of path.
+    """
+    key_mask = None if mask is None else mask[:, None, None, :]
+    if torch.is_grad_enabled() or _is_transformed(q):
+        logits = (q @ k.transpose(-1, -2)) * scale
+        if key_mask is not None:
+            logits = logits.masked_fill(~key_mask, -math.inf)
+        # torch.softmax subtracts the row maximum before exponentiating.
+        return torch.softmax(logits, dim=-1) @ v
+    # The fused kernels need equal head sizes for q, k and v: pad v with zeros and drop them.
+    width = v.shape[-1]
+    v = F.pad(v, (0, q.shape[-1] - width))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=scale)
+    return out[..., :width]
+
+
+def _split_heads(x: Tensor, heads: int) -> Tensor:
+    """``(B, N, D) -> (B, H, N, D / H)``."""
+    b, n, d = x.shape
+    return x.reshape(b, n, heads, d // heads).transpose(1, 2)
+
+
+def _merge_heads(x: Tensor, w_out: Tensor, mask: Tensor | None) -> Tensor:
+    """Concatenate heads ``(B, H, N, d_h) -> (B, N, D)``, apply ``W^O``, zero padded positions."""
+    b, h, n, d = x.shape
+    out = x.transpose(1, 2).reshape(b, n, h * d) @ w_out
+    if mask is not None:
+        out = out.masked_fill(~mask[..., None], 0.0)
+    return out
+
+
+def _lengths(x: Tensor, mask: Tensor | None, length: str) -> int | Tensor:
+    """Sequence lengths entering a bound: per-sequence real lengths ``(B,)`` or the padded ``N``."""
+    if mask is None or length == "max":
+        return x.shape[1]
+    return mask.sum(dim=1)
+
+
+def _check_inputs(x: Tensor, mask: Tensor | None, weight: Tensor) -> Tensor | None:
+    """Validate ``x (B, N, D)`` and ``mask (B, N)`` through the validation gate.
+
+    Under ``torch.func`` transforms (the exact log-det engine calls branches inside
+    ``vmap(jacrev(...))``) values cannot be inspected; the batch was validated before the transform.
+    """
+    if _is_transformed(x) or (isinstance(mask, Tensor) and _is_transformed(mask)):
+        return mask
+    check_sequence(x, "x", features=weight.shape[0], allow_2d=False)
+    if x.dtype != weight.dtype or x.device != weight.device:
+        raise TypeError(
+            f"x must have the module's dtype/device ({weight.dtype}, {weight.device}), "
+            f"got ({x.dtype}, {x.device})"
+        )
+    return check_mask(mask, x)
+
+
+def _check_dims(dim: int, heads: int) -> None:
+    for name, value in (("dim", dim), ("heads", heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if dim % heads != 0:
+        raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads}")
+
+
+def _check_coeff(coeff: float) -> None:
+    if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not 0 < coeff < 1:
+        raise ValueError(f"coeff must be a float in (0, 1), got {coeff!r}")
+
