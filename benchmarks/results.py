@@ -27,8 +27,10 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from benchmarks.baselines.cnf import CNF
 from benchmarks.baselines.gaussian import FrameGaussian, SequenceGaussian
@@ -69,13 +71,16 @@ class Budget:
     batch_size: int
     sample_num: int
     roulette_samples: int
-    subset: int | None  # sequences kept per split (None: all)
+    cnf_exact_max_dim: int  # the CNF's test divergence is exact iff N * D <= this
+    subset: tuple[int, int, int] | None  # train/val/test sequences kept (None: all)
 
 
 FULL = Budget(seeds=3, lrs=(1e-3, 3e-3), max_seconds=30.0, max_epochs=500, patience=20,
-              batch_size=64, sample_num=64, roulette_samples=4, subset=None)
+              batch_size=64, sample_num=64, roulette_samples=4, cnf_exact_max_dim=64,
+              subset=None)
 QUICK = Budget(seeds=1, lrs=(3e-3,), max_seconds=1.0, max_epochs=2, patience=2,
-               batch_size=64, sample_num=4, roulette_samples=2, subset=24)
+               batch_size=64, sample_num=4, roulette_samples=2, cnf_exact_max_dim=0,
+               subset=(64, 16, 12))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,20 +204,28 @@ def matched_width(spec: ModelSpec, ds: SequenceDataset, target: int) -> int:
 
 
 @cache
-def dataset(name: str, subset: int | None) -> SequenceDataset:
-    """The dataset (split seed 0), each split cut to its first ``subset`` sequences."""
+def dataset(name: str, subset: tuple[int, int, int] | None) -> SequenceDataset:
+    """The dataset (split seed 0), train/val/test cut to their first ``subset`` sequences."""
     ds = load_dataset(name, seed=0)
     if subset is None:
         return ds
 
-    def head(split: SequenceSplit) -> SequenceSplit:
-        return SequenceSplit(split.x[:subset], split.mask[:subset], split.log_jacobian[:subset])
+    def head(split: SequenceSplit, n: int) -> SequenceSplit:
+        return SequenceSplit(split.x[:n], split.mask[:n], split.log_jacobian[:n])
 
-    return dataclasses.replace(ds, train=head(ds.train), val=head(ds.val), test=head(ds.test))
+    return dataclasses.replace(ds, train=head(ds.train, subset[0]), val=head(ds.val, subset[1]),
+                               test=head(ds.test, subset[2]))
 
 
 def _is_iresflow(spec: ModelSpec) -> bool:
     return spec.key.startswith("iresflow")
+
+
+def _fixed_probe_log_prob(model: CNF) -> Callable[[Tensor, Tensor | None], Tensor]:
+    """The CNF's validation estimate: Hutchinson with the same probes at every epoch."""
+    def log_prob(x: Tensor, mask: Tensor | None) -> Tensor:
+        return model.log_prob(x, mask, exact=False, generator=torch.Generator().manual_seed(0))
+    return log_prob
 
 
 def _time_sampling(model: nn.Module, ds: SequenceDataset, num: int) -> float:
@@ -227,85 +240,135 @@ def _time_sampling(model: nn.Module, ds: SequenceDataset, num: int) -> float:
     return (time.perf_counter() - start) / num
 
 
-def run_task(name: str, key: str, lr: float | None, seed: int, budget: Budget) -> dict[str, Any]:
-    """Fit one model with one configuration and seed; evaluate it on validation and test.
-
-    Returns:
-        A JSON-serialisable record of the run.
-    """
-    spec = SPECS[key]
-    ds = dataset(name, budget.subset)
-    target = target_params(name)
-    width = matched_width(spec, ds, target)
+def _build(spec: ModelSpec, ds: SequenceDataset, budget: Budget, seed: int
+           ) -> tuple[nn.Module, Callable[[Tensor, Tensor | None], Tensor], int]:
+    """The model of a row (seeded), its validation log-density and its width."""
+    width = matched_width(spec, ds, target_params(ds.name))
     torch.manual_seed(seed)
     model = spec.build(ds, width)
-    record: dict[str, Any] = {"dataset": name, "model": key, "lr": lr, "seed": seed,
-                              "width": width or None}
+    if isinstance(model, CNF):
+        model.exact_max_dim = budget.cnf_exact_max_dim
+        return model, _fixed_probe_log_prob(model), width
+    return model, model.log_prob, width
+
+
+def _train(model: nn.Module, val_log_prob: Callable[[Tensor, Tensor | None], Tensor],
+           spec: ModelSpec, ds: SequenceDataset, lr: float | None, seed: int, budget: Budget
+           ) -> dict[str, Any]:
     start = time.perf_counter()
     if spec.trained:
         result = fit_model(
             model, ds.train, ds.val, lr=lr, batch_size=budget.batch_size,
             max_epochs=budget.max_epochs, max_seconds=budget.max_seconds,
-            patience=budget.patience, generator=torch.Generator().manual_seed(seed),
+            patience=budget.patience, val_log_prob=val_log_prob,
+            generator=torch.Generator().manual_seed(seed),
         )
-        record.update(epochs=result.epochs, best_epoch=result.best_epoch,
-                      seconds_per_epoch=result.seconds_per_epoch, stopped=result.stopped)
+        record: dict[str, Any] = {
+            "epochs": result.epochs, "best_epoch": result.best_epoch,
+            "seconds_per_epoch": result.seconds_per_epoch, "stopped": result.stopped}
     else:
         model.fit(ds.train.x, ds.train.mask)
-        record.update(epochs=None, best_epoch=None, seconds_per_epoch=None, stopped="closed form")
+        record = {"epochs": None, "best_epoch": None, "seconds_per_epoch": None,
+                  "stopped": "closed form"}
     record["fit_seconds"] = time.perf_counter() - start
     record["params"] = count_parameters(model)
     model.eval()
+    # model selection uses the validation estimate of early stopping
+    record["val_nll"] = ds.nll(split_log_prob(val_log_prob, ds.val), ds.val)
+    return record
+
+
+def _test(model: nn.Module, spec: ModelSpec, ds: SequenceDataset, budget: Budget
+          ) -> dict[str, Any]:
+    model.eval()
+    record: dict[str, Any] = {}
+    start = time.perf_counter()
     if _is_iresflow(spec):
         exact = lambda x, m: model.log_prob(x, m, method="exact")  # noqa: E731
         roulette = lambda x, m: model.log_prob(  # noqa: E731
             x, m, method="roulette", n_samples=budget.roulette_samples, return_stderr=True)
-        record["val_nll"] = ds.nll(split_log_prob(exact, ds.val), ds.val)
-        start = time.perf_counter()
         record["test_nll"] = ds.nll(split_log_prob(exact, ds.test), ds.test)
         record["test_seconds"] = time.perf_counter() - start
         estimate, stderr = split_log_prob(roulette, ds.test)
         record["test_nll_roulette"] = ds.nll(estimate, ds.test)
         record["test_nll_roulette_stderr"] = ds.nll_stderr(stderr, ds.test)
     else:
-        record["val_nll"] = ds.nll(split_log_prob(model.log_prob, ds.val), ds.val)
-        start = time.perf_counter()
         record["test_nll"] = ds.nll(split_log_prob(model.log_prob, ds.test), ds.test)
         record["test_seconds"] = time.perf_counter() - start
-    if key == "cnf":
-        record["test_divergence"] = (
-            "exact" if model.uses_exact_divergence(ds.max_len) else "hutchinson"
-        )
+    if isinstance(model, CNF):
+        exact_test = model.uses_exact_divergence(ds.max_len)
+        record["test_divergence"] = "exact" if exact_test else "hutchinson"
     record["sample_seconds_per_sequence"] = _time_sampling(model, ds, budget.sample_num)
     return record
 
 
-def _guarded(name: str, key: str, lr: float | None, seed: int, budget: Budget,
-             threads: int) -> dict[str, Any]:
+def run_task(stage: str, name: str, key: str, lr: float | None, seed: int, budget: Budget,
+             state: dict[str, Tensor] | None = None) -> dict[str, Any]:
+    """One stage of one run.
+
+    Args:
+        stage: ``"train"`` (fit and validate; the record carries the fitted ``"state"`` for a
+            later ``"test"``), ``"test"`` (load ``state``; test NLLs and sampling time) or
+            ``"full"`` (both).
+        name: Dataset.
+        key: Model key.
+        lr: Learning rate (``None`` for closed-form fits).
+        seed: Seed of the initialisation and of the minibatch order.
+        budget: Budgets.
+        state: ``state_dict`` of a ``"train"`` stage (``"test"`` only).
+
+    Returns:
+        The record of the stage (JSON-serialisable apart from ``"state"``).
+    """
+    spec = SPECS[key]
+    ds = dataset(name, budget.subset)
+    model, val_log_prob, width = _build(spec, ds, budget, seed)
+    record: dict[str, Any] = {"dataset": name, "model": key, "lr": lr, "seed": seed,
+                              "width": width or None}
+    if stage in ("train", "full"):
+        record.update(_train(model, val_log_prob, spec, ds, lr, seed, budget))
+    else:
+        assert state is not None
+        model.load_state_dict(state)
+    if stage in ("test", "full"):
+        record.update(_test(model, spec, ds, budget))
+    if stage == "train":
+        record["state"] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return record
+
+
+def _guarded(stage: str, name: str, key: str, lr: float | None, seed: int, budget: Budget,
+             threads: int, state: dict[str, Tensor] | None = None) -> dict[str, Any]:
     """:func:`run_task` in a worker: fixed thread count, failures reported, not raised."""
     torch.set_num_threads(threads)
     try:
-        return run_task(name, key, lr, seed, budget)
+        return run_task(stage, name, key, lr, seed, budget, state)
     except Exception as error:  # a failing row is reported in the table, not fatal
         return {"dataset": name, "model": key, "lr": lr, "seed": seed,
-                "error": f"{type(error).__name__}: {error}"}
+                "error": f"{stage}: {type(error).__name__}: {error}"}
 
 
 # ------------------------------------------------------------------------------------------------
-# scheduling: tune on seed 0, then the remaining seeds with the best learning rate
+# scheduling: tune on seed 0, then test the best configuration and train the remaining seeds
 
 
 def run_all(names: tuple[str, ...], keys: tuple[str, ...], budget: Budget, jobs: int,
             threads: int, log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
-    """All runs of the table, ``jobs`` at a time; returns ``{dataset: {model: entry}}``."""
+    """All runs of the table, ``jobs`` at a time; returns ``{dataset: {model: entry}}``.
+
+    A trained model is fitted with every learning rate on seed 0 (``"train"`` stage); the one
+    with the lowest validation NLL is then evaluated on the test split (``"test"``) and trained
+    and evaluated with the other seeds (``"full"``). Closed-form fits run one ``"full"`` stage.
+    """
     entries: dict[str, dict[str, Any]] = {name: {} for name in names}
     pending: dict[Future, tuple[str, str, str]] = {}
     tuning: dict[tuple[str, str], list[dict[str, Any]]] = {}
     context = get_context("spawn")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        def submit(name: str, key: str, lr: float | None, seed: int, stage: str) -> None:
-            future = pool.submit(_guarded, name, key, lr, seed, budget, threads)
-            pending[future] = (name, key, stage)
+        def submit(stage: str, name: str, key: str, lr: float | None, seed: int,
+                   state: dict[str, Tensor] | None = None) -> None:
+            future = pool.submit(_guarded, stage, name, key, lr, seed, budget, threads, state)
+            pending[future] = (stage, name, key)
 
         for name in names:
             ds = dataset(name, budget.subset)
@@ -316,34 +379,43 @@ def run_all(names: tuple[str, ...], keys: tuple[str, ...], budget: Budget, jobs:
                     entries[name][key] = {"status": "n/a", "reason": reason}
                     continue
                 entries[name][key] = {"status": "ok", "tuning": [], "runs": []}
-                lrs = budget.lrs if spec.trained else (None,)
+                if not spec.trained:
+                    submit("full", name, key, None, 0)
+                    continue
                 tuning[(name, key)] = []
-                for lr in lrs:
-                    submit(name, key, lr, 0, "tune")
+                for lr in budget.lrs:
+                    submit("train", name, key, lr, 0)
         while pending:
             done, _ = wait_futures(list(pending), return_when="FIRST_COMPLETED")
             for future in done:
-                name, key, stage = pending.pop(future)
+                stage, name, key = pending.pop(future)
                 record = future.result()
                 entry = entries[name][key]
-                log(_progress(record))
-                if stage == "seed":
+                log(_progress(stage, record))
+                if stage == "full":
                     entry["runs"].append(record)
                     continue
-                tuning[(name, key)].append(record)
-                spec = SPECS[key]
-                n_configs = len(budget.lrs) if spec.trained else 1
-                if len(tuning[(name, key)]) < n_configs:
+                if stage == "test":
+                    best = entry.pop("best_train")
+                    entry["runs"].append({**best, **record} if "error" not in record else
+                                         {**best, "error": record["error"]})
                     continue
+                tuning[(name, key)].append(record)
+                if len(tuning[(name, key)]) < len(budget.lrs):
+                    continue
+                configs = tuning.pop((name, key))
                 entry["tuning"] = [{"lr": r["lr"], "val_nll": r.get("val_nll"),
-                                    "error": r.get("error")} for r in tuning[(name, key)]]
-                best = min(tuning[(name, key)],
-                           key=lambda r: _finite_or_inf(r.get("val_nll")))
+                                    "error": r.get("error")} for r in configs]
+                best = min(configs, key=lambda r: _finite_or_inf(r.get("val_nll")))
                 entry["best_lr"] = best["lr"]
-                entry["runs"].append(best)
-                if spec.trained and "error" not in best:
-                    for seed in range(1, budget.seeds):
-                        submit(name, key, best["lr"], seed, "seed")
+                if "error" in best:
+                    entry["runs"].append(best)
+                    continue
+                state = best.pop("state")
+                entry["best_train"] = best
+                submit("test", name, key, best["lr"], 0, state)
+                for seed in range(1, budget.seeds):
+                    submit("full", name, key, best["lr"], seed)
     for per_model in entries.values():
         for entry in per_model.values():
             if entry["status"] == "ok":
@@ -356,13 +428,18 @@ def _finite_or_inf(value: Any) -> float:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else math.inf
 
 
-def _progress(record: dict[str, Any]) -> str:
-    head = (f"  {record['dataset']:16s} {record['model']:24s} lr={record['lr']} "
+def _progress(stage: str, record: dict[str, Any]) -> str:
+    head = (f"  {stage:5s} {record['dataset']:16s} {record['model']:23s} lr={record['lr']} "
             f"seed={record['seed']}")
     if "error" in record:
         return f"{head}  FAILED {record['error']}"
-    return (f"{head}  test {record['test_nll']:.4f}  val {record['val_nll']:.4f}  "
-            f"params {record['params']}  fit {record['fit_seconds']:.1f}s")
+    parts = [head]
+    if "val_nll" in record:
+        parts.append(f"val {record['val_nll']:.4f} ({record['fit_seconds']:.0f} s, "
+                     f"{record['params']} params)")
+    if "test_nll" in record:
+        parts.append(f"test {record['test_nll']:.4f} ({record['test_seconds']:.0f} s)")
+    return "  ".join(parts)
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -431,6 +508,8 @@ def _fmt(value: Any, digits: int = 3) -> str:
 def _fmt_time(seconds: Any) -> str:
     if not isinstance(seconds, int | float) or not math.isfinite(seconds):
         return "—"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
     return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
@@ -473,7 +552,7 @@ def markdown_tables(report: dict[str, Any]) -> str:
                 nll += " (Hutchinson est.)"
             roulette = "—"
             if "test_nll_roulette" in s:
-                roulette = f"{_fmt(s['test_nll_roulette'])} ± {_fmt(s['test_nll_roulette_stderr'])}"
+                roulette = f"{_fmt(s['test_nll_roulette'])} ± {s['test_nll_roulette_stderr']:.1g}"
             lr = entry.get("best_lr")
             lines.append(
                 f"| {spec.label} | {spec.sampler} | {nll} | {roulette} | "
@@ -521,6 +600,7 @@ def replace_between_markers(text: str, block: str, source: str) -> str:
 def results_markdown(report: dict[str, Any]) -> str:
     """The whole ``results.md`` page."""
     command = report["meta"]["command"]
+    budget = report["meta"]["budget"]
     return (
         "# Results\n\n"
         f"Generated by `{command}` (benchmarks/results.py); do not edit the table by hand.\n\n"
@@ -533,24 +613,29 @@ def results_markdown(report: dict[str, Any]) -> str:
         "validation after every epoch, early stopping, best validation epoch restored; the same "
         "epoch and time budget per run.\n"
         "* Tuning: learning rates "
-        f"{', '.join(f'{lr:g}' for lr in report['meta']['budget']['lrs'])} on the validation "
-        "split with seed 0; the best one is then trained with the remaining seeds. Widths of "
-        "MAF, RealNVP and CNF are chosen so that their parameter counts are closest to the "
-        "default iresflow model (4 blocks, hidden 64) on each dataset.\n"
+        f"{', '.join(f'{lr:g}' for lr in budget['lrs'])} on the validation split with seed 0; "
+        "the best one is then trained with the remaining seeds. Widths of MAF, RealNVP and CNF "
+        "are chosen so that their parameter counts are closest to the default iresflow model "
+        "(4 blocks, hidden 64) on each dataset. Validation (early stopping and the choice of "
+        "learning rate) uses each model's cheap evaluation: the exact density for the Gaussians "
+        "and nflows models, iresflow's default log-determinant estimator (Russian roulette, "
+        "evaluation mode), and a Hutchinson estimate with probes fixed across epochs for the "
+        "CNF.\n"
         "* iresflow: test NLL with the exact log-determinant (dense Jacobians), next to the "
-        f"Russian-roulette estimate ({report['meta']['budget']['roulette_samples']} estimates "
-        "per sequence, standard error over sequences and seeds). Validation (early stopping, "
-        "tuning) uses the model's default estimator in evaluation mode during training and the "
-        "exact value for the final choice.\n"
+        f"Russian-roulette estimate ({budget['roulette_samples']} estimates per sequence; "
+        "standard error over sequences and seeds).\n"
         "* CNF: FFJORD-style, dopri5 with `odeint_adjoint`, tolerance 1e-3 in training and 1e-5 "
-        "in evaluation; Hutchinson divergence in training; exact divergence (Jacobian trace) at "
-        "evaluation when N·D ≤ 64, else a one-probe Hutchinson estimate (unbiased).\n"
+        "in evaluation; Hutchinson divergence in training; at test time the exact divergence "
+        f"(Jacobian trace) when N·D ≤ {budget['cnf_exact_max_dim']}, else a one-probe "
+        "Hutchinson estimate (unbiased, marked in the table).\n"
         "* Gaussians: closed-form maximum likelihood on the training split with a ridge of 1e-4 "
         "on the covariance diagonal; the sequence Gaussian needs fixed-length data.\n"
         "* Times: optimisation wall time per epoch (validation excluded) and sampling wall "
-        f"time per sequence (batches of {report['meta']['budget']['sample_num']}), on "
+        f"time per sequence (batches of {budget['sample_num']}), on "
         f"{report['meta']['machine']}, with other processes possibly sharing the CPU: "
-        "compare within a table, not across machines.\n"
+        "compare within a table, not across machines. This run: "
+        f"{report['meta']['wall_seconds'] / 60:.0f} min wall time with "
+        f"{report['meta']['jobs']} parallel run(s) of {report['meta']['threads']} thread(s).\n"
     )
 
 
@@ -594,7 +679,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"results: {len(names)} dataset(s), {len(keys)} model(s), budget {budget}")
     entries = run_all(names, keys, budget, args.jobs, args.threads, print)
     command = "python -m benchmarks.results" + "".join(
-        f" {a}" for a in (argv if argv is not None else __import__("sys").argv[1:]))
+        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     report: dict[str, Any] = {
         "meta": {
             "quick": args.quick,
@@ -603,7 +688,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "threads": args.threads,
             "jobs": args.jobs,
             "torch": torch.__version__,
-            "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} torch thread(s)",
+            "machine": f"{platform.machine()} CPU with {os.cpu_count()} cores",
             "wall_seconds": time.perf_counter() - start,
         },
         "dataset_info": {

@@ -15,11 +15,15 @@ Efficiency: :math:`F` is permutation equivariant, so :math:`\sup_x \|J_F(x)\|_\i
     J_{0k} = P_{0k}\big(1 + 2 (x_0 - x_k)(x_k - F_0)\big) + 2\,\delta_{0k}\,
         \mathrm{Var}_{P_0}(x),
 
-with :math:`F_0 = \sum_j P_{0j} x_j` and :math:`\mathrm{Var}_{P_0}(x) = \sum_j P_{0j} x_j^2 - F_0^2`:
-:math:`O(N)` per evaluation, so all ``K`` starts run as one batch even at :math:`N = 1000`. The
-reported lower bound is recomputed at the best :math:`x` by reverse-mode autograd through the
-library's :class:`~iresflow.nn.attention.L2MultiheadAttention` (one vector-Jacobian product for
-row 0); the JSON records the difference to the closed form. Everything runs in float64.
+with :math:`F_0 = \sum_j P_{0j} x_j` and
+:math:`\mathrm{Var}_{P_0}(x) = \sum_j P_{0j} x_j^2 - F_0^2`: :math:`O(N)` per evaluation, so all
+``K`` starts run as one batch even at :math:`N = 1000`. The reported lower bound is recomputed at
+the best :math:`x` by reverse-mode autograd through the library's
+:class:`~iresflow.nn.attention.L2MultiheadAttention` (one vector-Jacobian product for row 0); the
+JSON records the difference to the closed form. For small :math:`N` the JSON also holds the dense
+:math:`\|J_F\|_\infty` at that point (:func:`iresflow.nn.diagnostics.jacobian_norm`) and the
+result of the library's own search, :func:`iresflow.nn.diagnostics.empirical_lipschitz`, from the
+first starts with MATH.md E1's budget. Everything runs in float64.
 
 Run: ``python examples/bound_tightness.py`` (about a minute; writes
 ``docs/figures/bound_tightness.{json,png}``) or ``--quick`` (seconds).
@@ -40,11 +44,16 @@ from torch import Tensor
 
 from iresflow.nn.attention import L2MultiheadAttention
 from iresflow.nn.bounds import lipschitz_bound, phi_inv
+from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
 
 NAME = "bound_tightness"
 DTYPE = torch.float64
-FULL = {"lengths": [10, 30, 100, 300, 1000], "inits": 50, "steps": 3000}
-QUICK = {"lengths": [10, 30, 100], "inits": 4, "steps": 150}
+# check_*: the library's dense-Jacobian search (empirical_lipschitz) from the first starts, run
+# for N <= check_max_n with MATH.md E1's budget (8 starts x 400 steps) in the full run.
+FULL = {"lengths": [10, 30, 100, 300, 1000], "inits": 50, "steps": 3000,
+        "check_max_n": 30, "check_inits": 8, "check_steps": 400}
+QUICK = {"lengths": [10, 30, 100], "inits": 4, "steps": 150,
+         "check_max_n": 10, "check_inits": 2, "check_steps": 30}
 TOP = 5
 
 
@@ -91,24 +100,38 @@ def autograd_row_norm(attn: L2MultiheadAttention, x: Tensor) -> Tensor:
     return row.abs().sum()
 
 
-def maximise(length: int, inits: int, steps: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Adam ascent of :func:`row_jacobian_norm` from ``inits`` random starts.
+def random_starts(inits: int, length: int, generator: torch.Generator) -> Tensor:
+    r"""Kim App. H starts: :math:`x_j \sim U[-c, c]` with :math:`c \sim U[0, 10]` per start.
 
     Returns:
-        Best value per start ``(K,)`` and the best input per start ``(K, N)``.
+        Shape ``(K, N)``, float64.
     """
     scale = 10 * torch.rand(inits, 1, generator=generator, dtype=DTYPE)
-    x = ((2 * torch.rand(inits, length, generator=generator, dtype=DTYPE) - 1) * scale)
-    x.requires_grad_(True)
+    return (2 * torch.rand(inits, length, generator=generator, dtype=DTYPE) - 1) * scale
+
+
+def maximise(starts: Tensor, steps: int) -> tuple[Tensor, Tensor]:
+    """Adam ascent (learning rate 0.1) of :func:`row_jacobian_norm` from every start.
+
+    Args:
+        starts: Initial sequences, shape ``(K, N)``.
+        steps: Number of Adam steps.
+
+    Returns:
+        Best value seen per start ``(K,)`` and the input where it was seen ``(K, N)``.
+    """
+    x = starts.clone().requires_grad_(True)
     optimiser = torch.optim.Adam([x], lr=0.1)
-    best = torch.full((inits,), -math.inf, dtype=DTYPE)
-    best_x = x.detach().clone()
-    for _ in range(steps):
+    best = torch.full(starts.shape[:1], -math.inf, dtype=DTYPE)
+    best_x = starts.clone()
+    for step in range(steps + 1):
         value = row_jacobian_norm(x)
         with torch.no_grad():
             better = value > best
             best = torch.where(better, value, best)
             best_x[better] = x[better]
+        if step == steps:
+            break
         optimiser.zero_grad()
         (-value.sum()).backward()
         optimiser.step()
@@ -122,19 +145,20 @@ def fit_log_slope(lengths: list[int], values: list[float]) -> tuple[float, float
     return float(solution[1, 0]), float(solution[0, 0])
 
 
-def run(lengths: list[int], inits: int, steps: int, seed: int) -> dict:
+def run(settings: dict, seed: int) -> dict:
     """Upper and optimised lower bounds for every ``N``; see the module docstring."""
     generator = torch.Generator().manual_seed(seed)
     attn = unit_attention()
     rows = []
-    for length in lengths:
+    for length in settings["lengths"]:
         start = time.perf_counter()
-        best, best_x = maximise(length, inits, steps, generator)
+        starts = random_starts(settings["inits"], length, generator)
+        best, best_x = maximise(starts, settings["steps"])
         order = torch.argsort(best, descending=True)
         top = best[order[:TOP]]
         lower = autograd_row_norm(attn, best_x[order[0]])
         upper = float(lipschitz_bound(attn, length, p="inf").detach())
-        rows.append({
+        row = {
             "n": length,
             "upper_bound": upper,
             "four_phi_inv_plus_one": 4 * phi_inv(float(length - 1)) + 1,
@@ -142,15 +166,25 @@ def run(lengths: list[int], inits: int, steps: int, seed: int) -> dict:
             "top_lower_bounds": [float(v) for v in top],
             "ratio": float(lower) / upper,
             "closed_form_minus_autograd": float(top[0] - lower),
-            "seconds": time.perf_counter() - start,
-        })
+        }
+        if length <= settings["check_max_n"]:
+            # Cross-check with the library's dense-Jacobian tools (small N only).
+            row["dense_jacobian_norm"] = float(
+                jacobian_norm(attn, best_x[order[0]].reshape(1, length, 1), "inf").detach()
+            )
+            k = settings["check_inits"]
+            search = empirical_lipschitz(attn, starts[:k].reshape(k, length, 1), "inf",
+                                         steps=settings["check_steps"], lr=0.1)
+            row["library_search"] = float(search.value)
+        row["seconds"] = time.perf_counter() - start
+        rows.append(row)
     n = [r["n"] for r in rows]
     slope_upper, intercept_upper = fit_log_slope(n, [r["upper_bound"] for r in rows])
     slope_lower, intercept_lower = fit_log_slope(n, [r["lower_bound"] for r in rows])
     return {
         "experiment": NAME,
-        "config": {"lengths": lengths, "inits": inits, "steps": steps, "lr": 0.1, "seed": seed,
-                   "dtype": "float64", "heads": 1, "dim": 1, "weights": 1.0},
+        "config": {**settings, "lr": 0.1, "seed": seed, "dtype": "float64", "heads": 1, "dim": 1,
+                   "weights": 1.0},
         "results": rows,
         "slope_upper": slope_upper,
         "slope_lower": slope_lower,
@@ -200,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
     start = time.perf_counter()
-    result = run(settings["lengths"], settings["inits"], settings["steps"], args.seed)
+    result = run(settings, args.seed)
     result["quick"] = args.quick
     result["seconds"] = time.perf_counter() - start
     args.out.mkdir(parents=True, exist_ok=True)

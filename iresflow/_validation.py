@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["check_finite", "check_mask", "check_sequence"]
+__all__ = ["check_dtype_device", "check_finite", "check_mask", "check_sequence"]
 
 
 def check_sequence(
@@ -19,6 +19,7 @@ def check_sequence(
     *,
     features: int | None = None,
     allow_2d: bool = True,
+    like: Tensor | None = None,
 ) -> Tensor:
     """Validate a batch of sequences.
 
@@ -27,12 +28,15 @@ def check_sequence(
         name: Argument name used in error messages.
         features: Required size ``D`` of the last dimension, if known.
         allow_2d: Whether a ``(B, D)`` batch of vectors is accepted.
+        like: A tensor (typically a parameter of the module receiving ``x``) whose dtype and
+            device ``x`` must share (see :func:`check_dtype_device`).
 
     Returns:
         ``x`` itself, unchanged.
 
     Raises:
-        TypeError: ``x`` is not a floating-point tensor.
+        TypeError: ``x`` is not a floating-point tensor, or its dtype/device differ from
+            ``like``'s.
         ValueError: wrong rank, wrong feature size, empty dimension or non-finite values.
 
     Example:
@@ -55,12 +59,47 @@ def check_sequence(
         raise ValueError(
             f"{name} must have {features} features in its last dimension, got shape {tuple(x.shape)}"
         )
+    if like is not None:
+        check_dtype_device(x, like, name)
     check_finite(x, name)
+    return x
+
+
+def check_dtype_device(x: Tensor, like: Tensor, name: str) -> Tensor:
+    """Raise ``TypeError`` unless ``x`` has the dtype and device of ``like``.
+
+    Modules compute in the dtype of their parameters; an input of another dtype (e.g. float16
+    into a float64 module) or on another device is rejected here rather than failing inside a
+    matrix product or being silently promoted. Under :func:`torch.autocast` on ``x``'s device
+    type only the device is checked, since autocast casts the operands of each operation.
+
+    Args:
+        x: Input tensor.
+        like: Reference tensor, typically a parameter of the receiving module.
+        name: Argument name used in the message.
+
+    Returns:
+        ``x`` itself.
+
+    Example:
+        >>> check_dtype_device(torch.zeros(2, 3), torch.ones(1), "x").dtype
+        torch.float32
+    """
+    kind = x.device.type
+    autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+    if x.device != like.device or (x.dtype != like.dtype and not autocast):
+        raise TypeError(
+            f"{name} must have the dtype and device of the module's parameters "
+            f"({like.dtype}, {like.device}), got ({x.dtype}, {x.device})"
+        )
     return x
 
 
 def check_finite(x: Tensor, name: str) -> Tensor:
     """Raise ``ValueError`` if ``x`` contains NaN or Inf.
+
+    Tensors on the ``meta`` device carry no values and pass unchecked (a later dtype/device
+    check or the computation itself reports them).
 
     Args:
         x: Any tensor.
@@ -73,7 +112,7 @@ def check_finite(x: Tensor, name: str) -> Tensor:
         >>> check_finite(torch.ones(3), "x").sum().item()
         3.0
     """
-    if not bool(torch.isfinite(x).all()):
+    if not x.is_meta and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} contains NaN or Inf values")
     return x
 

@@ -268,10 +268,9 @@ def _sample(args: argparse.Namespace) -> int:
         out, x=samples.x.numpy(), mask=samples.mask.numpy(), lengths=samples.lengths.numpy()
     )
     test = run.dataset.test
-    shown = min(len(test), args.num)
     figure = plot_traces(
-        run.dataset.to_raw(test.x[:shown], test.mask[:shown]), test.mask[:shown],
-        samples.x, samples.mask, out.with_suffix(".png"),
+        run.dataset.to_raw(test.x, test.mask), test.mask, samples.x, samples.mask,
+        out.with_suffix(".png"),
     )
     diagnostics = samples.diagnostics
     print(

@@ -64,7 +64,8 @@ def test_module_help_runs_as_a_subprocess() -> None:
 
 def test_train_writes_the_run_folder_with_flags_over_file(run: Path) -> None:
     config = TrainConfig.from_toml(run / "config.toml")
-    assert (config.epochs, config.lr, config.attention, config.hidden) == (1, 0.01, "lipschitznorm", 8)
+    settings = (config.epochs, config.lr, config.attention, config.hidden)
+    assert settings == (1, 0.01, "lipschitznorm", 8)
     for name in ("checkpoints/last.pt", "checkpoints/best.pt", "metrics.jsonl", "metrics.csv",
                  "evaluation.json", "plots/learning_curves.png", "plots/samples.png",
                  "plots/marginals.png"):
@@ -120,28 +121,6 @@ def test_info_reports_size_and_lipschitz_constants(
     assert 'attention = "lipschitznorm"' in out
 
 
-def test_resume_continues_exactly(tmp_path: Path) -> None:
-    settings = ["--ema", "0.9", "--clip", "1.0", "--seed", "3"] + TINY
-    assert main(["train", "--epochs", "2", "--out", str(tmp_path / "a")] + settings) == 0
-    assert main(["train", "--epochs", "4", "--out", str(tmp_path / "a"), "--resume"]
-                + settings) == 0
-    assert main(["train", "--epochs", "4", "--out", str(tmp_path / "b")] + settings) == 0
-
-    def curve(name: str) -> list[dict]:
-        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
-        for row in rows:
-            del row["train_seconds"]
-        return rows
-
-    assert len(curve("a")) == 4 and curve("a") == curve("b")
-    resumed = load_checkpoint(tmp_path / "a" / "checkpoints" / "last.pt")
-    uninterrupted = load_checkpoint(tmp_path / "b" / "checkpoints" / "last.pt")
-    for name, value in uninterrupted["model"].items():
-        assert torch.equal(resumed["model"][name], value), name
-    for name, value in uninterrupted["rng"].items():
-        assert torch.equal(resumed["rng"][name], value), name
-
-
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -169,7 +148,8 @@ def test_bad_config_files_are_one_line_messages(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
 ) -> None:
     (tmp_path / "bad.toml").write_text(text, encoding="utf-8")
-    assert main(["train", "--config", str(tmp_path / "bad.toml"), "--out", str(tmp_path / "r")]) == 1
+    config, out = str(tmp_path / "bad.toml"), str(tmp_path / "r")
+    assert main(["train", "--config", config, "--out", out]) == 1
     assert message in _error_line(capsys)
 
 
@@ -192,8 +172,14 @@ def test_malformed_command_lines_exit_2(
 def test_run_folder_errors(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--out", str(run)] + TINY) == 1
     assert "not empty" in _error_line(capsys)
-    assert main(["train", "--out", str(run), "--resume", "--hidden", "16"] + TINY[2:]) == 1
+    assert main(["train", "--out", str(run), "--resume"] + TINY + ["--hidden", "16"]) == 1
     assert "cannot resume" in _error_line(capsys)
+    # A finished run resumes with the settings of its folder (the default hidden=64 would clash).
+    assert main(["train", "--out", str(run), "--resume", "--quiet"]) == 0
+    assert "trained 1 epochs" in capsys.readouterr().out
+
+    assert main(["info", str(run), "--device", "tpu"]) == 1
+    assert "device must be" in _error_line(capsys)
 
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)

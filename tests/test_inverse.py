@@ -83,6 +83,16 @@ def test_anderson_needs_fewer_evaluations_near_one(device):
     assert 2 * anderson.evaluations < plain.evaluations
 
 
+def test_anderson_keeps_plain_steps_for_fast_contractions(device):
+    # contraction 0.05: plain steps finish within the budget, so no sample switches to mixing
+    g = tanh_contraction(0.05, 6, device)
+    y = torch.randn(8, 6, device=device, dtype=F64)
+    x_plain, plain = fixed_point_inverse(g, y, solver="plain")
+    x_anderson, anderson = fixed_point_inverse(g, y, solver="anderson")
+    assert torch.equal(x_plain, x_anderson)
+    assert torch.equal(plain.iterations, anderson.iterations)
+
+
 def test_anderson_solves_linear_problem_in_few_steps(device):
     # On an affine map in R^n, Anderson mixing with memory >= n is a Krylov method: it reaches
     # the fixed point after about n + 1 steps (twice that if the safeguard restarts it once),
@@ -104,10 +114,9 @@ def test_anderson_solves_linear_problem_in_few_steps(device):
 
 def test_anderson_mixer_with_one_pair_is_the_plain_step(device):
     mixer = AndersonMixer(2, 3, memory=4, like=torch.zeros(1, dtype=F64, device=device))
-    index = torch.tensor([1, 0], device=device)
     x = torch.randn(2, 3, device=device, dtype=F64)
     image = torch.randn(2, 3, device=device, dtype=F64)
-    x_next = mixer.step(index, x, image, (image - x).abs().amax(1))
+    x_next = mixer.step(x, image, (image - x).abs().amax(1))
     assert torch.equal(x_next, image)
 
 

@@ -41,7 +41,13 @@ def test_flow_trains_and_samples_on_fixed_length_data(device, dtype, attention):
     assert after < before - 0.05
 
     flow.eval()
-    samples = flow.sample(7)
+    # nflows' StandardNormal draws its noise in the default dtype.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        samples = flow.sample(7)
+    finally:
+        torch.set_default_dtype(previous)
     assert samples.shape == (7, n, d) and bool(torch.isfinite(samples).all())
     noise = flow.transform_to_noise(samples)
     assert noise.shape == (7, n, d)

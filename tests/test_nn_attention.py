@@ -1,4 +1,4 @@
-"""Attention modules: L2-MHA (MATH.md B, C; checks H1, H3-H6), DP-MHA (A) and contractive branches."""
+"""Attention: L2-MHA (MATH.md B, C; checks H1, H3-H6), DP-MHA (A), contractive branches (D, F)."""
 
 from __future__ import annotations
 
@@ -72,19 +72,19 @@ def test_h3_jacobian_within_bounds(dim, heads, scale, dtype, device):
         [0.1, 1.0, 3.0, 10.0], dtype=dtype, device=device
     ).reshape(4, 1, 1)
     for p in ("inf", "2"):
-        bound = lipschitz_bound(attn, n, p)
+        bound = lipschitz_bound(attn, n, p).detach()
         at_random = jacobian_norm(attn, x, p)
         found = empirical_lipschitz(attn, x, p, steps=15, lr=0.1 / scale)
         assert bool((at_random <= bound).all())
         assert float(found.value) <= float(bound)
-        assert float(found.value) >= float(at_random.max()) * (1 - 1e-9)
+        assert float(found.value) >= float(at_random.detach().max()) * (1 - 1e-9)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dim,heads", [(1, 1), (2, 2), (4, 2)])
 def test_h3_jacobian_within_bounds_strong_search(dim, heads, dtype, device):
     generator = torch.Generator(device=device).manual_seed(1)
-    for scale in (0.3, 1.0, 3.0):
+    for scale in (0.3, 1.0, 3.0, 6.0):
         attn = make(L2MultiheadAttention, dim, heads, dtype=dtype, device=device)
         with torch.no_grad():
             for w in attn.parameters():
@@ -93,7 +93,7 @@ def test_h3_jacobian_within_bounds_strong_search(dim, heads, dtype, device):
         c = 10 * torch.rand(16, 1, 1, generator=generator, dtype=dtype)
         x = c * (2 * torch.rand(16, n, dim, generator=generator, dtype=dtype) - 1)
         for p in ("inf", "2"):
-            found = empirical_lipschitz(attn, x, p, steps=300, lr=0.1, generator=generator)
+            found = empirical_lipschitz(attn, x, p, steps=200, lr=0.1, generator=generator)
             assert float(found.value) <= float(lipschitz_bound(attn, n, p))
 
 
@@ -102,8 +102,14 @@ def test_h3_jacobian_within_bounds_strong_search(dim, heads, dtype, device):
 @pytest.mark.parametrize("masked", [False, True])
 def test_h4_contractive_branch(norm, length, masked, dtype, device):
     branch = make(
-        ContractiveL2MultiheadAttention, 4, 2, coeff=0.7, norm=norm, length=length,
-        dtype=dtype, device=device,
+        ContractiveL2MultiheadAttention,
+        4,
+        2,
+        coeff=0.7,
+        norm=norm,
+        length=length,
+        dtype=dtype,
+        device=device,
     )
     with torch.no_grad():
         for w in branch.parameters():
@@ -124,25 +130,19 @@ def test_h4_contractive_branch(norm, length, masked, dtype, device):
 def test_contractive_bound_uses_real_lengths(masked, dtype, device):
     branch = make(ContractiveL2MultiheadAttention, 4, 2, dtype=dtype, device=device)
     x = torch.randn(3, 6, 4, dtype=dtype, device=device)
-    mask = torch.tensor(MASK, device=device) if masked else None
-    lengths = mask.sum(1) if masked else torch.full((3,), 6, device=device)
-    expected = torch.stack(
-        [0.9 * branch.attention(x[i : i + 1]) / branch.raw_bound(int(lengths[i])) for i in range(3)]
-    )[:, 0]
-    if masked:  # the real part of a masked sequence is the unmasked map on its real tokens
-        expected = torch.stack(
-            [
-                torch.zeros_like(x[i]).index_copy(
-                    0,
-                    mask[i].nonzero()[:, 0],
-                    0.9 * branch.attention(x[i : i + 1, mask[i]])[0]
-                    / branch.raw_bound(int(lengths[i])),
-                )
-                for i in range(3)
-            ]
-        )
-    torch.testing.assert_close(branch(x, mask), expected, atol=1e-12, rtol=0)
-    max_branch = make(ContractiveL2MultiheadAttention, 4, 2, length="max", dtype=dtype, device=device)
+    mask = (
+        torch.tensor(MASK, device=device)
+        if masked
+        else torch.ones(3, 6, dtype=torch.bool, device=device)
+    )
+    out = branch(x, mask if masked else None)
+    for i in range(3):  # the real tokens of a padded sequence see the bound of their own length
+        real = x[i : i + 1, mask[i]]
+        expected = 0.9 * branch.attention(real) / branch.raw_bound(real.shape[1])
+        torch.testing.assert_close(out[i, mask[i]], expected[0], atol=1e-12, rtol=0)
+    max_branch = make(
+        ContractiveL2MultiheadAttention, 4, 2, length="max", dtype=dtype, device=device
+    )
     max_branch.load_state_dict(branch.state_dict())
     padded = 0.9 * branch.attention(x, mask) / branch.raw_bound(6)
     torch.testing.assert_close(max_branch(x, mask), padded, atol=1e-12, rtol=0)
@@ -159,7 +159,7 @@ def test_h5_degree_two_in_query_weights(dtype, device):
         torch.testing.assert_close(
             jacobian_norm(scaled, x, p), s**2 * jacobian_norm(attn, s * x, p), rtol=1e-10, atol=0
         )
-        ratio = lipschitz_bound(scaled, 5, p) / lipschitz_bound(attn, 5, p)
+        ratio = (lipschitz_bound(scaled, 5, p) / lipschitz_bound(attn, 5, p)).detach()
         assert float(ratio) == pytest.approx(s**2, rel=1e-12)
     # Empirical maxima from matched starts (X0 / s with learning rate lr / s) scale by s^2.
     lip_w = empirical_lipschitz(attn, x, "inf", steps=10, lr=0.1)
@@ -185,6 +185,9 @@ def dp_j00_closed_form(attn: DotProductMultiheadAttention, x: torch.Tensor) -> t
 def test_h6_dot_product_not_lipschitz(dtype, device):
     dp = make(DotProductMultiheadAttention, 4, 2, dtype=dtype, device=device)
     l2 = make(L2MultiheadAttention, 4, 2, dtype=dtype, device=device)
+    with torch.no_grad():
+        for w in (*dp.parameters(), *l2.parameters()):
+            w.normal_()
     base = 2 * torch.rand(1, 8, 4, dtype=dtype, device=device) - 1
     base[:, 0] = 0
     ratios = []
@@ -193,14 +196,16 @@ def test_h6_dot_product_not_lipschitz(dtype, device):
         jac = torch.autograd.functional.jacobian(lambda z: dp(z)[0, 0], x)[:, 0, 0]
         torch.testing.assert_close(jac, dp_j00_closed_form(dp, x[0]), atol=1e-10, rtol=1e-10)
         ratios.append(float(torch.linalg.matrix_norm(jac, ord=math.inf)) / s**2)
-        assert float(jacobian_norm(l2, x, "inf")[0]) <= float(lipschitz_bound(l2, 8, "inf"))
-    assert ratios[2] == pytest.approx(ratios[1], rel=0.05)  # quadratic growth
-    assert ratios[1] == pytest.approx(ratios[0], rel=0.5)
+        assert bool(jacobian_norm(l2, x, "inf")[0] <= lipschitz_bound(l2, 8, "inf"))
+    # ||J_00|| / s^2 settles (quadratic growth, unbounded Jacobian) once Sigma A^T dominates I / N.
+    assert ratios[2] == pytest.approx(ratios[1], rel=0.05)
+    assert ratios[1] == pytest.approx(ratios[0], rel=0.3)
 
 
 def test_dot_product_matches_torch_multihead_attention(dtype, device):
     dp = make(DotProductMultiheadAttention, 4, 2, dtype=dtype, device=device)
-    ref = torch.nn.MultiheadAttention(4, 2, bias=False, batch_first=True).to(dtype=dtype, device=device)
+    ref = torch.nn.MultiheadAttention(4, 2, bias=False, batch_first=True)
+    ref = ref.to(dtype=dtype, device=device)
     with torch.no_grad():
         ref.in_proj_weight.copy_(torch.cat([dp.w_query.T, dp.w_key.T, dp.w_value.T]))
         ref.out_proj.weight.copy_(dp.w_out.T)
@@ -234,6 +239,8 @@ def test_masks_padding_has_no_influence(factory, dtype, device):
             out, out_noisy = module(x, mask), module(x + noise, mask)
             assert bool((out[~mask] == 0).all())
             torch.testing.assert_close(out_noisy, out, atol=1e-12, rtol=0)
+    if getattr(module, "length", "actual") == "max":
+        return  # its bound uses the padded length by design
     # Each real sequence behaves as its unpadded self.
     for i in range(3):
         real = module(x[i : i + 1, mask[i]])
@@ -252,7 +259,9 @@ def test_vmap_jacrev_matches_autograd(factory, dtype, device):
             jac = vmap(jacrev(lambda xi, mi: module(xi[None], mi[None])[0]))(x, m)
         for i in range(3):
             mi = None if m is None else m[i : i + 1]
-            ref = torch.autograd.functional.jacobian(lambda z: module(z, mi)[0], x[i : i + 1])
+            ref = torch.autograd.functional.jacobian(
+                lambda z, mi=mi: module(z, mi)[0], x[i : i + 1]
+            )
             torch.testing.assert_close(jac[i], ref[:, :, 0], atol=1e-12, rtol=0)
 
 
@@ -260,11 +269,11 @@ def test_vmap_jacrev_matches_autograd(factory, dtype, device):
 def test_gradients_and_double_backward(factory, device):
     module = factory().to(dtype=torch.float64, device=device)
     params = {k: v.detach().requires_grad_() for k, v in module.named_parameters()}
-    x = torch.randn(2, 4, 4, dtype=torch.float64, device=device, requires_grad=True)
-    mask = torch.tensor([[True, True, True, False], [True] * 4], device=device)
+    x = torch.randn(2, 3, 4, dtype=torch.float64, device=device, requires_grad=True)
+    mask = torch.tensor([[True, True, False], [True] * 3], device=device)
 
     def f(x, *values):
-        return functional_call(module, dict(zip(params, values)), (x, mask))
+        return functional_call(module, dict(zip(params, values, strict=True)), (x, mask))
 
     assert torch.autograd.gradcheck(f, (x, *params.values()))
     assert torch.autograd.gradgradcheck(f, (x, *params.values()))
@@ -282,8 +291,9 @@ def test_contractive_lipschitz_norm_branch(dtype, device):
     assert branch.norm == "2" and not branch.position_wise
     assert float(branch.lipschitz_constant()) == pytest.approx(0.8)
     lengths = torch.tensor([6, 3, 4], device=device)
-    assert branch.raw_bound(lengths).shape == (3,)
-    assert float(branch.raw_bound(lengths)[1]) == pytest.approx(float(branch.raw_bound(3)))
+    per_sequence = branch.raw_bound(lengths).detach()
+    assert per_sequence.shape == (3,)
+    assert float(per_sequence[1]) == pytest.approx(float(branch.raw_bound(3).detach()))
 
 
 def test_state_dict_round_trip(dtype, device):
@@ -299,7 +309,8 @@ def test_branch_attributes():
     assert branch.norm == "inf" and not branch.position_wise
     assert ContractiveL2MultiheadAttention(4, 2, norm="2").norm == "2"
     assert branch.lipschitz_constant(100).dtype == branch.attention.w_query.dtype
-    assert set(dict(L2MultiheadAttention(4, 2).named_parameters())) == {"w_query", "w_value", "w_out"}
+    names = set(dict(L2MultiheadAttention(4, 2).named_parameters()))
+    assert names == {"w_query", "w_value", "w_out"}  # tied W^K = W^Q, no biases
 
 
 @pytest.mark.parametrize(
@@ -323,6 +334,7 @@ def test_bad_construction(build, error):
 
 
 F64 = {"dtype": torch.float64}
+NO_REAL = torch.tensor([[True, True, True], [False, False, False]])
 
 
 @pytest.mark.parametrize(
@@ -335,7 +347,7 @@ F64 = {"dtype": torch.float64}
         (torch.zeros(2, 3, 4, dtype=torch.float32), None, TypeError, "dtype"),
         (torch.zeros(2, 3, 4, **F64), torch.ones(2, 3), TypeError, "bool"),
         (torch.zeros(2, 3, 4, **F64), torch.ones(2, 4, dtype=torch.bool), ValueError, "shape"),
-        (torch.zeros(2, 3, 4, **F64), torch.tensor([[True] * 3, [False] * 3]), ValueError, "no real"),
+        (torch.zeros(2, 3, 4, **F64), NO_REAL, ValueError, "no real"),
     ],
 )
 def test_bad_inputs(x, mask, error, match):

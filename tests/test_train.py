@@ -187,8 +187,15 @@ def test_load_data_limits_and_model_settings() -> None:
     dataset = load_data(config)
     full = load_dataset("japanese_vowels", seed=0)
     assert (len(dataset.train), len(dataset.val), len(dataset.test)) == (12, 6, 6)
-    assert torch.equal(dataset.train.x, full.train.x[:12])
-    assert torch.equal(dataset.test.log_jacobian, full.test.log_jacobian[:6])
+    for part, whole in ((dataset.train, full.train), (dataset.test, full.test)):
+        # every kept sequence is one of the split's, with its own mask and log-Jacobian
+        match = (part.x.flatten(1)[:, None] == whole.x.flatten(1)[None]).all(-1)
+        index = match.float().argmax(1)
+        assert bool(match.any(1).all()) and len(set(index.tolist())) == len(part)
+        assert torch.equal(part.mask, whole.mask[index])
+        assert torch.equal(part.log_jacobian, whole.log_jacobian[index])
+    assert torch.equal(load_data(config).train.x, dataset.train.x)  # seeded
+    assert not torch.equal(load_data(config.replace(seed=1)).train.x, dataset.train.x)
     with pytest.raises(ConfigError, match="heads must divide"):
         build_model(config.replace(heads=5), dataset)
     with pytest.raises(ConfigError, match="max_len"):
@@ -215,9 +222,10 @@ def test_split_log_prob_matches_full_padded_batch() -> None:
 
 def test_train_writes_run_folder_and_restores_global_state(tmp_path: Path) -> None:
     config = TrainConfig(**TINY).replace(epochs=2)
-    before = torch.are_deterministic_algorithms_enabled()
+    before, rng = torch.are_deterministic_algorithms_enabled(), torch.get_rng_state()
     result = train(config, tmp_path / "run", progress=False)
     assert torch.are_deterministic_algorithms_enabled() == before
+    assert torch.equal(torch.get_rng_state(), rng)
     paths = RunPaths(tmp_path / "run")
     assert TrainConfig.from_toml(paths.config) == config
     rows = [json.loads(line) for line in paths.metrics_jsonl.read_text().splitlines()]
@@ -232,6 +240,9 @@ def test_train_writes_run_folder_and_restores_global_state(tmp_path: Path) -> No
         assert row["reconstruction_error"] < 1e-3 and row["inverse_iterations"] >= 1
     with pytest.raises(ConfigError, match="not empty"):
         train(config, paths.root, progress=False)
+    with pytest.raises(ConfigError, match="heads must divide"):  # checked before deleting
+        train(config.replace(heads=5), paths.root, overwrite=True, progress=False)
+    assert load_checkpoint(paths.last)["epoch"] == 2
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("keep me")
     with pytest.raises(ConfigError, match="does not hold a run"):
@@ -239,9 +250,35 @@ def test_train_writes_run_folder_and_restores_global_state(tmp_path: Path) -> No
     assert (tmp_path / "other" / "notes.txt").exists()
 
 
+def test_resume_continues_exactly(tmp_path: Path) -> None:
+    # Every piece of state: roulette training, moving average, clipping, plateau schedule.
+    config = TrainConfig(**TINY).replace(ema=0.9, clip=1.0, seed=3, max_train=8, batch_size=4)
+    train(config, tmp_path / "a", progress=False)
+    resumed = train(config.replace(epochs=3), tmp_path / "a", resume=True, progress=False)
+    uninterrupted = train(config.replace(epochs=3), tmp_path / "b", progress=False)
+
+    def curve(history: list[dict[str, float]]) -> list[dict[str, float]]:
+        return [{k: v for k, v in row.items() if k != "train_seconds"} for row in history]
+
+    assert len(resumed.history) == 3
+    assert curve(resumed.history) == curve(uninterrupted.history)
+    a = load_checkpoint(RunPaths(tmp_path / "a").last)
+    b = load_checkpoint(RunPaths(tmp_path / "b").last)
+    for key in ("model", "ema", "rng"):
+        for name, value in b[key].items():
+            assert torch.equal(a[key][name], value), (key, name)
+    for key in ("scheduler", "epoch", "best_epoch", "best_metric", "bad_epochs"):
+        assert a[key] == b[key], key
+    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
+    for index, slots in b["optimizer"]["state"].items():
+        for name, value in slots.items():
+            assert torch.equal(a["optimizer"]["state"][index][name], value)
+
+
 def test_resume_refuses_changed_model_settings(tmp_path: Path) -> None:
-    config = TrainConfig(**TINY)
+    config = TrainConfig(**TINY).replace(tensorboard=True)
     train(config, tmp_path / "run", progress=False)
+    assert any(RunPaths(tmp_path / "run").tensorboard.glob("events.out.tfevents.*"))
     with pytest.raises(ConfigError, match="cannot resume .*hidden"):
         train(config.replace(hidden=16, epochs=2), tmp_path / "run", resume=True, progress=False)
     with pytest.raises(CheckpointError, match="not found"):

@@ -10,23 +10,25 @@ import pytest
 import torch
 from nflows.distributions import StandardNormal
 from nflows.flows import Flow
+from oracles import MixingBranch, TanhMLPBranch, jacobian_logdet
 
 from iresflow.inverse.fixed_point import InversionError, InversionWarning
 from iresflow.logdet.exact import ExactLogDet
 from iresflow.logdet.roulette import RouletteLogDet
+from iresflow.nn.attention import ContractiveL2MultiheadAttention
 from iresflow.nn.linear import SpectralLinear
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.transforms.base import SequenceCompositeTransform, SequenceTransform
 from iresflow.transforms.residual import ResidualTransform
-from tests.oracles import MixingBranch, TanhMLPBranch, jacobian_logdet
 
 F64 = torch.float64
-BRANCHES = ["mlp", "tanh", "mixing"]
+BRANCHES = ["mlp", "attention", "tanh", "mixing"]
+D = 4  # features (2 attention heads of width 2)
 SOLVERS = ["plain", "anderson"]
 
 
-def make_branch(kind: str, device: torch.device, lipschitz: float = 0.9, features: int = 3):
-    """A branch with certificate ``lipschitz`` that is (nearly) attained."""
+def make_branch(kind: str, device: torch.device, lipschitz: float = 0.9, features: int = D):
+    """A branch with certificate ``lipschitz`` (attained or nearly so, except for attention)."""
     if kind == "mlp":
         mlp = LipschitzMLP((features, 16, features), coeff=math.sqrt(lipschitz))
         with torch.no_grad():
@@ -34,6 +36,9 @@ def make_branch(kind: str, device: torch.device, lipschitz: float = 0.9, feature
                 if isinstance(layer, SpectralLinear):
                     layer.weight.mul_(10.0)  # the normalisation binds: each layer has norm coeff
         return mlp.to(device=device, dtype=F64).eval()
+    if kind == "attention":
+        attention = ContractiveL2MultiheadAttention(features, heads=2, coeff=lipschitz)
+        return attention.to(device=device, dtype=F64)
     if kind == "tanh":
         return TanhMLPBranch(features, 8, lipschitz, dtype=F64, device=device)
     if kind == "mixing":
@@ -55,7 +60,7 @@ def vec_norm(t: torch.Tensor, norm: str) -> torch.Tensor:
 def test_exact_logdet_matches_jacobian_oracle(device, kind, masked):
     branch = make_branch(kind, device)
     block = ResidualTransform(branch, logdet="exact")
-    x = torch.randn(3, 5, 3, device=device, dtype=F64)
+    x = torch.randn(3, 5, D, device=device, dtype=F64)
     mask = padding_mask([5, 2, 4], 5, device) if masked else None
     y, logabsdet = block(x, mask=mask)
     assert y.shape == x.shape and logabsdet.shape == (3,)
@@ -68,13 +73,13 @@ def test_exact_logdet_matches_jacobian_oracle(device, kind, masked):
 def test_vector_inputs_are_sequences_of_length_one(device, kind):
     branch = make_branch(kind, device)
     block = ResidualTransform(branch, logdet="exact")
-    x = torch.randn(4, 3, device=device, dtype=F64)
+    x = torch.randn(4, D, device=device, dtype=F64)
     y, logabsdet = block(x)
-    assert y.shape == (4, 3)
+    assert y.shape == (4, D)
     expected = jacobian_logdet(lambda t, m: t + branch(t, m), x[:, None, :])
     assert torch.allclose(logabsdet, expected, atol=1e-8, rtol=0)
     x_rec, inverse_logabsdet = block.inverse(y)
-    assert x_rec.shape == (4, 3)
+    assert x_rec.shape == (4, D)
     assert torch.allclose(x_rec, x, atol=1e-9, rtol=0)
     assert torch.allclose(inverse_logabsdet, -logabsdet, atol=1e-10, rtol=0)
 
@@ -83,7 +88,7 @@ def test_vector_inputs_are_sequences_of_length_one(device, kind):
 def test_per_call_logdet_override(device, kind):
     branch = make_branch(kind, device)
     block = ResidualTransform(branch, logdet="roulette")
-    x = torch.randn(2, 4, 3, device=device, dtype=F64)
+    x = torch.randn(2, 4, D, device=device, dtype=F64)
     _, logabsdet = block(x, logdet=ExactLogDet())
     _, by_name = block(x, logdet="exact")
     expected = jacobian_logdet(lambda t, m: t + branch(t, m), x)
@@ -100,7 +105,7 @@ def test_inverse_round_trip_within_banach_bound(device, kind, solver, lipschitz)
     certificate = float(branch.lipschitz_constant(6).detach())
     assert certificate == pytest.approx(lipschitz, rel=1e-6)
     block = ResidualTransform(branch, logdet="exact", inverse_solver=solver)
-    x = torch.randn(4, 6, 3, device=device, dtype=F64)
+    x = torch.randn(4, 6, D, device=device, dtype=F64)
     mask = padding_mask([6, 3, 1, 5], 6, device)
     y, _ = block(x, mask=mask)
     x_rec, _ = block.inverse(y, mask=mask)
@@ -122,7 +127,7 @@ def test_inverse_round_trip_within_banach_bound(device, kind, solver, lipschitz)
 @pytest.mark.parametrize("kind", BRANCHES)
 def test_inverse_logdet_is_minus_forward_logdet(device, kind):
     block = ResidualTransform(make_branch(kind, device), logdet="exact")
-    x = torch.randn(3, 4, 3, device=device, dtype=F64)
+    x = torch.randn(3, 4, D, device=device, dtype=F64)
     mask = padding_mask([4, 1, 3], 4, device)
     y, logabsdet = block(x, mask=mask)
     _, inverse_logabsdet = block.inverse(y, mask=mask)
@@ -132,11 +137,11 @@ def test_inverse_logdet_is_minus_forward_logdet(device, kind):
 @pytest.mark.parametrize("kind", BRANCHES)
 def test_appending_padding_changes_nothing(device, kind):
     block = ResidualTransform(make_branch(kind, device), logdet="exact")
-    x = torch.randn(3, 4, 3, device=device, dtype=F64)
+    x = torch.randn(3, 4, D, device=device, dtype=F64)
     lengths = [4, 2, 3]
     mask = padding_mask(lengths, 4, device)
     y, logabsdet = block(x, mask=mask)
-    x_long = torch.cat([x, 100 * torch.randn(3, 2, 3, device=device, dtype=F64)], dim=1)
+    x_long = torch.cat([x, 100 * torch.randn(3, 2, D, device=device, dtype=F64)], dim=1)
     mask_long = padding_mask(lengths, 6, device)
     y_long, logabsdet_long = block(x_long, mask=mask_long)
     assert torch.allclose(y_long[:, :4][mask], y[mask], atol=1e-13, rtol=0)
@@ -156,7 +161,7 @@ def test_appending_padding_changes_nothing(device, kind):
 def test_gradients_reach_all_parameters(device, kind, logdet):
     branch = make_branch(kind, device).train()
     block = ResidualTransform(branch, logdet=logdet)
-    x = torch.randn(3, 4, 3, device=device, dtype=F64, requires_grad=True)
+    x = torch.randn(3, 4, D, device=device, dtype=F64, requires_grad=True)
     y, logabsdet = block(x, mask=padding_mask([4, 2, 3], 4, device))
     (0.5 * y.pow(2).sum() - logabsdet.sum()).backward()
     assert x.grad is not None and bool(torch.isfinite(x.grad).all())
@@ -168,7 +173,7 @@ def test_gradients_reach_all_parameters(device, kind, logdet):
 def test_exact_logdet_gradient_matches_oracle(device):
     branch = make_branch("tanh", device)
     block = ResidualTransform(branch, logdet="exact")
-    x = torch.randn(2, 3, 3, device=device, dtype=F64)
+    x = torch.randn(2, 3, D, device=device, dtype=F64)
     mask = padding_mask([3, 2], 3, device)
     params = [p for name, p in branch.named_parameters() if name != "b2"]  # b2: no effect on J
     ours = torch.autograd.grad(block(x, mask=mask)[1].sum(), params)
@@ -181,7 +186,7 @@ def test_exact_logdet_gradient_matches_oracle(device):
 def test_inverse_is_detached_and_stats_are_kept(device):
     block = ResidualTransform(make_branch("tanh", device), logdet="exact")
     assert block.last_inverse_stats is None
-    y = torch.randn(3, 2, 3, device=device, dtype=F64, requires_grad=True)
+    y = torch.randn(3, 2, D, device=device, dtype=F64, requires_grad=True)
     x, logabsdet = block.inverse(y)
     assert not x.requires_grad and not logabsdet.requires_grad
     stats = block.last_inverse_stats
@@ -190,7 +195,7 @@ def test_inverse_is_detached_and_stats_are_kept(device):
 
 def test_inverse_failure_raises_or_warns(device):
     branch = make_branch("tanh", device, 0.97)
-    y = torch.randn(3, 2, 3, device=device, dtype=F64)
+    y = torch.randn(3, 2, D, device=device, dtype=F64)
     with pytest.raises(InversionError):
         ResidualTransform(branch, inverse_max_iter=2).inverse(y)
     block = ResidualTransform(branch, logdet="exact", inverse_max_iter=2, on_failure="warn")
@@ -212,16 +217,16 @@ def test_state_dict_round_trip(device):
     other = ResidualTransform(make_branch("mlp", device), logdet="exact")
     buffer.seek(0)
     other.load_state_dict(torch.load(buffer))
-    x = torch.randn(2, 3, 3, device=device, dtype=F64)
+    x = torch.randn(2, 3, D, device=device, dtype=F64)
     for a, b in zip(block(x), other(x), strict=True):
         assert torch.allclose(a, b, atol=1e-14, rtol=0)
 
 
 def test_nflows_composite_inverse_transform_and_flow(device):
     blocks = [ResidualTransform(make_branch("mlp", device), logdet="exact") for _ in range(2)]
-    cycle = nft.Permutation(torch.tensor([1, 2, 0]))  # even: the oracle needs det > 0
-    chain = nft.CompositeTransform([blocks[0], cycle, blocks[1]])
-    x = torch.randn(5, 3, device=device, dtype=F64)
+    swaps = nft.Permutation(torch.tensor([1, 0, 3, 2]))  # even: the oracle needs det > 0
+    chain = nft.CompositeTransform([blocks[0], swaps, blocks[1]])
+    x = torch.randn(5, D, device=device, dtype=F64)
     z, logabsdet = chain(x)
     x_rec, inverse_logabsdet = chain.inverse(z)
     assert torch.allclose(x_rec, x, atol=1e-9, rtol=0)
@@ -235,17 +240,17 @@ def test_nflows_composite_inverse_transform_and_flow(device):
     assert torch.allclose(back, x, atol=1e-9, rtol=0)
     assert torch.allclose(u_logabsdet, -back_logabsdet, atol=1e-9, rtol=0)
 
-    flow = Flow(chain, StandardNormal([3])).to(dtype=F64)
-    normal = -0.5 * z.pow(2).sum(1) - 1.5 * math.log(2 * math.pi)
+    flow = Flow(chain, StandardNormal([D])).to(dtype=F64)
+    normal = -0.5 * z.pow(2).sum(1) - D / 2 * math.log(2 * math.pi)
     assert torch.allclose(flow.log_prob(x), normal + logabsdet, atol=1e-10, rtol=0)
 
 
 def test_sequence_composite_passes_the_mask(device):
-    branches = [make_branch(kind, device) for kind in ("mixing", "mlp")]
+    branches = [make_branch(kind, device) for kind in ("attention", "mlp")]
     blocks = [ResidualTransform(b, logdet="exact") for b in branches]
     chain = SequenceCompositeTransform(blocks)
     assert isinstance(chain, SequenceTransform) and isinstance(chain, nft.Transform)
-    x = torch.randn(3, 4, 3, device=device, dtype=F64)
+    x = torch.randn(3, 4, D, device=device, dtype=F64)
     mask = padding_mask([4, 1, 2], 4, device)
     z, logabsdet = chain(x, mask=mask)
     h, first = blocks[0](x, mask=mask)
@@ -287,7 +292,7 @@ def test_sequence_composite_rejects_bad_members(device):
 )
 def test_bad_inputs_raise(device, call, error):
     block = ResidualTransform(make_branch("mlp", device))
-    x = torch.randn(2, 4, 3, device=device, dtype=F64)
+    x = torch.randn(2, 4, D, device=device, dtype=F64)
     with pytest.raises(error):
         call(block, x)
 

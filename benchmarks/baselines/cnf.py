@@ -225,19 +225,33 @@ class CNF(nn.Module):
         return self.train_tol if self.training else self.eval_tol
 
     def log_prob(
-        self, x: Tensor, mask: Tensor | None = None, generator: torch.Generator | None = None
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        *,
+        exact: bool | None = None,
+        generator: torch.Generator | None = None,
     ) -> Tensor:
         """Log-density (B,) of sequences ``x`` (B, N, D) with optional mask (B, N).
 
-        With the Hutchinson divergence the result is an unbiased estimate; ``generator`` drives
-        its Rademacher probes.
+        Args:
+            x: Sequences ``(B, N, D)``.
+            mask: Optional boolean padding mask ``(B, N)``.
+            exact: Divergence: exact trace (``True``), Hutchinson (``False``) or as configured
+                for the current mode (``None``, see :meth:`uses_exact_divergence`).
+            generator: Generator of the Rademacher probes (Hutchinson only).
+
+        Returns:
+            Log-densities ``(B,)``; an unbiased estimate with the Hutchinson divergence.
         """
         check_sequence(x, "x", features=self.features, allow_2d=False)
         mask = check_mask(mask, x)
         if x.shape[1] > self.max_len:
             raise ValueError(f"x has length {x.shape[1]} > max_len = {self.max_len}")
+        if exact is None:
+            exact = self.uses_exact_divergence(x.shape[1])
         probe = None
-        if not self.uses_exact_divergence(x.shape[1]):
+        if not exact:
             bits = torch.randint(0, 2, x.shape, generator=generator, device=x.device)
             probe = 2.0 * bits.to(x.dtype) - 1.0
             if mask is not None:

@@ -1,4 +1,4 @@
-"""Helper shared by the baseline models: the padding mask of sampled sequences."""
+"""The padding mask of sampled sequences, shared by the baseline models."""
 
 from __future__ import annotations
 

@@ -24,6 +24,16 @@ from iresflow._validation import check_mask, check_sequence
 __all__ = ["FlattenedSequenceFlow", "FrameFlow", "frame_maf", "sequence_maf", "sequence_realnvp"]
 
 
+def _sample_flow(flow: Flow, num: int, features: int, like: Tensor) -> Tensor:
+    """``num`` draws of a flow with a standard normal base, in ``like``'s dtype and device.
+
+    ``Flow.sample`` draws its noise in torch's default dtype, which fails for a float64 flow;
+    here the noise follows the parameters and is pushed through the flow's inverse transform.
+    """
+    noise = torch.randn(num, features, dtype=like.dtype, device=like.device)
+    return flow._transform.inverse(noise)[0]
+
+
 class FlattenedSequenceFlow(nn.Module):
     r"""An nflows :class:`~nflows.flows.base.Flow` on flattened fixed-length sequences.
 
@@ -56,11 +66,12 @@ class FlattenedSequenceFlow(nn.Module):
         self, num: int, seq_len: int | None = None, lengths: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """Draw ``num`` sequences of length ``seq_len = N``: ``(x (num, N, D), mask (num, N))``."""
-        device = next(self.flow.parameters()).device
-        mask = sample_mask(num, seq_len, lengths, self.seq_len, device)
+        param = next(self.flow.parameters())
+        mask = sample_mask(num, seq_len, lengths, self.seq_len, param.device)
         if mask.shape[1] != self.seq_len or not bool(mask.all()):
             raise ValueError(f"this flow only samples sequences of length {self.seq_len}")
-        return self.flow.sample(num).reshape(num, self.seq_len, self.features), mask
+        x = _sample_flow(self.flow, num, self.seq_len * self.features, param)
+        return x.reshape(num, self.seq_len, self.features), mask
 
 
 class FrameFlow(nn.Module):
@@ -97,10 +108,10 @@ class FrameFlow(nn.Module):
 
         Exactly one of ``seq_len`` (common length) and ``lengths`` (``(num,)`` integers).
         """
-        device = next(self.flow.parameters()).device
-        mask = sample_mask(num, seq_len, lengths, self.max_len, device)
-        x = torch.zeros(*mask.shape, self.features, device=device)
-        x[mask] = self.flow.sample(int(mask.sum())).to(x.dtype)
+        param = next(self.flow.parameters())
+        mask = sample_mask(num, seq_len, lengths, self.max_len, param.device)
+        x = param.new_zeros(*mask.shape, self.features)
+        x[mask] = _sample_flow(self.flow, int(mask.sum()), self.features, param)
         return x, mask
 
 

@@ -32,10 +32,11 @@ _RELATIVE_REGULARISATION = {torch.float64: 1e-12, torch.float32: 1e-6}
 
 
 class AndersonMixer:
-    r"""Per-sample Anderson state for a batch of ``B`` fixed-point problems in :math:`\mathbb R^n`.
+    r"""Anderson state for a batch of independent fixed-point problems in :math:`\mathbb R^n`.
 
-    Samples are addressed by their batch index, so a solver may pass any subset of active samples
-    at every step.
+    Rows are positional: :meth:`step` takes one row per problem still running, and
+    :meth:`keep` drops the rows of problems that stopped (the solver freezes converged samples).
+    All samples share one ring position, while history validity is per sample.
 
     Args:
         batch: Number of problems ``B``.
@@ -45,11 +46,10 @@ class AndersonMixer:
 
     Example:
         >>> mixer = AndersonMixer(1, 1, 2, torch.zeros(1, 1, dtype=torch.float64))
-        >>> idx = torch.tensor([0])
         >>> x = torch.zeros(1, 1, dtype=torch.float64)
         >>> for _ in range(4):  # T(x) = 1 - x / 2, fixed point 2 / 3
         ...     image = 1 - x / 2
-        ...     x = mixer.step(idx, x, image, (image - x).abs().amax(1))
+        ...     x = mixer.step(x, image, (image - x).abs().amax(1))
         >>> round(x.item(), 12)
         0.666666666667
     """
@@ -57,69 +57,79 @@ class AndersonMixer:
     def __init__(self, batch: int, features: int, memory: int, like: Tensor) -> None:
         if memory < 1:
             raise ValueError(f"memory must be >= 1, got {memory}")
-        slots = memory + 1
-        self.slots = slots
-        self.residuals = like.new_zeros(batch, slots, features)
-        self.images = like.new_zeros(batch, slots, features)
-        self.valid = torch.zeros(batch, slots, dtype=torch.bool, device=like.device)
-        self.count = torch.zeros(batch, dtype=torch.int64, device=like.device)
-        self.previous_step = torch.full((batch,), float("inf"), dtype=like.dtype,
-                                        device=like.device)
+        self.slots = memory + 1
+        self.residuals = like.new_zeros(batch, self.slots, features)
+        self.images = like.new_zeros(batch, self.slots, features)
+        self.gram = like.new_zeros(batch, self.slots, self.slots)  # F F^T, updated per slot
+        self.valid = torch.zeros(batch, self.slots, dtype=torch.bool, device=like.device)
+        self.previous_step = torch.full(
+            (batch,), float("inf"), dtype=like.dtype, device=like.device
+        )
         self.extrapolated = torch.zeros(batch, dtype=torch.bool, device=like.device)
+        self.engaged = torch.zeros(batch, dtype=torch.bool, device=like.device)
+        self.position = 0
         self.regularisation = _RELATIVE_REGULARISATION.get(like.dtype, 1e-3)
 
-    def step(self, index: Tensor, x: Tensor, image: Tensor, step: Tensor) -> Tensor:
-        r"""Record :math:`(x^k, T(x^k))` for the samples ``index`` and return their next iterates.
+    def keep(self, rows: Tensor) -> None:
+        """Keep only the given rows of the state.
 
         Args:
-            index: Batch indices of the samples, shape ``(b,)``, ``int64``.
+            rows: Boolean mask over the current rows, shape ``(b,)``.
+        """
+        self.residuals, self.images = self.residuals[rows], self.images[rows]
+        self.gram = self.gram[rows]
+        self.valid, self.previous_step = self.valid[rows], self.previous_step[rows]
+        self.extrapolated, self.engaged = self.extrapolated[rows], self.engaged[rows]
+
+    def step(self, x: Tensor, image: Tensor, step: Tensor, engage: Tensor | None = None) -> Tensor:
+        r"""Record :math:`(x^k, T(x^k))` for the engaged rows and return the next iterates.
+
+        Args:
             x: Current iterates, shape ``(b, n)``.
             image: :math:`T(x^k)`, shape ``(b, n)``.
             step: Max-abs residual :math:`\|T(x^k) - x^k\|_\infty`, shape ``(b,)``.
+            engage: Rows that start mixing from this step on, boolean ``(b,)`` (default: all).
+                Rows never engaged take plain steps and keep no history.
 
         Returns:
             Next iterates :math:`x^{k+1}`, shape ``(b, n)``.
         """
-        reject = self.extrapolated[index] & ~(step <= self.previous_step[index])
-        x_next = torch.empty_like(x)
-        if bool(reject.any()):
-            rows = reject.nonzero().squeeze(1)
-            idx = index[rows]
-            last = (self.count[idx] - 1) % self.slots
-            self.valid[idx] = False
-            self.valid[idx, last] = True
-            self.extrapolated[idx] = False
-            x_next[rows] = self.images[idx, last]
-        accept = ~reject
-        if bool(accept.any()):
-            rows = accept.nonzero().squeeze(1)
-            idx = index[rows]
-            slot = self.count[idx] % self.slots
-            self.residuals[idx, slot] = image[rows] - x[rows]
-            self.images[idx, slot] = image[rows]
-            self.valid[idx, slot] = True
-            self.count[idx] += 1
-            self.previous_step[idx] = step[rows]
-            x_next[rows], self.extrapolated[idx] = self._mix(idx, slot)
-        return x_next
+        self.engaged = self.engaged | (True if engage is None else engage)
+        current, last = self.position, (self.position - 1) % self.slots
+        reject = self.extrapolated & (step > self.previous_step)
+        accept = self.engaged & ~reject
+        residual = image - x
+        self.residuals[:, current] = residual
+        self.images[:, current] = image
+        # Only row and column `current` of the Gram matrix change. Elementwise products beat
+        # batched matrix products for these tiny per-sample matrices.
+        dots = (self.residuals * residual[:, None, :]).sum(2)
+        self.gram[:, current, :] = dots
+        self.gram[:, :, current] = dots
+        self.valid[:, current] = accept
+        # rejected rows restart from their previous (accepted) iterate, stored in slot `last`
+        only_last = torch.zeros_like(self.valid[0])
+        only_last[last] = True
+        self.valid = torch.where(reject[:, None], only_last, self.valid)
+        self.previous_step = torch.where(accept, step, self.previous_step)
+        self.extrapolated = accept & (self.valid.sum(1) >= 2)
+        self.position = (current + 1) % self.slots
+        x_next = torch.where(reject[:, None], self.images[:, last], self._mix(current))
+        return torch.where(self.engaged[:, None], x_next, image)
 
-    def _mix(self, idx: Tensor, current: Tensor) -> tuple[Tensor, Tensor]:
-        residuals, images = self.residuals[idx], self.images[idx]
-        valid = self.valid[idx]
-        w = valid.to(residuals.dtype)
-        gram = torch.bmm(residuals, residuals.transpose(1, 2)) * (w[:, :, None] * w[:, None, :])
-        scale = (gram.diagonal(dim1=1, dim2=2).sum(1) / w.sum(1)).clamp_min(
+    def _mix(self, current: int) -> Tensor:
+        w = self.valid.to(self.gram.dtype)
+        gram = self.gram * (w[:, :, None] * w[:, None, :])
+        scale = (gram.diagonal(dim1=1, dim2=2).sum(1) / w.sum(1).clamp_min(1)).clamp_min(
             torch.finfo(gram.dtype).tiny
         )
         # Unused slots get an identity row and a zero constraint weight, hence alpha_i = 0.
-        diag = self.regularisation * scale[:, None] * w + (1 - w)
-        system = gram + torch.diag_embed(diag)
+        system = gram + torch.diag_embed(self.regularisation * scale[:, None] * w + (1 - w))
         solve_dtype = torch.float64 if system.device.type != "mps" else system.dtype
         z, info = torch.linalg.solve_ex(system.to(solve_dtype), w.to(solve_dtype)[:, :, None])
-        z = z.squeeze(2)
-        alpha = z / z.sum(1, keepdim=True)
+        alpha = z.squeeze(2) / z.sum(1)
         usable = (info == 0) & torch.isfinite(alpha).all(1)
-        plain = torch.nn.functional.one_hot(current, self.slots).to(solve_dtype)
-        alpha = torch.where(usable[:, None], alpha, plain).to(images.dtype)
-        x_next = torch.einsum("bs,bsn->bn", alpha, images)
-        return x_next, valid.sum(1) >= 2
+        plain = torch.zeros_like(alpha)
+        plain[:, current] = 1.0
+        alpha = torch.where(usable[:, None], alpha, plain).to(self.images.dtype)
+        return (alpha[:, :, None] * self.images).sum(1)

@@ -47,6 +47,11 @@ _UNIT_TOLERANCE = {
 }
 
 
+# Anderson mixing starts for a sample once plain steps are predicted to need more evaluations
+# than this (below it, the per-step cost of mixing outweighs the saved evaluations).
+_PLAIN_BUDGET = 12
+
+
 class InversionError(RuntimeError):
     """The fixed-point iteration did not reach its tolerance for every sample.
 
@@ -122,7 +127,10 @@ def fixed_point_inverse(
 
     Iterates :math:`x \leftarrow T_y(x) = y - g(x)` from :math:`x^0 = y` (``solver="plain"``) or
     Anderson-accelerates the same map (``solver="anderson"``, see
-    :class:`~iresflow.inverse.anderson.AndersonMixer`). A sample stops as soon as its max-abs
+    :class:`~iresflow.inverse.anderson.AndersonMixer`). The accelerated solver starts with plain
+    steps and switches a sample to Anderson mixing once its last contraction ratio predicts more
+    than 12 further plain steps: mixing costs work per step and pays off only for slowly
+    contracting samples. A sample stops as soon as its max-abs
     step :math:`\|T_y(x^k) - x^k\|_\infty` is below its tolerance and then returns
     :math:`T_y(x^k)`, which satisfies :math:`\|T_y(x^k) - x^*\| \le \frac{L}{1-L}
     \|T_y(x^k) - x^k\|` in the norm of the certificate :math:`L` of ``g``. Stopped samples are
@@ -142,7 +150,9 @@ def fixed_point_inverse(
         tol: Absolute tolerance on the per-sample max-abs step; ``None`` uses
             :func:`default_tolerance`.
         max_iter: Maximum number of evaluations of ``g`` per sample.
-        solver: ``"plain"`` fixed-point iteration or ``"anderson"`` acceleration.
+        solver: ``"plain"`` fixed-point iteration or ``"anderson"`` acceleration (several
+            times fewer evaluations for slowly contracting samples, see
+            ``benchmarks/inverse.py``).
         memory: Anderson depth (number of previous iterates mixed with the current one).
         on_failure: ``"raise"`` an :class:`InversionError` or ``"warn"`` with an
             :class:`InversionWarning` and return the last iterate when some sample did not
@@ -167,11 +177,12 @@ def fixed_point_inverse(
         x, stats = _iterate(g, y, args, tol, max_iter, solver, memory, x0)
     if not bool(stats.converged.all()):
         failed = int((~stats.converged).sum())
+        diverged = int((~torch.isfinite(stats.residual)).sum())
         message = (
-            f"fixed-point inverse did not converge for {failed} of {y.shape[0]} samples within "
-            f"max_iter={max_iter} evaluations (largest final max-abs step "
-            f"{float(stats.residual.max()):.3e}); the branch may not be contractive, or tol/"
-            "max_iter are too strict"
+            f"fixed-point inverse did not converge for {failed} of {y.shape[0]} samples "
+            f"({diverged} with non-finite iterates; the others reached max_iter={max_iter}, "
+            f"largest final max-abs step {float(stats.residual.nan_to_num(0.0).max()):.3e}); "
+            "the branch may not be contractive, or tol/max_iter are too strict"
         )
         if on_failure == "raise":
             raise InversionError(message, stats.residual, stats.iterations)
@@ -191,52 +202,73 @@ def _iterate(
 ) -> tuple[Tensor, InverseStats]:
     batch, event = y.shape[0], y.shape[1:]
     y_flat = y.detach().reshape(batch, -1)
-    x = (y_flat if x0 is None else x0.detach().reshape(batch, -1)).clone()
     out = y_flat.clone()
     tolerance = default_tolerance(y) if tol is None else torch.full_like(y_flat[:, 0], tol)
     iterations = torch.zeros(batch, dtype=torch.int64, device=y.device)
     residual = torch.full_like(y_flat[:, 0], float("inf"))
     converged = torch.zeros(batch, dtype=torch.bool, device=y.device)
-    mixer = AndersonMixer(batch, y_flat.shape[1], memory, y_flat) if solver == "anderson" else None
+    mixer: AndersonMixer | None = None  # created once plain steps are predicted to be slow
 
+    # The running samples are kept compact (rows of x, y, args, tol and the Anderson state);
+    # they are gathered again only when some sample stops.
     active = torch.arange(batch, device=y.device)
+    x = (y_flat if x0 is None else x0.detach().reshape(batch, -1)).clone()
+    y_a, args_a, tol_a = y_flat, args, tolerance
+    previous = torch.full_like(tolerance, float("inf"))
     evaluations = 0
     for k in range(1, max_iter + 1):
-        everyone = active.numel() == batch
-        x_a = x if everyone else x[active]
-        y_a = y_flat if everyone else y_flat[active]
-        args_a = args if everyone else tuple(a[active] for a in args)
-        g_a = g(x_a.view(-1, *event), *args_a)
-        if g_a.shape != (x_a.shape[0], *event):
+        g_x = g(x.view(-1, *event), *args_a)
+        if g_x.shape != (x.shape[0], *event):
             raise ValueError(
-                f"g must return the shape of its input {(x_a.shape[0], *event)}, "
-                f"got {tuple(g_a.shape)}"
+                f"g must return the shape of its input {(x.shape[0], *event)}, "
+                f"got {tuple(g_x.shape)}"
             )
-        image = y_a - g_a.reshape(x_a.shape)
-        step = (image - x_a).abs().amax(1)
+        image = y_a - g_x.reshape(x.shape)
+        step = (image - x).abs().amax(1)
         evaluations += 1
-
-        iterations[active] = k
-        residual[active] = step
-        out[active] = image
-        done = step < tolerance[active]  # False for NaN
-        converged[active] = done
-        x_next = image if mixer is None else mixer.step(active, x_a, image, step)
-        if everyone:
-            x = x_next
+        done = step < tol_a  # False for NaN
+        if solver == "anderson":
+            slow = _plain_is_slow(step, previous, tol_a)
+            if mixer is None and bool(slow.any()):
+                mixer = AndersonMixer(x.shape[0], x.shape[1], memory, x)
+            x = image if mixer is None else mixer.step(x, image, step, engage=slow)
         else:
-            x[active] = x_next
+            x = image
+        previous = step
 
         running = ~done & torch.isfinite(step)
-        if not bool(running.any()):
-            break
-        if not bool(running.all()):
-            active = active[running]
+        if k == max_iter or not bool(running.all()):
+            iterations[active] = k
+            residual[active] = step
+            converged[active] = done
+            out[active] = image
+            if not bool(running.any()):
+                break
+            active, x, y_a, tol_a = active[running], x[running], y_a[running], tol_a[running]
+            previous = previous[running]
+            args_a = tuple(a[running] for a in args_a)
+            if mixer is not None:
+                mixer.keep(running)
 
     stats = InverseStats(
         iterations=iterations, residual=residual, converged=converged, evaluations=evaluations
     )
     return out.view_as(y), stats
+
+
+def _plain_is_slow(step: Tensor, previous: Tensor, tol: Tensor) -> Tensor:
+    """Per sample: are plain steps predicted to need more than ``_PLAIN_BUDGET`` evaluations?
+
+    The prediction extrapolates the sample's last contraction ratio ``step / previous``
+    geometrically down to its tolerance. Anderson mixing only pays off beyond a few iterations,
+    and the decision depends on the sample alone, so results do not depend on the batch.
+
+    Returns:
+        Boolean tensor of the shape of ``step``.
+    """
+    ratio = (step / previous).clamp(max=1.0 - 1e-6)
+    remaining = torch.log(tol / step) / torch.log(ratio)
+    return remaining > _PLAIN_BUDGET
 
 
 def _check_arguments(
@@ -255,8 +287,9 @@ def _check_arguments(
     if not isinstance(y, Tensor) or not y.is_floating_point():
         raise TypeError(f"y must be a floating-point torch.Tensor, got {_describe(y)}")
     if y.dim() < 1 or y.shape[0] == 0 or y.numel() == 0:
-        raise ValueError(f"y must have shape (B, ...) with B >= 1 and no empty dimension, "
-                         f"got {tuple(y.shape)}")
+        raise ValueError(
+            f"y must have shape (B, ...) with B >= 1 and no empty dimension, got {tuple(y.shape)}"
+        )
     check_finite(y, "y")
     if not isinstance(args, tuple) or not all(isinstance(a, Tensor) for a in args):
         raise TypeError("args must be a tuple of tensors")
@@ -280,9 +313,10 @@ def _check_arguments(
     if x0 is not None:
         if not isinstance(x0, Tensor) or x0.dtype != y.dtype:
             raise TypeError(f"x0 must be a tensor of dtype {y.dtype}, got {_describe(x0)}")
+        if x0.device != y.device:
+            raise ValueError(f"x0 must be on the device of y ({y.device}), got {x0.device}")
         if x0.shape != y.shape:
-            raise ValueError(f"x0 must have the shape of y {tuple(y.shape)}, "
-                             f"got {tuple(x0.shape)}")
+            raise ValueError(f"x0 must have the shape of y {tuple(y.shape)}, got {tuple(x0.shape)}")
         check_finite(x0, "x0")
 
 

@@ -23,6 +23,8 @@ from iresflow.nn.base import LipschitzBranch
 
 __all__ = ["LogDetEstimator", "make_logdet"]
 
+_DTYPES = (torch.float32, torch.float64)
+
 
 class LogDetEstimator(ABC):
     r"""Computes :math:`g(x)` and :math:`\log\det(I + J_g(x))` for a residual branch :math:`g`.
@@ -52,15 +54,19 @@ class LogDetEstimator(ABC):
             ``x``'s device.
 
         Raises:
-            TypeError: ``branch`` is not a ``LipschitzBranch``, or ``x``/``mask`` have a wrong
-                dtype.
+            TypeError: ``branch`` is not a ``LipschitzBranch``, ``x``/``mask`` have a wrong
+                dtype, or ``x`` is not on the device/dtype of the branch parameters.
             ValueError: wrong shapes or non-finite values.
         """
         if not isinstance(branch, LipschitzBranch):
             raise TypeError(f"branch must be a LipschitzBranch, got {type(branch).__name__}")
-        x = check_sequence(x, "x", allow_2d=False)
-        if x.dtype not in (torch.float32, torch.float64):
+        if isinstance(x, Tensor) and x.is_floating_point() and x.dtype not in _DTYPES:
             raise TypeError(f"x must have dtype torch.float32 or torch.float64, got {x.dtype}")
+        # Checked here, on the caller's batch, rather than inside the branch on the repeated
+        # batches the engines build (whose shapes would appear in the message).
+        features = getattr(branch, "features", None)
+        like = next(branch.parameters(), None)
+        x = check_sequence(x, "x", features=features, allow_2d=False, like=like)
         mask = check_mask(mask, x)
         return self._estimate(branch, x, mask)
 

@@ -6,8 +6,9 @@ Every block is a composition of invertible maps (data to noise)
     X \;\to\; \mathrm{ActNorm} \;\to\; (\cdot) + f_{\rm attn}(\cdot + E)
       \;\to\; \mathrm{ActNorm} \;\to\; (\cdot) + f_{\rm ffn}(\cdot),
 
-with a contractive attention branch :math:`f_{\rm attn}` (certified in the :math:`\infty`-norm,
-MATH.md C, D or F) that sees a positional table :math:`E` added inside the branch, and a
+with a contractive attention branch :math:`f_{\rm attn}` (L2 attention certified in the
+:math:`\infty`-norm, MATH.md C, D; or LipschitzNorm attention certified in the 2-norm, MATH.md F)
+that sees a positional table :math:`E` added inside the branch, and a
 position-wise spectrally normalised LipSwish MLP :math:`f_{\rm ffn}` (MATH.md G6, G7). The noise
 :math:`Z` has a standard normal density over the real tokens, so by the change of variables
 (MATH.md G1)
@@ -84,9 +85,9 @@ class ResidualFlowTransformer(nn.Module):
     applied i.i.d. to every frame (the ablation without interactions between tokens).
 
     Branch certificates: the attention branch is ``coeff`` times the attention map divided by
-    its certified bound (:math:`\infty`-norm, MATH.md D/F); each of the three spectrally
-    normalised layers of the MLP branch gets ``coeff ** (1/3)``, so that the MLP branch is also
-    certified at ``coeff`` (2-norm). Every residual step is therefore invertible with
+    its certified bound (MATH.md D for L2 attention, F for LipschitzNorm); each of the three
+    spectrally normalised layers of the MLP branch gets ``coeff ** (1/3)``, so that the MLP
+    branch is also certified at ``coeff`` (2-norm). Every residual step is therefore invertible with
     :math:`\mathrm{lip}(g) \le` ``coeff`` ``< 1``.
 
     The flow from data to noise is :attr:`transform`, an nflows-compatible
@@ -218,17 +219,21 @@ class ResidualFlowTransformer(nn.Module):
             method: Log-determinant of the residual steps: ``None`` uses the configured training
                 estimator (``config["logdet"]``); ``"exact"`` the dense Jacobian of every step
                 (per-token ``D x D`` blocks for the MLP branches, the full ``(N D) x (N D)``
-                Jacobian for attention), processed in chunks of sequences; ``"roulette"`` the
-                unbiased Russian-roulette estimator (in ``eval()`` mode with 20 exact terms).
+                Jacobian for attention), evaluated in chunks of sequences of similar length with
+                the trailing padding common to a chunk removed (padding never changes a
+                density); ``"roulette"`` the unbiased Russian-roulette estimator (in ``eval()``
+                mode with 20 exact terms).
             n_samples: Number of independent estimates averaged (stochastic estimators only;
                 must be 1 for ``"exact"``).
             return_stderr: Also return the standard error of the average: the sample standard
                 deviation of the ``n_samples`` estimates over :math:`\sqrt{n}` (needs
                 ``n_samples >= 2`` for a stochastic estimator; zeros for ``"exact"``).
-            chunk_size: Sequences per chunk of the exact Jacobian. ``None`` chooses it so that
-                a chunk evaluates a branch on at most 4096 sequence copies
-                (``EXACT_COPIES_PER_CHUNK``), which keeps test sets with ``N D`` up to ~1000
-                within a few hundred MB.
+            chunk_size: Sequences per chunk of the exact method. ``None`` sizes every chunk so
+                that the attention Jacobian evaluates the branch on at most 4096 sequence
+                copies (``EXACT_COPIES_PER_CHUNK``, ``chunk * N * D``), which keeps test sets
+                with ``N D`` up to ~1000 within a few hundred MB when called under
+                ``torch.no_grad()``. (With grad mode on, the graphs of all chunks are kept for
+                the backward pass.)
 
         Returns:
             ``log_prob`` of shape ``(B,)``, or ``(log_prob, stderr)`` with ``return_stderr``.
@@ -249,10 +254,14 @@ class ResidualFlowTransformer(nn.Module):
         if return_stderr and not exact and n_samples < 2:
             raise ValueError("return_stderr needs n_samples >= 2 for a stochastic estimator")
 
-        estimates = []
-        for _ in range(n_samples):
-            z, logdet = self._cascade(x, mask, self._estimators(method, x, chunk_size))
-            estimates.append(_base_log_prob(z, mask) + logdet)
+        if exact:
+            estimates = [self._exact_log_prob(x, mask, chunk_size)]
+        else:
+            estimator = None if method is None else RouletteLogDet()
+            estimates = []
+            for _ in range(n_samples):
+                z, logdet = self._cascade(x, mask, estimator)
+                estimates.append(_base_log_prob(z, mask) + logdet)
         if n_samples == 1:
             value = estimates[0]
             stderr = torch.zeros_like(value)
@@ -447,35 +456,52 @@ class ResidualFlowTransformer(nn.Module):
             )
         return x, mask
 
-    def _estimators(
-        self, method: str | None, x: Tensor, chunk_size: int | None
-    ) -> dict[str, LogDetEstimator] | None:
-        """Per-call log-det estimators by branch kind (``None``: the configured ones)."""
-        if method is None:
-            return None
-        if method == "roulette":
-            estimator = RouletteLogDet()
-            return {"position_wise": estimator, "mixing": estimator}
-        n, d = x.shape[1], x.shape[2]
-        return {
-            "position_wise": ExactLogDet(chunk_size or max(1, EXACT_COPIES_PER_CHUNK // d)),
-            "mixing": ExactLogDet(chunk_size or max(1, EXACT_COPIES_PER_CHUNK // (n * d))),
-        }
+    def _exact_log_prob(self, x: Tensor, mask: Tensor | None, chunk_size: int | None) -> Tensor:
+        """Exact log-density in chunks of sequences sorted by length, trailing padding cut."""
+        batch, length, features = x.shape
+        if self.training and not all(
+            bool(step.initialized) for _, step in self._steps if isinstance(step, ActNorm)
+        ):
+            # Data-dependent ActNorm initialisation from the whole batch, not its first chunk.
+            with torch.no_grad():
+                self._cascade(x, mask, _MAP_ONLY)
+        if mask is None:
+            ends = [length] * batch
+        else:
+            positions = torch.arange(1, length + 1, device=x.device)
+            ends = (mask * positions).amax(1).tolist()  # one past the last real token
+        order = sorted(range(batch), key=ends.__getitem__)
+        estimator = ExactLogDet(chunk_size=None)
+        values, start = [], 0
+        while start < batch:
+            stop = start + 1
+            if chunk_size is not None:
+                stop = min(batch, start + chunk_size)
+            else:
+                while (stop < batch and (stop + 1 - start) * ends[order[stop]] * features
+                       <= EXACT_COPIES_PER_CHUNK):
+                    stop += 1
+            index = torch.tensor(order[start:stop], device=x.device)
+            n = ends[order[stop - 1]]
+            xc = x[index, :n]
+            mc = None if mask is None else mask[index, :n]
+            z, logdet = self._cascade(xc, mc, estimator)
+            values.append(_base_log_prob(z, mc) + logdet)
+            start = stop
+        inverse = torch.empty(batch, dtype=torch.long, device=x.device)
+        inverse[torch.tensor(order, device=x.device)] = torch.arange(batch, device=x.device)
+        return torch.cat(values)[inverse]
 
     def _cascade(
         self,
         x: Tensor,
         mask: Tensor | None,
-        estimators: dict[str, LogDetEstimator] | LogDetEstimator | None,
+        estimator: LogDetEstimator | None,
     ) -> tuple[Tensor, Tensor]:
+        """Data to noise through every step; ``estimator`` overrides the configured ones."""
         total = x.new_zeros(x.shape[0])
         for _, step in self._steps:
-            if isinstance(step, ResidualTransform) and estimators is not None:
-                if isinstance(estimators, LogDetEstimator):
-                    estimator = estimators
-                else:
-                    kind = "position_wise" if step.branch.position_wise else "mixing"
-                    estimator = estimators[kind]
+            if isinstance(step, ResidualTransform) and estimator is not None:
                 x, logdet = step(x, mask=mask, logdet=estimator)
             else:
                 x, logdet = step(x, mask=mask)

@@ -28,7 +28,12 @@ from torch import Tensor, nn
 
 from iresflow._validation import check_mask, check_sequence
 from iresflow.nn.base import LipschitzBranch
-from iresflow.nn.bounds import _is_transformed, l2_attention_bound
+from iresflow.nn.bounds import l2_attention_bound
+from iresflow.nn.linear import (
+    _check_coefficient,
+    _check_positive_int,
+    _under_functorch_transform,
+)
 from iresflow.nn.lipschitz_norm import (
     _check_positive,
     lipschitz_norm_scale,
@@ -53,12 +58,15 @@ class L2MultiheadAttention(nn.Module):
         F(X) = \big[P^1 X A_1 W^{V,1}, \dots, P^H X A_H W^{V,H}\big] W^O ,
 
     with :math:`A_h = W^{Q,h} W^{Q,h\top} / \sqrt{d_h}`. Tying :math:`W^K = W^Q` is what makes the
-    map Lipschitz (Kim Lemma F.1), so there is no key weight. Computed without the
+    map Lipschitz (Kim Lemma F.1), so there is no key weight; there are no biases either (the
+    Theorem 3.2 bound assumes none). Computed without the
     :math:`N \times N \times d_h` differences (MATH.md B): with :math:`Q^h = X W^{Q,h}` and
     :math:`s_j = \|q^h_j\|^2`, :math:`P^h = \mathrm{softmax}_{\mathrm{row}}((2 Q^h Q^{h\top} -
     \mathbf 1 s^\top) / \sqrt{d_h})` and the head output is
-    :math:`P^h Q^h (W^{Q,h\top} W^{V,h}) / \sqrt{d_h}`, cost :math:`O(N^2 D + N D^2)`. Its
-    Lipschitz bounds are :func:`iresflow.nn.bounds.lipschitz_bound`.
+    :math:`P^h Q^h (W^{Q,h\top} W^{V,h}) / \sqrt{d_h} = P^h X (A_h W^{V,h})`, whose value map
+    :math:`A_h W^{V,h}` (:math:`D \times d_h`) is formed through the :math:`d_h \times d_h` product
+    without :math:`A_h`; cost :math:`O(N^2 D + N D^2)`. Its Lipschitz bounds are
+    :func:`iresflow.nn.bounds.lipschitz_bound`.
 
     Args:
         dim: Token dimension ``D``.
@@ -83,7 +91,7 @@ class L2MultiheadAttention(nn.Module):
     def reset_parameters(self) -> None:
         """Draw every weight from :math:`U[-1/\\sqrt D, 1/\\sqrt D]` (``nn.Linear``'s default)."""
         for w in (self.w_query, self.w_value, self.w_out):
-            nn.init.uniform_(w, -self.dim**-0.5, self.dim**-0.5)
+            nn.init.uniform_(w, -(self.dim**-0.5), self.dim**-0.5)
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """Apply L2-MHA.
@@ -96,11 +104,14 @@ class L2MultiheadAttention(nn.Module):
             :math:`F(X)`, shape ``(B, N, D)``, zero at padded positions.
         """
         mask = _check_inputs(x, mask, self.w_query)
-        q = _split_heads(x @ self.w_query, self.heads)  # (B, H, N, d_h)
-        d_head = q.shape[-1]
-        wq = self.w_query.reshape(self.dim, self.heads, d_head).transpose(0, 1)
+        d_head = self.dim // self.heads
+        wq = self.w_query.reshape(self.dim, self.heads, d_head).transpose(0, 1)  # (H, D, d_h)
         wv = self.w_value.reshape(self.dim, self.heads, d_head).transpose(0, 1)
-        value = q @ (wq.transpose(1, 2) @ wv / math.sqrt(d_head))  # (B, H, N, d_h)
+        # Value map of head h: W^{Q,h} (W^{Q,h T} W^{V,h}) / sqrt(d_h) = A_h W^{V,h} (D x d_h),
+        # built from d_h x d_h products; all heads together form one (D, D) matrix.
+        w_qv = (wq @ (wq.transpose(1, 2) @ wv) / math.sqrt(d_head)).transpose(0, 1)
+        value = _split_heads(x @ w_qv.reshape(self.dim, self.dim), self.heads)
+        q = _split_heads(x @ self.w_query, self.heads)  # (B, H, N, d_h)
         sq = (q * q).sum(dim=-1, keepdim=True)
         # Augmented vectors: [2q_i, -1] . [q_j, |q_j|^2] = 2 q_i.q_j - |q_j|^2, i.e. the logits up
         # to the row constant -|q_i|^2, which cancels in the row softmax.
@@ -163,7 +174,7 @@ class DotProductMultiheadAttention(nn.Module):
     def reset_parameters(self) -> None:
         """Draw every weight from :math:`U[-1/\\sqrt D, 1/\\sqrt D]` (``nn.Linear``'s default)."""
         for w in (self.w_query, self.w_key, self.w_value, self.w_out):
-            nn.init.uniform_(w, -self.dim**-0.5, self.dim**-0.5)
+            nn.init.uniform_(w, -(self.dim**-0.5), self.dim**-0.5)
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """Apply dot-product MHA.
@@ -223,7 +234,7 @@ class ContractiveL2MultiheadAttention(LipschitzBranch):
         length: Literal["actual", "max"] = "actual",
     ) -> None:
         super().__init__()
-        _check_coeff(coeff)
+        coeff = _check_coefficient(coeff, strict=True)
         if norm not in ("inf", "2"):
             raise ValueError(f"norm must be 'inf' or '2', got {norm!r}")
         if length not in ("actual", "max"):
@@ -299,7 +310,7 @@ class ContractiveLipschitzNormAttention(LipschitzBranch):
 
     def __init__(self, dim: int, heads: int, coeff: float = 0.9, alpha: float = 1.0) -> None:
         super().__init__()
-        _check_coeff(coeff)
+        coeff = _check_coefficient(coeff, strict=True)
         self.attention = DotProductMultiheadAttention(dim, heads, "transformer", alpha)
         self.coeff = float(coeff)
 
@@ -351,8 +362,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) 
     ``(B, H, N, d)``. See the module docstring for the choice of path.
     """
     key_mask = None if mask is None else mask[:, None, None, :]
-    if torch.is_grad_enabled() or _is_transformed(q):
-        logits = (q @ k.transpose(-1, -2)) * scale
+    if torch.is_grad_enabled() or _under_functorch_transform():
+        logits = (q * scale) @ k.transpose(-1, -2)  # scaling q is cheaper than scaling logits
         if key_mask is not None:
             logits = logits.masked_fill(~key_mask, -math.inf)
         # torch.softmax subtracts the row maximum before exponentiating.
@@ -392,7 +403,7 @@ def _check_inputs(x: Tensor, mask: Tensor | None, weight: Tensor) -> Tensor | No
     Under ``torch.func`` transforms (the exact log-det engine calls branches inside
     ``vmap(jacrev(...))``) values cannot be inspected; the batch was validated before the transform.
     """
-    if _is_transformed(x) or (isinstance(mask, Tensor) and _is_transformed(mask)):
+    if _under_functorch_transform():
         return mask
     check_sequence(x, "x", features=weight.shape[0], allow_2d=False)
     if x.dtype != weight.dtype or x.device != weight.device:
@@ -404,14 +415,7 @@ def _check_inputs(x: Tensor, mask: Tensor | None, weight: Tensor) -> Tensor | No
 
 
 def _check_dims(dim: int, heads: int) -> None:
-    for name, value in (("dim", dim), ("heads", heads)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _check_positive_int(dim, "dim")
+    _check_positive_int(heads, "heads")
     if dim % heads != 0:
         raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads}")
-
-
-def _check_coeff(coeff: float) -> None:
-    if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not 0 < coeff < 1:
-        raise ValueError(f"coeff must be a float in (0, 1), got {coeff!r}")
-

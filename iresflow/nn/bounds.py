@@ -26,6 +26,8 @@ import torch
 from scipy.special import lambertw
 from torch import Tensor
 
+from iresflow.nn.linear import _check_positive_int, _under_functorch_transform
+
 if TYPE_CHECKING:
     from iresflow.nn.attention import L2MultiheadAttention
 
@@ -82,7 +84,7 @@ def phi_inv(y: float | Tensor) -> float | Tensor:
     if isinstance(y, Tensor):
         if not y.is_floating_point():
             y = y.to(torch.get_default_dtype())
-        if not _is_transformed(y):
+        if not _under_functorch_transform():
             if not bool(torch.isfinite(y).all()):
                 raise ValueError("y contains NaN or Inf values")
             if bool((y < 0).any()):
@@ -131,8 +133,7 @@ def l2_attention_bound(
         tensor(5.1111, dtype=torch.float64)
     """
     norm = _check_p(p)
-    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
-        raise ValueError(f"heads must be a positive int, got {heads!r}")
+    _check_positive_int(heads, "heads")
     for name, w in (("w_query", w_query), ("w_value", w_value), ("w_out", w_out)):
         if not isinstance(w, Tensor) or w.dim() != 2 or w.shape[0] != w.shape[1]:
             shape = tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__
@@ -190,15 +191,6 @@ def lipschitz_bound(
     return l2_attention_bound(attn.w_query, attn.w_value, attn.w_out, attn.heads, seq_len, p)
 
 
-def _is_transformed(x: Tensor) -> bool:
-    """Whether ``x`` is wrapped by a ``torch.func`` transform (vmap, grad, jvp, ...).
-
-    Inside such transforms tensor values cannot be inspected (no ``bool(tensor)``), so value checks
-    are left to the caller that validated the batch before transforming it.
-    """
-    return torch._C._functorch.is_functorch_wrapped_tensor(x)
-
-
 def _phi_inv_tensor(y: Tensor) -> Tensor:
     """``W_0(y / e)`` for a floating tensor ``y >= 0`` without value checks (vmap-safe)."""
     z = y / math.e
@@ -218,12 +210,11 @@ def _length_term(seq_len: int | Tensor, like: Tensor) -> Tensor:
     r""":math:`\varphi^{-1}(N - 1)` as a tensor with ``like``'s dtype and device."""
     if isinstance(seq_len, Tensor):
         n = seq_len.to(dtype=like.dtype, device=like.device)
-        if not _is_transformed(n) and not bool((n >= 1).all()):
+        # Values cannot be inspected under torch.func transforms; the caller validated them.
+        if not _under_functorch_transform() and not bool((n >= 1).all()):
             raise ValueError("seq_len must be >= 1 everywhere")
         return _phi_inv_tensor(n - 1)
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive int or a tensor of lengths, got {seq_len!r}")
-    return like.new_tensor(phi_inv(float(seq_len - 1)))
+    return like.new_tensor(phi_inv(float(_check_positive_int(seq_len, "seq_len") - 1)))
 
 
 def _check_p(p: object) -> Literal["inf", "2"]:

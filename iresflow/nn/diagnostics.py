@@ -17,6 +17,7 @@ from torch import Tensor
 
 from iresflow._validation import check_sequence
 from iresflow.nn.bounds import _check_p
+from iresflow.nn.linear import _check_positive_int
 
 __all__ = ["LipschitzEstimate", "empirical_lipschitz", "jacobian_norm"]
 
@@ -108,15 +109,12 @@ def empirical_lipschitz(
     check_sequence(x, "x")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be a non-negative int, got {steps!r}")
-    if isinstance(power_iterations, bool) or not isinstance(power_iterations, int):
-        raise ValueError(f"power_iterations must be a positive int, got {power_iterations!r}")
-    if power_iterations < 1:
-        raise ValueError(f"power_iterations must be a positive int, got {power_iterations!r}")
+    _check_positive_int(power_iterations, "power_iterations")
     if not isinstance(lr, (int, float)) or not lr > 0:
         raise ValueError(f"lr must be a positive float, got {lr!r}")
 
     point = x.detach().clone().requires_grad_(True)
-    optimizer = torch.optim.Adam([point], lr=lr)
+    optimizer = torch.optim.Adam([point], lr=lr)  # Adam maximises via the negated norm
     best = torch.full(x.shape[:1], -torch.inf, dtype=x.dtype, device=x.device)
     best_inputs = x.detach().clone()
     if p == "2":
@@ -135,9 +133,10 @@ def empirical_lipschitz(
         best_inputs = torch.where(_expand(better, x), point.detach(), best_inputs)
         if step == steps:
             break
-        optimizer.zero_grad()
-        (-norm.sum()).backward()
-        optimizer.step()
+        if norm.requires_grad:  # False when J does not depend on X (affine f)
+            # Gradient w.r.t. the input only: parameters of f are left untouched.
+            (point.grad,) = torch.autograd.grad(-norm.sum(), point)
+            optimizer.step()
     return LipschitzEstimate(best.max(), best, best_inputs)
 
 
@@ -158,11 +157,12 @@ def _per_sample_jacobian(f: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
 
 def _power_iteration(f: Callable[[Tensor], Tensor], x: Tensor, v: Tensor, steps: int) -> Tensor:
     """``steps`` power-iteration steps ``v <- J^T J v / ||J^T J v||`` per sample."""
-    _, vjp_fn = torch.func.vjp(f, x)
-    for _ in range(steps):
-        _, jv = torch.func.jvp(f, (x,), (v,))
-        (jtjv,) = vjp_fn(jv)
-        v = _normalize(jtjv, fallback=v)
+    with torch.no_grad():  # no graph to the parameters of f
+        _, vjp_fn = torch.func.vjp(f, x)
+        for _ in range(steps):
+            _, jv = torch.func.jvp(f, (x,), (v,))
+            (jtjv,) = vjp_fn(jv)
+            v = _normalize(jtjv, fallback=v)
     return v
 
 
@@ -177,4 +177,3 @@ def _normalize(v: Tensor, fallback: Tensor | None = None) -> Tensor:
 def _expand(per_sample: Tensor, like: Tensor) -> Tensor:
     """Reshape a ``(B,)`` tensor to broadcast against ``like`` ``(B, ...)``."""
     return per_sample.reshape((-1,) + (1,) * (like.dim() - 1))
-

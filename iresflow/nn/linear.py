@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from iresflow._validation import check_dtype_device
+
 __all__ = ["InfNormLinear", "SpectralLinear"]
 
 
@@ -121,6 +123,11 @@ class _NormalizedLinear(nn.Module, ABC):
 
         Returns:
             Output of shape ``(..., out_features)``.
+
+        Raises:
+            TypeError: ``x`` is not a floating-point tensor of the dtype and device of
+                ``weight``.
+            ValueError: the last dimension of ``x`` is not ``in_features``.
         """
         if not isinstance(x, Tensor) or not x.is_floating_point():
             raise TypeError(
@@ -129,6 +136,7 @@ class _NormalizedLinear(nn.Module, ABC):
             )
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x must have shape (..., {self.in_features}), got {tuple(x.shape)}")
+        check_dtype_device(x, self.weight, "x")
         return F.linear(x, self.weight_normalized(), self.bias)
 
     def extra_repr(self) -> str:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from iresflow._validation import check_sequence
-from iresflow.nn.bounds import _is_transformed
+from iresflow.nn.linear import _check_positive_int, _under_functorch_transform
 
 __all__ = [
     "LinearScoreAttention",
@@ -126,10 +126,14 @@ def softmax_norm_bound(alpha: float, seq_len: int | Tensor, queries: int | None 
         tensor(1., dtype=torch.float64)
     """
     _check_positive(alpha, "alpha")
-    n = seq_len if isinstance(seq_len, Tensor) else torch.tensor(_check_count(seq_len, "seq_len"))
+    n = (
+        seq_len
+        if isinstance(seq_len, Tensor)
+        else torch.tensor(_check_positive_int(seq_len, "seq_len"))
+    )
     if not n.is_floating_point():
         n = n.to(torch.float64)
-    m = n if queries is None else _check_count(queries, "queries")
+    m = n if queries is None else _check_positive_int(queries, "queries")
     e = math.exp(2 * alpha)
     return torch.sqrt(m * e / (e + n - 1))
 
@@ -269,8 +273,8 @@ class LinearScoreAttention(nn.Module):
 
     def __init__(self, dim: int, queries: int, alpha: float = 1.0) -> None:
         super().__init__()
-        _check_count(dim, "dim")
-        _check_count(queries, "queries")
+        _check_positive_int(dim, "dim")
+        _check_positive_int(queries, "queries")
         _check_positive(alpha, "alpha")
         self.alpha = float(alpha)
         self.query = nn.Parameter(torch.empty(queries, dim))
@@ -311,7 +315,7 @@ class LinearScoreAttention(nn.Module):
         return torch.softmax(g, dim=-1) @ x
 
     def _check(self, x: Tensor, adjacency: Tensor | None) -> Tensor | None:
-        if _is_transformed(x):
+        if _under_functorch_transform():
             return adjacency
         check_sequence(x, "x", features=self.query.shape[1], allow_2d=False)
         if adjacency is None:
@@ -333,15 +337,9 @@ def _check_adjacency(adjacency: object) -> Tensor:
         raise TypeError("adjacency must be a torch.bool tensor of shape (..., m, n)")
     if adjacency.dim() < 2:
         raise ValueError(f"adjacency must have shape (..., m, n), got {tuple(adjacency.shape)}")
-    if not _is_transformed(adjacency) and not bool(adjacency.any(dim=-1).all()):
+    if not _under_functorch_transform() and not bool(adjacency.any(dim=-1).all()):
         raise ValueError("adjacency has a query with an empty neighbourhood")
     return adjacency
-
-
-def _check_count(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def _check_positive(value: object, name: str) -> None:

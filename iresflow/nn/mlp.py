@@ -111,9 +111,14 @@ class LipschitzMLP(LipschitzBranch):
 
         Returns:
             ``g(x)`` with the shape of ``x``, exactly zero at padded positions.
+
+        Raises:
+            TypeError: ``x`` is not a floating-point tensor of the parameters' dtype and device,
+                or ``mask`` is not boolean.
+            ValueError: wrong shape, empty dimension, NaN/Inf, or an all-padding sequence.
         """
-        if not torch._C._functorch.is_functorch_wrapped_tensor(x):
-            check_sequence(x, "x", features=self.features)
+        if not (isinstance(x, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x)):
+            check_sequence(x, "x", features=self.features, like=self.net[0].weight)
             mask = check_mask(mask, x)
         out = self.net(x)
         if mask is not None:

@@ -9,8 +9,10 @@ which refuses any pickled object other than plain data: opening a checkpoint nev
 A training checkpoint (written by :mod:`iresflow.train.loop`) holds the keys ``format``,
 ``config`` (the :class:`~iresflow.train.config.TrainConfig` as a dict), ``model_config`` (the
 model's constructor arguments), ``model``, ``ema`` (or ``None``), ``optimizer``, ``scheduler``,
-``rng`` (every random state as a tensor), ``epoch``, ``best_epoch``, ``best_metric`` and
-``bad_epochs``.
+``rng`` (every random state as a tensor: torch's global CPU generator, the CUDA generator of the
+training device, the minibatch-order and the log-determinant generators; iresflow draws no
+numbers from Python's ``random`` or NumPy), ``epoch``, ``best_epoch``, ``best_metric``,
+``bad_epochs`` and ``history`` (the metrics of every epoch).
 """
 
 from __future__ import annotations

@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESUMABLE_FIELDS", "ConfigError", "TrainConfig", "read_toml"]
+__all__ = ["DEVICE_PATTERN", "RESUMABLE_FIELDS", "ConfigError", "TrainConfig", "read_toml"]
 
 # Settings that may change when a run is resumed; every other one must match the checkpoint.
 RESUMABLE_FIELDS = frozenset({"epochs", "patience", "device", "tensorboard", "max_eval"})
 
-_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+#: Accepted spellings of the ``device`` setting.
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 class ConfigError(ValueError):
@@ -132,7 +133,7 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
         if self.patience < 0:
             raise ConfigError(f"patience must be >= 0 (0: never stop early), got {self.patience}")
-        if not _DEVICE.match(self.device):
+        if not DEVICE_PATTERN.match(self.device):
             raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
         if not self.data:
             raise ConfigError("data must name a dataset or a file")
@@ -225,6 +226,10 @@ def read_toml(text: str, source: str = "<string>") -> dict[str, Any]:
 
     Raises:
         ConfigError: invalid TOML, or Python 3.10 without ``tomli``.
+
+    Example:
+        >>> read_toml("lr = 1e-3")
+        {'lr': 0.001}
     """
     if sys.version_info >= (3, 11):
         import tomllib as toml

@@ -216,7 +216,8 @@ def write_plots(run: LoadedRun, *, seed: int = 0) -> list[Path]:
 
     ``learning_curves.png`` (NLL and learning rate per epoch), ``samples.png`` (test sequences
     and model samples as per-feature traces) and ``marginals.png`` (per-feature histograms of
-    test frames and sampled frames), all in the data's original units.
+    all test frames and of the frames of :data:`PLOT_SAMPLES` sampled sequences), all in the
+    data's original units.
 
     Args:
         run: A loaded run.
@@ -226,18 +227,15 @@ def write_plots(run: LoadedRun, *, seed: int = 0) -> list[Path]:
         The paths written.
     """
     test = run.dataset.test
-    num = min(PLOT_SAMPLES, len(test))
-    samples = sample_run(run, num, seed=seed)
-    real = run.dataset.to_raw(test.x[:num], test.mask[:num])
+    samples = sample_run(run, PLOT_SAMPLES, seed=seed)
+    real = run.dataset.to_raw(test.x, test.mask)
     folder = run.paths.plots
     written = [] if not run.history else [
-        plot_learning_curves(run.history, folder / "learning_curves.png")
+        plot_learning_curves(run.history, folder / "learning_curves.png", unit=run.dataset.unit)
     ]
+    written.append(plot_traces(real, test.mask, samples.x, samples.mask, folder / "samples.png"))
     written.append(
-        plot_traces(real, test.mask[:num], samples.x, samples.mask, folder / "samples.png")
-    )
-    written.append(
-        plot_marginals(real, test.mask[:num], samples.x, samples.mask, folder / "marginals.png")
+        plot_marginals(real, test.mask, samples.x, samples.mask, folder / "marginals.png")
     )
     return written
 

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,10 +39,11 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
+from iresflow.inverse.fixed_point import InversionError
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.checkpoint import load_checkpoint, save_checkpoint
-from iresflow.train.config import ConfigError, TrainConfig
+from iresflow.train.config import DEVICE_PATTERN, ConfigError, TrainConfig
 
 __all__ = [
     "ExponentialMovingAverage",
@@ -75,6 +77,10 @@ class RunPaths:
 
     Attributes:
         root: The run folder.
+
+    Example:
+        >>> RunPaths(Path("runs/vowels")).best.as_posix()
+        'runs/vowels/checkpoints/best.pt'
     """
 
     root: Path
@@ -164,7 +170,7 @@ class ExponentialMovingAverage:
         >>> model = nn.Linear(2, 1)
         >>> ema = ExponentialMovingAverage(model, decay=0.5)
         >>> with torch.no_grad():
-        ...     model.bias.fill_(1.0)
+        ...     _ = model.bias.fill_(1.0)
         >>> shadow = ema.shadow["bias"].clone()
         >>> ema.update(model)
         >>> torch.allclose(ema.shadow["bias"], (shadow + 1.0) / 2)
@@ -218,12 +224,14 @@ def resolve_device(name: str) -> torch.device:
     """Turn ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` into an available device.
 
     Raises:
-        ConfigError: CUDA was requested but is not available.
+        ConfigError: an unknown device, or CUDA requested but not available.
 
     Example:
         >>> resolve_device("cpu")
         device(type='cpu')
     """
+    if not DEVICE_PATTERN.match(name):
+        raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {name!r}")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
@@ -233,27 +241,36 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_data(config: TrainConfig) -> SequenceDataset:
-    """Load the dataset of a configuration, cut to ``max_train``/``max_eval`` sequences.
+    """Load the dataset of a configuration, with random subsets of ``max_train``/``max_eval``.
 
     Raises:
         ConfigError: unknown dataset, missing or malformed file (the message of
             :func:`~iresflow.data.datasets.load_dataset`).
+
+    Example:
+        >>> dataset = load_data(TrainConfig(max_train=10, max_eval=5))
+        >>> len(dataset.train), len(dataset.val), len(dataset.test)
+        (10, 5, 5)
     """
     try:
         dataset = load_dataset(config.data, seed=config.seed, val_fraction=config.val_fraction)
     except (ValueError, OSError, ImportError) as error:
         raise ConfigError(f"cannot load dataset {config.data!r}: {error}") from None
 
-    def head(split: SequenceSplit, limit: int | None) -> SequenceSplit:
+    generator = torch.Generator().manual_seed(config.seed)
+
+    def subset(split: SequenceSplit, limit: int | None) -> SequenceSplit:
+        # A random subset: the splits of some datasets are ordered (e.g. by speaker).
         if limit is None or limit >= len(split):
             return split
-        return SequenceSplit(split.x[:limit], split.mask[:limit], split.log_jacobian[:limit])
+        index = torch.randperm(len(split), generator=generator)[:limit].sort().values
+        return SequenceSplit(split.x[index], split.mask[index], split.log_jacobian[index])
 
     return dataclasses.replace(
         dataset,
-        train=head(dataset.train, config.max_train),
-        val=head(dataset.val, config.max_eval),
-        test=head(dataset.test, config.max_eval),
+        train=subset(dataset.train, config.max_train),
+        val=subset(dataset.val, config.max_eval),
+        test=subset(dataset.test, config.max_eval),
     )
 
 
@@ -263,6 +280,11 @@ def build_model(config: TrainConfig, dataset: SequenceDataset) -> ResidualFlowTr
     Raises:
         ConfigError: settings the model rejects for this dataset, e.g. heads that do not divide
             the number of features.
+
+    Example:
+        >>> config = TrainConfig(n_blocks=1, hidden=8)
+        >>> build_model(config, load_data(config)).config["max_len"]
+        29
     """
     if config.max_len is not None and config.max_len < dataset.max_len:
         raise ConfigError(
@@ -300,7 +322,7 @@ def split_log_prob(
         model: The flow (its device is used).
         split: Sequences ``(B, N, D)`` with their mask.
         method: ``"exact"`` or ``"roulette"``.
-        n_samples: Roulette estimates averaged per sequence.
+        n_samples: Roulette estimates averaged per sequence (ignored by the exact method).
         batch_size: Sequences per forward pass.
 
     Returns:
@@ -314,13 +336,15 @@ def split_log_prob(
     with torch.no_grad():  # the estimators enable gradients where they need them
         for index in torch.arange(len(split)).split(batch_size):
             x, mask = _batch(split, index, device)
-            if method == "roulette" and n_samples > 1:
+            if method == "exact":
+                value = model.log_prob(x, mask, method="exact")
+            elif n_samples == 1:
+                value = model.log_prob(x, mask, method="roulette")
+            else:
                 value, error = model.log_prob(
-                    x, mask, method=method, n_samples=n_samples, return_stderr=True
+                    x, mask, method="roulette", n_samples=n_samples, return_stderr=True
                 )
                 errors.append(error)
-            else:
-                value = model.log_prob(x, mask, method=method, n_samples=n_samples)
             values.append(value)
     log_prob = torch.cat(values).double().cpu()
     stderr = torch.cat(errors).double().cpu() if errors else None
@@ -344,7 +368,7 @@ def train(
             :data:`~iresflow.train.config.RESUMABLE_FIELDS` (e.g. ``epochs``) may differ from
             the checkpoint's.
         overwrite: Replace an existing run in ``run_dir``.
-        progress: Show a progress bar and one summary line per epoch.
+        progress: Show a progress bar (on a terminal) and one summary line per epoch (stderr).
 
     Returns:
         A :class:`TrainResult`.
@@ -356,14 +380,16 @@ def train(
         TrainingDivergedError: the loss became non-finite.
     """
     paths = RunPaths(Path(run_dir))
-    state = _prepare_folder(paths, config, resume=resume, overwrite=overwrite)
     device = resolve_device(config.device)
     if device.type == "cuda":  # deterministic cuBLAS; must be set before the first CUDA matmul
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    with _deterministic_algorithms():
-        dataset = load_data(config)
+    dataset = load_data(config)
+    # The run owns torch's global generators while it trains; the caller's are restored after.
+    devices = [device] if device.type == "cuda" else []
+    with _deterministic_algorithms(), torch.random.fork_rng(devices=devices):
         torch.manual_seed(config.seed)
-        model = build_model(config, dataset).to(device)
+        model = build_model(config, dataset).to(device)  # settings checked before any deletion
+        state = _prepare_folder(paths, config, resume=resume, overwrite=overwrite)
         session = _Session(config, dataset, model, device)
         if state is not None:
             session.restore(state)
@@ -470,31 +496,32 @@ class _Session:
                     leave=False,
                 )
                 row = self.train_epoch(bar)
+                bar.set_postfix_str(f"train {row['train_nll']:.4g}, validating")
                 row.update(self.validate())
-                bar.set_postfix(
-                    loss=f"{row['train_nll']:.4g}", val=f"{row['val_nll']:.4g}",
-                    inverse_it=int(row["inverse_iterations"]),
-                )
-                bar.close()
+                bar.close()  # the summary line below replaces it
                 self.advance(row)
                 self.history.append(row)
-                save_checkpoint(self.state(), paths.last)
+                state = self.state()
+                save_checkpoint(state, paths.last)
                 if self.best_epoch == self.epoch:
-                    shutil.copyfile(paths.last, paths.best)
+                    save_checkpoint(state, paths.best)
                 _write_metrics(paths, self.history)
                 if writer is not None:
                     for key, value in row.items():
                         if key != "epoch":
                             writer.add_scalar(key, value, self.epoch)
                     writer.flush()
-                if progress:
-                    tqdm.write(_summary(row, config.epochs))
+                if progress:  # stderr: unbuffered, so logs of background runs stay current
+                    tqdm.write(_summary(row, config.epochs), file=sys.stderr)
                 stopped_early = config.patience > 0 and self.bad_epochs >= config.patience
         finally:
             if writer is not None:
                 writer.close()
         if progress and stopped_early:
-            tqdm.write(f"early stop: no better validation NLL for {config.patience} epochs")
+            tqdm.write(
+                f"early stop: no better validation NLL for {config.patience} epochs",
+                file=sys.stderr,
+            )
         return TrainResult(
             paths, self.epoch, self.best_epoch, self.best_metric, stopped_early, self.history
         )
@@ -520,6 +547,8 @@ class _Session:
                 self.ema.update(self.model)
             log_prob[index] = batch_log_prob.detach().double().cpu()
             bar.update()
+            if not bar.disable and bar.n % 10 == 1:  # a host sync, so only now and then
+                bar.set_postfix(loss=f"{float(loss):.4g}")
         norms = torch.stack(grad_norms)
         if not bool(torch.isfinite(log_prob).all()):
             raise TrainingDivergedError(
@@ -576,13 +605,20 @@ def _inverse_check(
     x, mask = _batch(split, torch.arange(min(INVERSE_CHECK_SEQUENCES, len(split))), device)
     model.eval()
     with torch.no_grad():
-        x_back = model.inverse(model.transform_to_noise(x, mask), mask)
+        z = model.transform_to_noise(x, mask)
+        try:
+            x_back = model.inverse(z, mask)
+        except InversionError as error:  # reported in the metrics; training goes on
+            return {
+                "inverse_iterations": float(error.iterations.max()),
+                "inverse_residual": float(error.residual.max()),
+                "reconstruction_error": math.inf,
+            }
     diagnostics = model.inverse_diagnostics()
-    error = (x_back - x)[mask].abs().max()
     return {
         "inverse_iterations": float(diagnostics["max_iterations"]),
         "inverse_residual": float(diagnostics["max_residual"]),
-        "reconstruction_error": float(error),
+        "reconstruction_error": float((x_back - x)[mask].abs().max()),
     }
 
 

@@ -98,7 +98,7 @@ class ActNorm(SequenceTransform):
         return self._finish(inputs, outputs, mask, -self.log_scale.sum())
 
     def _check(self, inputs: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        inputs = check_sequence(inputs, "inputs", features=self.features)
+        inputs = check_sequence(inputs, "inputs", features=self.features, like=self.shift)
         return inputs, check_mask(mask, inputs)
 
     @staticmethod

@@ -38,7 +38,10 @@ class ResidualTransform(SequenceTransform):
 
     ``inverse`` is meant for sampling and evaluation: it runs without gradient tracking and its
     outputs are detached. The diagnostics of the last call are kept in
-    :attr:`last_inverse_stats`.
+    :attr:`last_inverse_stats`. Invert in evaluation mode (``.eval()``): in training mode a
+    branch may update buffers in every evaluation (the power iteration of
+    :class:`~iresflow.nn.linear.SpectralLinear`), so the map would drift slightly, by the
+    power-iteration lag, during the fixed-point iteration.
 
     Args:
         branch: The residual branch; its certificate :meth:`~LipschitzBranch.lipschitz_constant`

@@ -1,0 +1,295 @@
+"""Checks of the results-table baselines (benchmarks/baselines) and of the table logic."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import multivariate_normal
+from torchdiffeq import odeint
+
+from benchmarks.baselines.cnf import CNF, exact_divergence, hutchinson_divergence
+from benchmarks.baselines.common import sample_mask
+from benchmarks.baselines.gaussian import FrameGaussian, SequenceGaussian, fit_gaussian
+from benchmarks.baselines.nflows_models import frame_maf, sequence_maf, sequence_realnvp
+from benchmarks.baselines.training import batch_of, fit_model, split_log_prob
+from benchmarks.results import (
+    END,
+    START,
+    replace_between_markers,
+    summarize,
+    target_check,
+)
+from iresflow.data.datasets import SequenceSplit
+from tests.oracles import finite_difference_grad, jacobian, jacobian_logdet
+
+MASK = torch.tensor([[True, True, True], [True, False, False], [True, True, False]])
+
+
+def _split(x: torch.Tensor, mask: torch.Tensor | None = None) -> SequenceSplit:
+    if mask is None:
+        mask = torch.ones(x.shape[:2], dtype=torch.bool)
+    x = torch.where(mask[..., None], x, 0.0)
+    return SequenceSplit(x, mask, torch.zeros(x.shape[0], dtype=torch.float64))
+
+
+def _tol(dtype: torch.dtype) -> float:
+    """Relative tolerance of a float64 oracle comparison in ``dtype``."""
+    return 1e-10 if dtype == torch.float64 else 1e-4
+
+
+def _tiny_cnf(dtype: torch.dtype, **kwargs: object) -> CNF:
+    cnf = CNF(2, max_len=3, hidden=8, heads=2, **kwargs).to(dtype)
+    with torch.no_grad():  # leave the identity start: a field with real structure
+        for p in cnf.field.out.parameters():
+            p.normal_(0.0, 0.5)
+    return cnf
+
+
+# ------------------------------------------------------------------------------------------------
+# Gaussians
+
+
+def test_fit_gaussian_is_the_mle_with_ridge(dtype: torch.dtype) -> None:
+    v = torch.randn(50, 3, dtype=dtype) @ torch.randn(3, 3, dtype=dtype)
+    mean, tril = fit_gaussian(v, ridge=0.1)
+    ref = v.numpy()
+    np.testing.assert_allclose(mean.numpy(), ref.mean(0), atol=_tol(dtype))
+    np.testing.assert_allclose((tril @ tril.T).numpy(),
+                               np.cov(ref.T, bias=True) + 0.1 * np.eye(3), rtol=_tol(dtype))
+
+
+def test_frame_gaussian_matches_scipy(dtype: torch.dtype) -> None:
+    x = torch.randn(3, 3, 2, dtype=dtype) @ torch.tensor([[1.0, 0.5], [0.0, 2.0]], dtype=dtype)
+    model = FrameGaussian(2, max_len=3, ridge=1e-3).fit(x, MASK)
+    frames = x[MASK].numpy()
+    ref = multivariate_normal(frames.mean(0), np.cov(frames.T, bias=True) + 1e-3 * np.eye(2))
+    expected = [ref.logpdf(x[b][MASK[b]].numpy()).sum() for b in range(3)]
+    garbage = torch.where(MASK[..., None], x, 1e3)  # padded values must not matter
+    np.testing.assert_allclose(model.log_prob(garbage, MASK).numpy(), expected, rtol=_tol(dtype))
+    assert model.num_parameters == 2 + 3
+
+
+def test_sequence_gaussian_matches_scipy(dtype: torch.dtype) -> None:
+    x = torch.randn(40, 2, 2, dtype=dtype).cumsum(1)  # correlated positions
+    model = SequenceGaussian(2, 2, ridge=1e-4).fit(x)
+    flat = x.reshape(40, 4).numpy()
+    ref = multivariate_normal(flat.mean(0), np.cov(flat.T, bias=True) + 1e-4 * np.eye(4))
+    np.testing.assert_allclose(model.log_prob(x).numpy(), ref.logpdf(flat), rtol=_tol(dtype))
+    with pytest.raises(ValueError, match="fixed-length"):
+        model.log_prob(x[:3, :, :], torch.tensor([[True, False]] * 3))
+
+
+def test_gaussian_samples_have_the_fitted_moments() -> None:
+    x = torch.randn(400, 2, 2, dtype=torch.float64) * torch.tensor([1.0, 3.0], dtype=torch.float64)
+    model = SequenceGaussian(2, 2).fit(x)
+    samples, mask = model.sample(20000, seq_len=2, generator=torch.Generator().manual_seed(1))
+    cov = torch.cov(samples.reshape(-1, 4).T)
+    fitted = model.scale_tril @ model.scale_tril.T
+    assert mask.all()
+    assert torch.allclose(cov, fitted, atol=0.15)  # 20000 draws: s.e. of a variance of 9 ~ 0.09
+
+
+# ------------------------------------------------------------------------------------------------
+# nflows wrappers
+
+
+def test_frame_maf_sums_real_frames_only(dtype: torch.dtype) -> None:
+    model = frame_maf(2, max_len=3, hidden=8, n_layers=2).to(dtype)
+    x = torch.randn(3, 3, 2, dtype=dtype)
+    expected = torch.stack([model.flow.log_prob(x[b][MASK[b]]).sum() for b in range(3)])
+    garbage = torch.where(MASK[..., None], x, 1e3)
+    torch.testing.assert_close(model.log_prob(garbage, MASK), expected)
+    samples, mask = model.sample(3, lengths=torch.tensor([3, 1, 2]))
+    assert torch.equal(mask, MASK) and bool((samples[~mask] == 0).all())
+
+
+@pytest.mark.parametrize("build", [sequence_maf, sequence_realnvp])
+def test_flattened_flows_use_vec_x(build, dtype: torch.dtype) -> None:
+    model = build(3, 2, hidden=8, n_layers=2).to(dtype)
+    x = torch.randn(4, 3, 2, dtype=dtype)
+    torch.testing.assert_close(model.log_prob(x), model.flow.log_prob(x.reshape(4, 6)))
+    with pytest.raises(ValueError, match="fixed-length"):
+        model.log_prob(x[:3], MASK)
+    assert model.sample(2, seq_len=3)[0].shape == (2, 3, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# CNF
+
+
+def test_exact_divergence_is_the_jacobian_trace(dtype: torch.dtype) -> None:
+    field = _tiny_cnf(dtype).field
+    x = torch.randn(3, 3, 2, dtype=dtype, requires_grad=True)
+    t = torch.tensor(0.3, dtype=dtype)
+    for mask in (None, MASK):
+        div = exact_divergence(field(t, x, mask), x)
+        jac = jacobian(lambda xb, mb: field(t, xb, mb), x.detach(), mask)
+        torch.testing.assert_close(div, jac.diagonal(dim1=1, dim2=2).sum(-1))
+
+
+def test_vector_field_respects_the_mask(dtype: torch.dtype) -> None:
+    field = _tiny_cnf(dtype).field
+    x = torch.randn(3, 3, 2, dtype=dtype)
+    t = torch.tensor(0.7, dtype=dtype)
+    v = field(t, x, MASK)
+    assert bool((v[~MASK] == 0).all())
+    moved = torch.where(MASK[..., None], x, torch.randn_like(x) * 10)
+    torch.testing.assert_close(field(t, moved, MASK), v)
+
+
+def test_hutchinson_divergence_is_unbiased(dtype: torch.dtype) -> None:
+    field = _tiny_cnf(dtype).field
+    t = torch.tensor(0.5, dtype=dtype)
+    copies = 4000
+    x = torch.randn(1, 3, 2, dtype=dtype).expand(copies, 3, 2).clone().requires_grad_(True)
+    v = field(t, x)
+    probe = torch.randint(0, 2, x.shape, dtype=dtype) * 2 - 1
+    estimates = hutchinson_divergence(v, x, probe)
+    x0 = x[:1].detach().requires_grad_(True)
+    exact = exact_divergence(field(t, x0), x0)[0]
+    assert float(estimates.std()) > 0  # the probes do vary
+    z = (estimates.mean() - exact) / (estimates.std() / math.sqrt(copies))
+    assert abs(float(z)) < 4
+
+
+def test_cnf_log_prob_matches_change_of_variables(dtype: torch.dtype) -> None:
+    if dtype != torch.float64:
+        pytest.skip("tight ODE tolerances need float64")
+    cnf = _tiny_cnf(dtype, eval_tol=1e-8).eval()
+    x, mask = torch.randn(2, 3, 2, dtype=dtype), MASK[1:]
+    times = torch.tensor([0.0, 1.0], dtype=dtype)
+
+    def flow_map(xb: torch.Tensor, mb: torch.Tensor | None) -> torch.Tensor:
+        velocity = lambda t, z: cnf.field(t, z, mb)  # noqa: E731
+        return odeint(velocity, xb, times, rtol=1e-8, atol=1e-8, method="dopri5")[-1]
+
+    z = torch.cat([flow_map(x[b : b + 1], mask[b : b + 1]) for b in range(2)])
+    base = torch.distributions.Normal(0.0, 1.0).log_prob(z).sum(-1)
+    expected = (base * mask).sum(-1) + jacobian_logdet(flow_map, x, mask)
+    with torch.no_grad():
+        torch.testing.assert_close(cnf.log_prob(x, mask, exact=True), expected, atol=1e-6,
+                                   rtol=0)
+
+
+def test_cnf_adjoint_gradient_matches_finite_differences(dtype: torch.dtype) -> None:
+    if dtype != torch.float64:
+        pytest.skip("finite differences need float64")
+    # with a mask: the adjoint pass re-evaluates the masked dynamics after log_prob returned
+    cnf = _tiny_cnf(dtype, divergence="exact", train_tol=1e-8, eval_tol=1e-8)
+    x, mask = torch.randn(2, 3, 2, dtype=dtype), MASK[1:]
+    params = [cnf.field.out.bias]  # enters the velocity directly, padded positions included
+    cnf.train()
+    grads = torch.autograd.grad(cnf.log_prob(x, mask).sum(), params)
+    numeric = finite_difference_grad(lambda: cnf.log_prob(x, mask).sum(), params, eps=1e-5)
+    for analytic, fd in zip(grads, numeric, strict=True):
+        torch.testing.assert_close(analytic, fd, atol=1e-5, rtol=1e-4)
+
+
+def test_cnf_samples_are_zero_at_padding() -> None:
+    cnf = _tiny_cnf(torch.float32).eval()
+    samples, mask = cnf.sample(3, lengths=torch.tensor([3, 1, 2]))
+    assert torch.equal(mask, MASK) and bool((samples[~mask] == 0).all())
+
+
+# ------------------------------------------------------------------------------------------------
+# trainer and evaluation
+
+
+@pytest.mark.parametrize("name", ["frame_maf", "maf", "realnvp", "cnf"])
+def test_baselines_train_to_finite_nll(name: str) -> None:
+    builders = {
+        "frame_maf": lambda: frame_maf(2, 3, hidden=8, n_layers=1),
+        "maf": lambda: sequence_maf(3, 2, hidden=8, n_layers=1),
+        "realnvp": lambda: sequence_realnvp(3, 2, hidden=8, n_layers=2),
+        "cnf": lambda: CNF(2, 3, hidden=8, eval_tol=1e-3),
+    }
+    model = builders[name]()
+    fixed = name in ("maf", "realnvp")
+    mask = None if fixed else MASK.repeat(4, 1)
+    split = _split(torch.randn(12, 3, 2), mask)
+    result = fit_model(model, split, split, lr=1e-2, batch_size=6, max_epochs=2,
+                       generator=torch.Generator().manual_seed(0))
+    values = split_log_prob(model.log_prob, split)
+    assert result.epochs == 2 and bool(torch.isfinite(values).all())
+    assert math.isfinite(result.best_val_loss)
+
+
+def test_fit_model_improves_and_restores_the_best_epoch() -> None:
+    x = torch.randn(64, 3, 2) * 3.0 + 1.0  # far from the initial standard normal
+    train, val = _split(x[:48]), _split(x[48:])
+    model = frame_maf(2, 3, hidden=8, n_layers=1)
+    model.eval()
+    initial = -float(split_log_prob(model.log_prob, val).sum()) / 48
+    result = fit_model(model, train, val, lr=1e-2, batch_size=16, max_epochs=15,
+                       generator=torch.Generator().manual_seed(0))
+    final = -float(split_log_prob(model.log_prob, val).sum()) / 48
+    assert result.best_val_loss < initial
+    assert final == pytest.approx(result.best_val_loss, rel=1e-6)
+    assert result.best_val_loss == pytest.approx(min(result.history))
+
+
+def test_split_log_prob_keeps_order_and_trims_padding() -> None:
+    x = torch.arange(1, 4, dtype=torch.float32).reshape(3, 1, 1).expand(3, 4, 1)
+    mask = torch.tensor([[True] * 4, [True, False, False, False], [True, True, False, False]])
+    split = _split(x, mask)
+    lengths = []
+
+    def first_value(xb: torch.Tensor, mb: torch.Tensor | None) -> torch.Tensor:
+        lengths.append(xb.shape[1])
+        return xb[:, 0, 0].double()
+
+    out = split_log_prob(first_value, split, batch_size=1)
+    assert out.tolist() == [1.0, 2.0, 3.0]
+    assert sorted(lengths) == [1, 2, 4]
+    xb, mb = batch_of(split, torch.tensor([1, 2]))
+    assert xb.shape == (2, 2, 1) and mb.tolist() == [[True, False], [True, True]]
+
+
+def test_sample_mask_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        sample_mask(2, 3, torch.tensor([1, 2]), 4)
+    with pytest.raises(ValueError, match="lie in"):
+        sample_mask(2, None, torch.tensor([0, 2]), 4)
+    with pytest.raises(TypeError):
+        sample_mask(2, None, torch.tensor([1.0, 2.0]), 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# the table
+
+
+def _entries(nll: dict[str, dict[str, float]]) -> dict[str, dict[str, dict]]:
+    return {name: {key: {"status": "ok", "summary": {"test_nll": value, "params": 10}}
+                   for key, value in models.items()} for name, models in nll.items()}
+
+
+def test_target_check_counts_wins() -> None:
+    nll = {
+        "japanese_vowels": {"iresflow": 1.0, "cnf": 2.0, "gaussian_frames": 3.0},
+        "digits_rows": {"iresflow": 1.0, "cnf": 2.0, "realnvp": 1.5, "maf": 0.5},
+        "co2_windows": {"iresflow": 1.0, "cnf": 2.0, "realnvp": 1.5, "maf": 0.9},
+    }
+    check = target_check(_entries(nll))
+    assert (check["best_overall_count"], check["best_parallel_count"]) == (1, 3)
+    assert not check["holds"]
+    nll["co2_windows"]["maf"] = 1.1
+    assert target_check(_entries(nll))["holds"]
+    nll["japanese_vowels"]["cnf"] = 0.5
+    assert not target_check(_entries(nll))["holds"]
+
+
+def test_summarize_reports_mean_and_std() -> None:
+    runs = [{"seed": s, "test_nll": v, "params": 7} for s, v in enumerate([1.0, 2.0, 3.0])]
+    summary = summarize(runs + [{"seed": 3, "error": "boom"}])
+    assert summary["test_nll"] == 2.0 and summary["test_nll_std"] == 1.0
+    assert summary["seeds"] == 3 and summary["errors"] == ["boom"]
+
+
+def test_replace_between_markers() -> None:
+    text = f"intro\n{START}\nold\n{END}\nrest\n"
+    assert replace_between_markers(text, "new", "x") == f"intro\n{START}\nnew\n{END}\nrest\n"
+    with pytest.raises(ValueError, match="markers"):
+        replace_between_markers("no markers", "new", "README.md")

@@ -1,0 +1,197 @@
+"""Kim Theorem 3.2 bounds and the Lambert-W function phi^{-1} (MATH.md C; checks H2, H5, H7)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.special import lambertw
+from torch.func import vmap
+
+from iresflow.nn.attention import L2MultiheadAttention
+from iresflow.nn.bounds import l2_attention_bound, lipschitz_bound, phi, phi_inv
+
+# MATH.md C, reference values of phi^{-1}(N - 1).
+TABLE = {
+    2: 0.278465,
+    10: 1.101003,
+    64: 2.307130,
+    100: 2.628650,
+    128: 2.810739,
+    256: 3.336378,
+    512: 3.880425,
+    1000: 4.420502,
+    1024: 4.439870,
+}
+
+
+@pytest.mark.parametrize("n,expected", TABLE.items())
+def test_h2_phi_inv_table(n, expected):
+    assert phi_inv(n - 1) == pytest.approx(expected, abs=5e-7)
+    assert 4 * phi_inv(n - 1) + 1 == pytest.approx(4 * expected + 1, abs=2e-6)
+    tensor = phi_inv(torch.tensor(float(n - 1), dtype=torch.float64))
+    assert float(tensor) == pytest.approx(expected, abs=5e-7)
+
+
+def test_h2_phi_inverts_phi():
+    for y in np.logspace(-8, 10, 60):
+        assert phi(phi_inv(float(y))) == pytest.approx(y, rel=1e-9)
+    y = torch.logspace(-8, 10, 60, dtype=torch.float64)
+    torch.testing.assert_close(phi(phi_inv(y)), y, rtol=1e-9, atol=0)
+    assert phi_inv(0) == 0.0
+
+
+def test_phi_inv_tensor_matches_scipy(device):
+    y = torch.cat(
+        [
+            torch.arange(0, 5000, dtype=torch.float64),
+            torch.logspace(-12, 12, 500, dtype=torch.float64),
+        ]
+    ).to(device)
+    expected = torch.from_numpy(lambertw(y.cpu().numpy() / np.e).real).to(device)
+    torch.testing.assert_close(phi_inv(y), expected, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(vmap(phi_inv)(y), expected, rtol=1e-12, atol=1e-15)
+    lengths = torch.tensor([1, 2, 10, 1000], device=device)  # integer tensors are accepted
+    torch.testing.assert_close(
+        phi_inv(lengths - 1).double(), expected[lengths - 1], rtol=1e-6, atol=1e-7
+    )
+
+
+def test_phi_inv_gradient():
+    y = torch.tensor([1e-3, 0.3, 9.0, 511.0], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(phi_inv, (y,))
+    (grad,) = torch.autograd.grad(phi_inv(y).sum(), y)
+    x = phi_inv(y.detach())
+    torch.testing.assert_close(grad, 1 / ((x + 1) * torch.exp(x + 1)), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("y", [-1.0, math.nan, math.inf, torch.tensor([1.0, -0.5])])
+def test_phi_inv_rejects_bad_values(y):
+    with pytest.raises(ValueError):
+        phi_inv(y)
+
+
+def test_phi_inv_rejects_bad_types():
+    with pytest.raises(TypeError):
+        phi_inv("3")
+
+
+def heads_oracle(attn: L2MultiheadAttention):
+    """Per-head weight blocks W^{Q,h}, W^{V,h} (D x d_h), sliced one at a time."""
+    dh = attn.dim // attn.heads
+    return [
+        (attn.w_query[:, h * dh : (h + 1) * dh], attn.w_value[:, h * dh : (h + 1) * dh])
+        for h in range(attn.heads)
+    ]
+
+
+@pytest.mark.parametrize("dim,heads", [(4, 2), (6, 3), (4, 1), (3, 3)])
+def test_bound_matches_glossary(dim, heads, dtype, device):
+    attn = L2MultiheadAttention(dim, heads).requires_grad_(False).to(dtype=dtype, device=device)
+    for w in attn.parameters():
+        w.normal_()
+    blocks = heads_oracle(attn)
+    dh = dim // heads
+    n = 17
+    phi_n = float(lambertw((n - 1) / np.e).real)
+    inf = math.inf
+    mn = torch.linalg.matrix_norm
+    q_inf = max(float(mn(q, inf) * mn(q.T, inf)) for q, _ in blocks)
+    v_inf = max(float(mn(v.T, inf)) for _, v in blocks)
+    expected_inf = (4 * phi_n + 1 / math.sqrt(dh)) * float(mn(attn.w_out.T, inf)) * q_inf * v_inf
+    heads_2 = sum(float(mn(q, 2)) ** 4 * float(mn(v, 2)) ** 2 for q, v in blocks)
+    expected_2 = math.sqrt(n / dh) * (4 * phi_n + 1) * math.sqrt(heads_2) * float(mn(attn.w_out, 2))
+    rtol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert float(lipschitz_bound(attn, n, "inf")) == pytest.approx(expected_inf, rel=rtol)
+    assert float(lipschitz_bound(attn, n, math.inf)) == pytest.approx(expected_inf, rel=rtol)
+    assert float(lipschitz_bound(attn, n, "2")) == pytest.approx(expected_2, rel=rtol)
+    assert float(lipschitz_bound(attn, n, 2)) == pytest.approx(expected_2, rel=rtol)
+    bound = lipschitz_bound(attn, n)
+    assert bound.dtype == dtype and bound.device.type == torch.device(device).type
+
+
+def test_position_wise_norms_follow_section_0(dtype, device):
+    # With one head and d_h = D, B_inf / (4 phi + 1/sqrt(D)) is exactly the product of the
+    # max-abs-row/column sums named in the glossary; check one hand-made case.
+    attn = L2MultiheadAttention(2, 1).requires_grad_(False).to(dtype=dtype, device=device)
+    attn.w_query.copy_(torch.tensor([[1.0, -2.0], [0.5, 0.0]]))  # rows 3, 0.5; cols 1.5, 2
+    attn.w_value.copy_(torch.tensor([[1.0, 0.0], [3.0, 1.0]]))  # cols 4, 1
+    attn.w_out.copy_(torch.tensor([[0.0, 2.0], [1.0, -1.0]]))  # cols 1, 3
+    n = 10
+    factor = 4 * TABLE[10] + 1 / math.sqrt(2)
+    assert float(lipschitz_bound(attn, n)) == pytest.approx(factor * 3 * (3 * 2) * 4, rel=1e-6)
+
+
+def test_h7_affine_in_lambert_w(dtype, device):
+    attn = L2MultiheadAttention(4, 2).requires_grad_(False).to(dtype=dtype, device=device)
+    dh = 2
+    ns = [2, 3, 10, 100, 1000, 10**5]
+    w = np.array([lambertw((n - 1) / np.e).real for n in ns])
+    bounds = np.array([float(lipschitz_bound(attn, n)) for n in ns])
+    slope, intercept = np.polyfit(w, bounds, 1)
+    rtol = 1e-10 if dtype == torch.float64 else 1e-5
+    np.testing.assert_allclose(slope * w + intercept, bounds, rtol=rtol)
+    assert intercept * math.sqrt(dh) * 4 == pytest.approx(slope, rel=rtol)  # (4W + 1/sqrt(dh)) K
+    # Approximately linear in log N for large N: the increment per doubling tends to
+    # 4 K log 2 from below (dW/dlog z = W / (1 + W) -> 1).
+    big = [2**k for k in range(10, 21)]
+    steps = np.diff([float(lipschitz_bound(attn, n)) for n in big]) / (slope * math.log(2))
+    assert np.all(np.diff(steps) > 0) and 0.75 < steps[0] < steps[-1] < 1
+
+
+def test_h5_bound_degree_two_in_query_weights(dtype, device):
+    attn = L2MultiheadAttention(4, 2).requires_grad_(False).to(dtype=dtype, device=device)
+    for p in ("inf", "2"):
+        base = l2_attention_bound(attn.w_query, attn.w_value, attn.w_out, 2, 8, p)
+        scaled = l2_attention_bound(3 * attn.w_query, attn.w_value, attn.w_out, 2, 8, p)
+        assert float(scaled / base) == pytest.approx(9.0, rel=1e-6)
+
+
+def test_tensor_lengths_match_int_lengths(dtype, device):
+    attn = L2MultiheadAttention(4, 2).requires_grad_(False).to(dtype=dtype, device=device)
+    lengths = torch.tensor([1, 5, 64, 1000], device=device)
+    for p in ("inf", "2"):
+        per_seq = lipschitz_bound(attn, lengths, p)
+        assert per_seq.shape == (4,)
+        expected = torch.stack([lipschitz_bound(attn, int(n), p) for n in lengths])
+        rtol = 1e-12 if dtype == torch.float64 else 1e-6
+        torch.testing.assert_close(per_seq, expected, rtol=rtol, atol=0)
+        assert bool((per_seq.diff() > 0).all())  # phi^{-1} is increasing: "max" length is valid
+
+
+def test_bound_is_differentiable_in_weights():
+    attn = L2MultiheadAttention(4, 2).double()
+    params = tuple(p.detach().requires_grad_() for p in attn.parameters())
+    for p in ("inf", "2"):
+        assert torch.autograd.gradcheck(
+            lambda q, v, o, p=p: l2_attention_bound(q, v, o, 2, torch.tensor([3, 9]), p), params
+        )
+
+
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [
+        ({"seq_len": 0}, ValueError),
+        ({"seq_len": 2.5}, TypeError),
+        ({"seq_len": torch.tensor([3, 0])}, ValueError),
+        ({"p": 1}, ValueError),
+        ({"p": "fro"}, ValueError),
+    ],
+)
+def test_bad_bound_arguments(kwargs, error):
+    attn = L2MultiheadAttention(4, 2)
+    args = {"seq_len": 4, "p": "inf"} | kwargs
+    with pytest.raises(error):
+        lipschitz_bound(attn, **args)
+
+
+def test_bad_weights():
+    w = torch.eye(4)
+    with pytest.raises(ValueError, match="square"):
+        l2_attention_bound(torch.ones(4, 3), w, w, 2, 4)
+    with pytest.raises(ValueError, match="divisible"):
+        l2_attention_bound(w, w, w, 3, 4)
+    with pytest.raises(TypeError):
+        lipschitz_bound(torch.nn.Linear(4, 4), 4)  # type: ignore[arg-type]

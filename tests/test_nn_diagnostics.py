@@ -1,0 +1,102 @@
+"""Empirical Lipschitz lower bounds (MATH.md section 0 and E1)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from iresflow.nn.attention import L2MultiheadAttention
+from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
+
+
+def test_jacobian_norm_matches_autograd(dtype, device):
+    attn = L2MultiheadAttention(4, 2).requires_grad_(False).to(dtype=dtype, device=device)
+    mask = torch.tensor([[True] * 5, [True, True, False, False, True]], device=device)
+    x = 2 * torch.randn(2, 5, 4, dtype=dtype, device=device)
+
+    def f(z):
+        return attn(z, mask)
+
+    blocks = []
+    for i in range(2):
+        jac = torch.autograd.functional.jacobian(
+            lambda z, i=i: attn(z, mask[i : i + 1])[0], x[i : i + 1]
+        )
+        blocks.append(jac.reshape(20, 20))
+    dense = torch.stack(blocks)
+    expected_inf = torch.linalg.matrix_norm(dense, math.inf)
+    torch.testing.assert_close(jacobian_norm(f, x, "inf"), expected_inf)
+    torch.testing.assert_close(jacobian_norm(f, x, "2"), torch.linalg.matrix_norm(dense, 2))
+
+
+def test_position_wise_linear_map_is_exact(dtype, device):
+    # Section 0: X -> X W has lip_inf = ||W^T||_inf (max abs column sum of W), lip_2 = ||W||_2.
+    w = torch.tensor([[1.0, -2.0, 0.5], [0.5, 1.0, -1.0]], dtype=dtype, device=device)
+    x = torch.randn(3, 4, 2, dtype=dtype, device=device)
+
+    def f(z):
+        return z @ w
+
+    inf = empirical_lipschitz(f, x, "inf", steps=3)
+    assert float(inf.value) == pytest.approx(3.0, rel=1e-12)
+    two = empirical_lipschitz(f, x, "2", steps=0, power_iterations=50)
+    assert float(two.value) == pytest.approx(float(torch.linalg.matrix_norm(w, 2)), rel=1e-10)
+
+
+def test_ascent_finds_the_maximum(dtype, device):
+    # lip(tanh(X) W) = ||W|| is attained at X = 0 only; start away from it.
+    w = torch.tensor([[2.0, 1.0], [0.0, 2.0]], dtype=dtype, device=device)
+    x = torch.full((2, 3, 2), 1.5, dtype=dtype, device=device)
+
+    def f(z):
+        return torch.tanh(z) @ w
+
+    start = jacobian_norm(f, x, "inf").max()
+    inf = empirical_lipschitz(f, x, "inf", steps=60, lr=0.1)
+    lip_inf = float(torch.linalg.matrix_norm(w.T, math.inf))  # = 3, max abs column sum
+    assert float(start) < 1.0 and float(inf.value) == pytest.approx(lip_inf, rel=1e-3)
+    two = empirical_lipschitz(f, x, "2", steps=60, lr=0.1)
+    assert float(two.value) == pytest.approx(float(torch.linalg.matrix_norm(w, 2)), rel=1e-3)
+
+
+def test_estimates_are_lower_bounds_at_returned_inputs(dtype, device):
+    attn = L2MultiheadAttention(2, 1).requires_grad_(False).to(dtype=dtype, device=device)
+    x = 3 * torch.randn(3, 4, 2, dtype=dtype, device=device)
+    inf = empirical_lipschitz(attn, x, "inf", steps=10)
+    torch.testing.assert_close(jacobian_norm(attn, inf.inputs, "inf"), inf.per_sample)
+    assert float(inf.value) == float(inf.per_sample.max())
+    assert bool((inf.per_sample >= jacobian_norm(attn, x, "inf") * (1 - 1e-12)).all())
+    two = empirical_lipschitz(attn, x, "2", steps=10)
+    assert bool((two.per_sample <= jacobian_norm(attn, two.inputs, "2") * (1 + 1e-12)).all())
+    assert inf.inputs.shape == x.shape and two.per_sample.shape == (3,)
+    assert all(p.grad is None for p in attn.parameters())
+
+
+def test_generator_reproducible(dtype, device):
+    attn = L2MultiheadAttention(2, 1).requires_grad_(False).to(dtype=dtype, device=device)
+    x = torch.randn(2, 4, 2, dtype=dtype, device=device)
+    runs = [
+        empirical_lipschitz(
+            attn, x, "2", steps=3, generator=torch.Generator(device=device).manual_seed(5)
+        ).per_sample
+        for _ in range(2)
+    ]
+    torch.testing.assert_close(runs[0], runs[1], atol=0, rtol=0)
+
+
+def test_bad_arguments():
+    x = torch.randn(2, 3, 2)
+    with pytest.raises(ValueError, match="p must"):
+        empirical_lipschitz(torch.tanh, x, "1")
+    with pytest.raises(ValueError, match="steps"):
+        empirical_lipschitz(torch.tanh, x, "inf", steps=-1)
+    with pytest.raises(ValueError, match="lr"):
+        empirical_lipschitz(torch.tanh, x, "inf", lr=0.0)
+    with pytest.raises(ValueError, match="power_iterations"):
+        empirical_lipschitz(torch.tanh, x, "2", power_iterations=0)
+    with pytest.raises(ValueError, match="batch"):
+        jacobian_norm(lambda z: z.sum(0, keepdim=True), x, "inf")
+    with pytest.raises(ValueError, match="NaN"):
+        jacobian_norm(torch.tanh, torch.full((2, 3), math.nan), "inf")
