@@ -1,1 +1,33 @@
-"""iresflow.nn."""
+"""Lipschitz building blocks: normalised linear maps, LipSwish, MLP and attention branches."""
+
+from iresflow.nn.activations import LipSwish
+from iresflow.nn.attention import (
+    ContractiveL2MultiheadAttention,
+    ContractiveLipschitzNormAttention,
+    DotProductMultiheadAttention,
+    L2MultiheadAttention,
+)
+from iresflow.nn.base import LipschitzBranch
+from iresflow.nn.bounds import l2_attention_bound, lipschitz_bound, phi_inv
+from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
+from iresflow.nn.linear import InfNormLinear, SpectralLinear
+from iresflow.nn.lipschitz_norm import LinearScoreAttention
+from iresflow.nn.mlp import LipschitzMLP
+
+__all__ = [
+    "ContractiveL2MultiheadAttention",
+    "ContractiveLipschitzNormAttention",
+    "DotProductMultiheadAttention",
+    "InfNormLinear",
+    "L2MultiheadAttention",
+    "LinearScoreAttention",
+    "LipSwish",
+    "LipschitzBranch",
+    "LipschitzMLP",
+    "SpectralLinear",
+    "empirical_lipschitz",
+    "jacobian_norm",
+    "l2_attention_bound",
+    "lipschitz_bound",
+    "phi_inv",
+]
