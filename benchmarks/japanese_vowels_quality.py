@@ -80,14 +80,12 @@ def matched_iid_config(config: TrainConfig, features: int, max_len: int) -> Trai
     return peer
 
 
-def matched_maf(target: int, features: int, max_len: int) -> FrameFlow:
-    """The frame MAF with the smallest width reaching ``target`` parameters."""
+def matched_maf(target: int, features: int, max_len: int) -> tuple[FrameFlow, int]:
+    """The frame MAF with the smallest width reaching ``target`` parameters, and that width."""
     hidden = 1
-    while sum(p.numel() for p in (maf := frame_maf(features, max_len, hidden)).parameters()) < (
-        target
-    ):
+    while sum(p.numel() for p in frame_maf(features, max_len, hidden).parameters()) < target:
         hidden += 1
-    return maf
+    return frame_maf(features, max_len, hidden), hidden
 
 
 def train_and_test_maf(
@@ -156,9 +154,9 @@ def main() -> None:
         results = {"ours (L2 attention)": train_and_test(ours, root / "ours")}
         results[f"i.i.d.-frame flow (hidden {peer.hidden})"] = train_and_test(peer, root / "iid")
     torch.manual_seed(args.seed)
-    maf = matched_maf(results["ours (L2 attention)"]["parameters"], dataset.features,
-                      dataset.max_len)
-    results[f"nflows MAF over frames (hidden {maf.flow._transform._transforms[0].autoregressive_net.initial_layer.out_features})"] = train_and_test_maf(maf, ours, dataset)
+    maf, width = matched_maf(results["ours (L2 attention)"]["parameters"], dataset.features,
+                             dataset.max_len)
+    results[f"nflows MAF over frames (hidden {width})"] = train_and_test_maf(maf, ours, dataset)
     ours_nll = results["ours (L2 attention)"]["nll"]
 
     print(f"\nJapaneseVowels test NLL, nats/frame (exact; {len(dataset.test)} sequences)")

@@ -153,7 +153,7 @@ def train(name: str, layers: int, lr: float, steps: int, log_every: int, seed: i
             break
         optimiser.step()
 
-    x, target, _ = cluster_batch(EVAL_BATCH, torch.Generator().manual_seed(10_000 + seed))
+    x, target, _ = evaluation_batch(seed)
     with torch.no_grad():
         eval_loss = float((model(x)[0] - target).pow(2).mean())
     tail = losses[-max(1, len(losses) // 10):]
@@ -186,9 +186,14 @@ def _short(value: Tensor | float) -> float:
     return float(f"{float(value):.4g}")
 
 
+def evaluation_batch(seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The fixed evaluation batch of a seed, drawn from its own random stream."""
+    return cluster_batch(EVAL_BATCH, torch.Generator().manual_seed(10_000 + seed))
+
+
 def references(seed: int) -> dict:
     """Losses of the identity map and of the same-cluster mean on the evaluation batch."""
-    x, target, labels = cluster_batch(EVAL_BATCH, torch.Generator().manual_seed(10_000 + seed))
+    x, target, labels = evaluation_batch(seed)
     return {
         "identity": float((x - target).pow(2).mean()),
         "same_cluster_mean": float((same_cluster_mean(x, labels) - target).pow(2).mean()),

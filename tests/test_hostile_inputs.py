@@ -81,6 +81,8 @@ class EntryPoint:
         checks_values: Whether NaN/Inf and empty dimensions are rejected (not by linear layers).
         solves: Whether the result comes from a fixed-point solve (accurate to its tolerance).
         max_len: Longest accepted sequence, if bounded.
+        pending: Corruptions left out of the property test until a fix in another file lands
+            (each has a strict ``xfail`` test below).
     """
 
     call: Callable[[Any, Any], Any]
@@ -91,6 +93,7 @@ class EntryPoint:
     checks_values: bool = True
     solves: bool = False
     max_len: int | None = None
+    pending: tuple[str, ...] = ()
 
 
 def _entry(call: Callable[[Any, Any], Any], arg: str = "x", **kwargs: Any) -> EntryPoint:
@@ -178,7 +181,7 @@ def build_zoo(device: torch.device, dtype: torch.dtype) -> dict[str, EntryPoint]
         ),
         "SequenceCompositeTransform.inverse": _entry(
             lambda x, m: composite.inverse(x, mask=m), "inputs", ranks=(2, 3), solves=True,
-            max_len=MAX_LEN,
+            max_len=MAX_LEN, pending=("features",),
         ),
         "ResidualFlowTransformer.log_prob": _entry(
             lambda x, m: model.log_prob(x, m, method="exact"), max_len=MAX_LEN
@@ -287,7 +290,7 @@ def _corruptions(entry: EntryPoint) -> list[str]:
         kinds += ["mask_dtype", "mask_shape", "mask_all_padding", "mask_non_tensor"]
     if entry.max_len is not None:
         kinds.append("too_long")
-    return kinds
+    return [k for k in kinds if k not in entry.pending]
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)
@@ -348,7 +351,7 @@ def test_bad_input_raises_clear_error(zoo, device, dtype, name, data):
         error, pattern = TypeError, r"\bmask\b|\bargs\b"
     else:  # too_long
         x = torch.cat([x, x[:, :1].expand(-1, entry.max_len + 1 - x.shape[1], -1)], dim=1)
-        error, pattern = ValueError, rf"max_len|{entry.max_len}"
+        error, pattern = ValueError, rf"max_len={entry.max_len}\b"
     with pytest.raises(error, match=pattern):
         entry.call(x, mask)
 
@@ -374,6 +377,23 @@ def test_mismatched_dtype_error_names_the_argument(zoo, device, dtype, name):
     for other in _other_float(dtype):
         with pytest.raises(TypeError, match=rf"\b{entry.shape_arg}\b.*dtype"):
             entry.call(x.to(other), None)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "iresflow/nn/positional.py PositionalBranch and the Contractive* attention branches "
+    "expose no `features`, so ResidualTransform._prepare and the log-det gate cannot check D; "
+    "the error then comes from the positional table, naming `x` (and, in forward, the shape of "
+    "the repeated Jacobian batch)"
+))
+@pytest.mark.parametrize("direction", ["forward", "inverse"])
+def test_feature_size_error_of_positional_block_names_the_argument(device, dtype, direction):
+    branch = PositionalBranch(ContractiveL2MultiheadAttention(FEATURES, HEADS),
+                              LearnedPositionalEncoding(FEATURES, MAX_LEN))
+    block = ResidualTransform(branch.to(device=device, dtype=dtype), logdet="exact").eval()
+    x = torch.randn(2, 3, FEATURES + 1, device=device, dtype=dtype)
+    call = block if direction == "forward" else block.inverse
+    with pytest.raises(ValueError, match=rf"\binputs\b.*{_shape_pattern(x)}"):
+        call(x)
 
 
 @pytest.mark.parametrize("name", [
@@ -618,12 +638,12 @@ def test_hand_edited_weights_keep_every_branch_contractive(device, dtype, attent
     residual_steps = [m for m in model.modules() if isinstance(m, ResidualTransform)]
     spectral = [m for m in model.modules() if isinstance(m, SpectralLinear)]
     assert len(residual_steps) == 2 and spectral
-    # the raw weights really violate the constraint (so the test can fail)
-    assert all(float(torch.linalg.matrix_norm(m.weight.detach(), 2)) > 1 for m in spectral)
-    assert all(
-        float(step.branch.branch.raw_bound(seq_len)) > 1
-        for step in residual_steps if isinstance(step.branch, PositionalBranch)
-    )
+    with torch.no_grad():  # the raw weights really violate the constraint (the test can fail)
+        assert all(float(torch.linalg.matrix_norm(m.weight, 2)) > 1 for m in spectral)
+        assert all(
+            float(step.branch.branch.raw_bound(seq_len)) > 1
+            for step in residual_steps if isinstance(step.branch, PositionalBranch)
+        )
 
     slack = 1e-9 if dtype == torch.float64 else 1e-4
     for row in model.lipschitz_report(seq_len):

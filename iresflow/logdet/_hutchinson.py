@@ -9,7 +9,7 @@ vector-Jacobian product of the repeated batch applies every sample's own Jacobia
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -105,12 +105,10 @@ def vjp(y: Tensor, x: Tensor, w: Tensor, create_graph: bool) -> Tensor:
 
 
 def power_series(
-    y: Tensor,
-    x: Tensor,
+    product: Callable[[Tensor], Tensor],
     v: Tensor,
     coeffs: Sequence[float],
     *,
-    create_graph: bool,
     neumann_coeffs: Sequence[float] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     r"""Weighted Hutchinson power series and, optionally, the Neumann vector.
@@ -124,11 +122,10 @@ def power_series(
     where :math:`a` = ``coeffs`` and :math:`b` = ``neumann_coeffs`` (length :math:`K + 1`).
 
     Args:
-        y: Branch output ``g(x)``, shape ``(R, N, D)``, with a graph to ``x``.
-        x: The (repeated) input, shape ``(R, N, D)``.
+        product: :math:`w \mapsto w^\top J`, row by row, on ``(R, N, D)`` tensors (autograd
+            :func:`vjp` or :meth:`~iresflow.nn.base.Linearization.vjp`).
         v: Probes, shape ``(R, N, D)``.
         coeffs: :math:`a_1, \dots, a_K` (plain Python floats: data-independent).
-        create_graph: Keep the graph through the products (differentiable estimate).
         neumann_coeffs: :math:`b_0, \dots, b_K`, or ``None``.
 
     Returns:
@@ -138,11 +135,11 @@ def power_series(
         raise ValueError(
             f"neumann_coeffs needs {len(coeffs) + 1} entries, got {len(neumann_coeffs)}"
         )
-    estimate = y.new_zeros(y.shape[0])
+    estimate = v.new_zeros(v.shape[0])
     u = None if neumann_coeffs is None else neumann_coeffs[0] * v
     w = v
     for k, a_k in enumerate(coeffs, start=1):
-        w = vjp(y, x, w, create_graph)
+        w = product(w)
         estimate = estimate + a_k * (w * v).flatten(1).sum(1)
         if neumann_coeffs is not None:
             u = u + neumann_coeffs[k] * w
@@ -159,7 +156,8 @@ def hutchinson_logdet(
     r"""Stochastic power series :math:`\frac1P\sum_p \sum_k a_k\, v_p^\top J^k v_p`, backpropagated.
 
     The estimate carries the graph of the whole chain when a graph is needed (its gradient is the
-    gradient of the estimate itself).
+    gradient of the estimate itself). Without a graph, the chain uses the branch's
+    :meth:`~iresflow.nn.base.LipschitzBranch.linearize` when it has one.
 
     Args:
         branch: The branch.
@@ -174,10 +172,17 @@ def hutchinson_logdet(
     batch = x.shape[0]
     copies = v.shape[0] // batch
     graph = needs_graph(branch, x)
+    mask_rep = repeated_mask(mask, copies)
+    x_rep = repeated_input(x, copies, graph)
+    if not graph:
+        with torch.no_grad():
+            lin = branch.linearize(x_rep.detach(), mask_rep)
+            if lin is not None:
+                estimate, _ = power_series(lin.vjp, v, coeffs)
+                return lin.output[:batch], estimate.view(copies, batch).mean(0)
     with torch.enable_grad():
-        x_rep = repeated_input(x, copies, graph)
-        y = branch(x_rep, repeated_mask(mask, copies))
-        estimate, _ = power_series(y, x_rep, v, coeffs, create_graph=graph)
+        y = branch(x_rep, mask_rep)
+        estimate, _ = power_series(lambda w: vjp(y, x_rep, w, graph), v, coeffs)
     logdet = estimate.view(copies, batch).mean(0)
     out = y[:batch]
     if not graph:

@@ -36,6 +36,14 @@ with respect to :math:`x` and the parameters :math:`\theta` (:math:`u, v` consta
 backward through :math:`g`. Branch buffers are restored to their pre-forward state for the
 re-evaluation (:mod:`iresflow.logdet._state`), so branches that update buffers in a training
 forward give the same gradients as the plain path.
+
+**Fast path.** When the branch returns a :class:`~iresflow.nn.base.Linearization` from
+:meth:`~iresflow.nn.base.LipschitzBranch.linearize`, the power chain uses its hand-written
+vector-Jacobian products, and the memory-efficient backward its
+:meth:`~iresflow.nn.base.Linearization.surrogate_backward` (the gradient of :math:`\Phi` without
+a double backward; autograd only carries the gradients of the effective parameters it returns to
+the raw parameters). Values and gradients are those of the autograd path; branches without a
+linearization use autograd throughout.
 """
 
 from __future__ import annotations
@@ -53,8 +61,8 @@ from iresflow.logdet._hutchinson import (
     repeated_mask,
     vjp,
 )
-from iresflow.logdet._state import buffer_snapshot, call_with_buffers
-from iresflow.nn.base import LipschitzBranch
+from iresflow.logdet._state import buffer_snapshot, buffers_from, call_with_buffers
+from iresflow.nn.base import Linearization, LipschitzBranch
 
 __all__ = ["NeumannLogDetFunction", "neumann_logdet"]
 
@@ -97,13 +105,20 @@ class NeumannLogDetFunction(torch.autograd.Function):
         batch = x.shape[0]
         copies = v.shape[0] // batch
         snapshot = buffer_snapshot(branch)
-        with torch.enable_grad():
-            x_rep = repeated_input(x, copies, keep_graph=False)
-            y = branch(x_rep, repeated_mask(mask, copies))
-            estimate, u = power_series(
-                y, x_rep, v, coeffs, create_graph=False, neumann_coeffs=neumann_coeffs
-            )
+        mask_rep = repeated_mask(mask, copies)
+        x_rep = repeated_input(x, copies, keep_graph=False)
+        lin = branch.linearize(x_rep.detach(), mask_rep)
+        if lin is not None:
+            y = lin.output
+            estimate, u = power_series(lin.vjp, v, coeffs, neumann_coeffs=neumann_coeffs)
+        else:
+            with torch.enable_grad():
+                y = branch(x_rep, mask_rep)
+                estimate, u = power_series(
+                    lambda w: vjp(y, x_rep, w, False), v, coeffs, neumann_coeffs=neumann_coeffs
+                )
         ctx.branch, ctx.mask, ctx.snapshot, ctx.params = branch, mask, snapshot, params
+        ctx.fast = lin is not None
         ctx.save_for_backward(x, u, v)
         return y[:batch].detach(), estimate.view(copies, batch).mean(0).detach()
 
@@ -114,16 +129,68 @@ class NeumannLogDetFunction(torch.autograd.Function):
         batch = x.shape[0]
         copies = v.shape[0] // batch
         wanted = [p for p, need in zip(ctx.params, ctx.needs_input_grad[6:], strict=True) if need]
-        with torch.enable_grad():
-            x_rep = repeated_input(x, copies, keep_graph=False)
-            y = call_with_buffers(ctx.branch, ctx.snapshot, x_rep, repeated_mask(ctx.mask, copies))
-            s = _surrogate(y, x_rep, u, v, batch)
-            total = (y[:batch] * grad_out).sum() + (s * grad_logdet).sum()
-            grads = torch.autograd.grad(total, [x_rep, *wanted], materialize_grads=True)
+        if ctx.fast:
+            with torch.enable_grad(), buffers_from(ctx.branch, ctx.snapshot):
+                lin = ctx.branch.linearize(x.repeat(copies, 1, 1), repeated_mask(ctx.mask, copies))
+            grads = _fast_backward(lin, wanted, grad_out, grad_logdet, u, v)
+        else:
+            grads = _autograd_backward(ctx, wanted, grad_out, grad_logdet, x, u, v)
         grad_x = grads[0].view(copies, *x.shape).sum(0) if ctx.needs_input_grad[4] else None
         it = iter(grads[1:])
         grad_params = [next(it) if need else None for need in ctx.needs_input_grad[6:]]
         return (None, None, None, None, grad_x, None, *grad_params)
+
+
+def _weights(grad_logdet: Tensor, copies: int, like: Tensor) -> Tensor:
+    r"""Per-row weights :math:`\bar\ell_b / P` of the repeated batch, broadcastable to ``like``."""
+    weights = (grad_logdet / copies).repeat(copies)
+    return weights.view(-1, *([1] * (like.dim() - 1)))
+
+
+def _autograd_backward(
+    ctx: Any,
+    wanted: list[Tensor],
+    grad_out: Tensor,
+    grad_logdet: Tensor,
+    x: Tensor,
+    u: Tensor,
+    v: Tensor,
+) -> tuple[Tensor, ...]:
+    r"""Gradients of :math:`\Phi` w.r.t. the repeated input and ``wanted``, by double backward."""
+    batch = x.shape[0]
+    copies = v.shape[0] // batch
+    with torch.enable_grad():
+        x_rep = repeated_input(x, copies, keep_graph=False)
+        y = call_with_buffers(ctx.branch, ctx.snapshot, x_rep, repeated_mask(ctx.mask, copies))
+        s = _surrogate(y, x_rep, u, v, batch)
+        total = (y[:batch] * grad_out).sum() + (s * grad_logdet).sum()
+        return torch.autograd.grad(total, [x_rep, *wanted], materialize_grads=True)
+
+
+def _fast_backward(
+    lin: Linearization,
+    wanted: list[Tensor],
+    grad_out: Tensor,
+    grad_logdet: Tensor,
+    u: Tensor,
+    v: Tensor,
+) -> tuple[Tensor, ...]:
+    r"""Gradients of :math:`\Phi` w.r.t. the repeated input and ``wanted``, from ``lin``."""
+    copies = v.shape[0] // grad_out.shape[0]
+    if copies > 1:
+        padding = grad_out.new_zeros((copies - 1) * grad_out.shape[0], *grad_out.shape[1:])
+        grad_out = torch.cat([grad_out, padding])
+    grad_x, pairs = lin.surrogate_backward(grad_out, u * _weights(grad_logdet, copies, u), v)
+    pairs = [(root, grad) for root, grad in pairs if root is not None and root.requires_grad]
+    if not wanted:
+        return (grad_x,)
+    if not pairs:
+        return (grad_x, *[torch.zeros_like(p) for p in wanted])
+    roots, root_grads = zip(*pairs, strict=True)
+    grads = torch.autograd.grad(
+        roots, wanted, root_grads, allow_unused=True, materialize_grads=True
+    )
+    return (grad_x, *grads)
 
 
 def neumann_logdet(
@@ -180,12 +247,21 @@ def neumann_logdet(
     batch = x.shape[0]
     copies = v.shape[0] // batch
     graph = torch.is_grad_enabled()
+    mask_rep = repeated_mask(mask, copies)
+    snapshot = buffer_snapshot(branch)
     with torch.enable_grad():
         x_rep = repeated_input(x, copies, keep_graph=graph)
-        y = branch(x_rep, repeated_mask(mask, copies))
-        estimate, u = power_series(
-            y, x_rep, v, coeffs, create_graph=False, neumann_coeffs=neumann_coeffs
-        )
+        with torch.no_grad():
+            lin = branch.linearize(x_rep.detach(), mask_rep)
+        if lin is None:
+            y = branch(x_rep, mask_rep)
+            product = lambda w: vjp(y, x_rep, w, False)  # noqa: E731
+        else:
+            # The graph of the surrogate needs an autograd evaluation of g, from the buffer
+            # state that the linearization (one forward) started from.
+            y = call_with_buffers(branch, snapshot, x_rep, mask_rep)
+            product = lin.vjp
+        estimate, u = power_series(product, v, coeffs, neumann_coeffs=neumann_coeffs)
         s = _surrogate(y, x_rep, u, v, batch)
     logdet = estimate.view(copies, batch).mean(0) + (s - s.detach())
     if not graph:

@@ -7,7 +7,55 @@ from typing import ClassVar, Literal
 
 from torch import Tensor, nn
 
-__all__ = ["LipschitzBranch"]
+__all__ = ["LipschitzBranch", "Linearization"]
+
+
+class Linearization(ABC):
+    r"""A branch evaluated at a batch ``x``, with hand-written Jacobian products (MATH.md G5).
+
+    Returned by :meth:`LipschitzBranch.linearize` for branches that can apply their Jacobian
+    :math:`J = \partial g / \partial x` without autograd. Rows (sequences) are independent: row
+    ``r`` of every product uses the Jacobian of row ``r`` of ``x``.
+
+    Attributes:
+        output: :math:`g(x)`, shape ``(R, N, D)``, detached, zero at padded positions.
+    """
+
+    output: Tensor
+
+    @abstractmethod
+    def vjp(self, w: Tensor) -> Tensor:
+        r"""The vector-Jacobian product :math:`w^\top J`, row by row, without a graph.
+
+        Args:
+            w: Cotangents ``(R, N, D)``.
+
+        Returns:
+            :math:`w^\top J`, shape ``(R, N, D)``.
+        """
+
+    @abstractmethod
+    def surrogate_backward(
+        self, grad_out: Tensor, u: Tensor, v: Tensor
+    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        r"""Gradient of :math:`\Phi = \sum g(x) \odot \bar g + \sum_r u_r^\top J_r v_r`.
+
+        :math:`\bar g` (``grad_out``), :math:`u` and :math:`v` are constants; this is the
+        vector-Jacobian product of the memory-efficient Neumann backward
+        (:mod:`iresflow.logdet.neumann`).
+
+        Args:
+            grad_out: :math:`\bar g`, shape ``(R, N, D)``.
+            u: Left vectors ``(R, N, D)`` (already weighted per row).
+            v: Right vectors ``(R, N, D)``.
+
+        Returns:
+            ``(grad_x, pairs)``: :math:`\partial\Phi/\partial x` of shape ``(R, N, D)``, and
+            pairs ``(root, grad)`` where ``root`` is a tensor computed from the parameters
+            (with a graph to them when built under grad mode, or a parameter itself) and
+            ``grad`` is :math:`\partial\Phi/\partial\,\mathrm{root}`; backpropagating every
+            ``grad`` from its ``root`` gives the parameter gradients of :math:`\Phi`.
+        """
 
 
 class LipschitzBranch(nn.Module, ABC):
@@ -51,3 +99,20 @@ class LipschitzBranch(nn.Module, ABC):
             seq_len: Sequence length ``N`` for branches whose bound depends on it (attention);
                 position-wise branches ignore it.
         """
+
+    def linearize(self, x: Tensor, mask: Tensor | None = None) -> Linearization | None:
+        """Optional fast path: evaluate the branch with hand-written Jacobian products.
+
+        A call counts as one forward (buffers a training forward updates are updated the same
+        way). Engines use the result in place of autograd when it is not ``None`` and must
+        obtain identical values and gradients either way.
+
+        Args:
+            x: Sequences ``(B, N, D)`` (validated by the caller).
+            mask: Optional boolean padding mask ``(B, N)``.
+
+        Returns:
+            A :class:`Linearization` at ``x``, or ``None`` (the default) when the branch has
+            none.
+        """
+        return None

@@ -1,0 +1,155 @@
+"""Linearization fast path of the log-det engines (MATH.md G5, checks H13, H14).
+
+The fast path (:meth:`iresflow.nn.base.LipschitzBranch.linearize`) must give the values,
+gradients and buffer states of the autograd path. The oracle is the same branch with the hook
+switched off (``linearize`` returning ``None``), which runs the engine's autograd code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracles import ScaleBranch
+
+from iresflow.logdet.roulette import RouletteLogDet
+from iresflow.nn.mlp import LipschitzMLP
+
+F64 = torch.float64
+
+
+class AutogradMLP(LipschitzMLP):
+    """``LipschitzMLP`` without its linearization: the engines fall back to autograd."""
+
+    def linearize(self, x, mask=None):
+        return None
+
+
+def _pair(norm: str, device: torch.device, training: bool) -> tuple[LipschitzMLP, LipschitzMLP]:
+    fast = LipschitzMLP((3, 8, 6, 3), coeff=0.9, norm=norm).to(device=device, dtype=F64)
+    with torch.no_grad():  # weights beyond the bound, so the rescaling is active
+        for p in fast.parameters():
+            p.mul_(3.0)
+    slow = AutogradMLP((3, 8, 6, 3), coeff=0.9, norm=norm).to(device=device, dtype=F64)
+    slow.load_state_dict(fast.state_dict())
+    return fast.train(training), slow.train(training)
+
+
+def _inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(3, 4, 3, dtype=F64, device=device)
+    mask = torch.tensor(
+        [[True, True, True, True], [True, True, False, False], [False, True, True, True]],
+        device=device,
+    )
+    return x, mask
+
+
+def _run(branch, x, mask, seed, **kwargs):
+    """Values, gradients of a loss with non-uniform upstream weights, and buffers afterwards."""
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    out_weight = torch.randn(x.shape, dtype=F64, device=x.device, generator=gen)
+    ld_weight = torch.tensor([0.7, -1.3, 2.1], dtype=F64, device=x.device)
+    x = x.clone().requires_grad_()
+    estimator = RouletteLogDet(probe="gaussian", generator=gen, **kwargs)
+    out, logdet = estimator(branch, x, mask)
+    loss = (out * out_weight).sum() + (logdet * ld_weight).sum()
+    grads = torch.autograd.grad(loss, [x, *branch.parameters()])
+    return [out.detach(), logdet.detach(), *grads, *[b.clone() for b in branch.buffers()]]
+
+
+@pytest.mark.parametrize("norm", ["2", "inf"])
+@pytest.mark.parametrize("memory_efficient", [True, False])
+@pytest.mark.parametrize("n_probes", [1, 3])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fast_path_equals_autograd(device, norm, memory_efficient, n_probes, masked):
+    """Identical log-det, output, x/parameter gradients and buffer states (training mode)."""
+    fast, slow = _pair(norm, device, training=True)
+    x, mask = _inputs(device)
+    mask = mask if masked else None
+    kwargs = {"memory_efficient": memory_efficient, "n_probes": n_probes, "n_exact_terms": 4}
+    ours = _run(fast, x, mask, 5, **kwargs)
+    reference = _run(slow, x, mask, 5, **kwargs)
+    assert len(ours) == len(reference)
+    for a, b in zip(ours, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert ours[1].abs().min() > 1e-3  # a non-trivial estimate
+    if masked:
+        assert (ours[0][~mask] == 0).all() and (ours[2][~mask] == 0).all()
+
+
+@pytest.mark.parametrize("memory_efficient", [True, False])
+def test_fast_path_twice_before_backward(device, memory_efficient):
+    """Two forwards, then the backward of the first: the recomputation sees the first's weights."""
+    fast, slow = _pair("2", device, training=True)
+    x, _ = _inputs(device)
+    results = []
+    for branch in (fast, slow):
+        estimator = RouletteLogDet(
+            generator=torch.Generator(device=device).manual_seed(2),
+            memory_efficient=memory_efficient,
+        )
+        xg = x.clone().requires_grad_()
+        _, logdet = estimator(branch, xg)
+        estimator(branch, x)  # advances the power iteration once more
+        grads = torch.autograd.grad(
+            logdet.sum(), [xg, *branch.parameters()], allow_unused=True, materialize_grads=True
+        )
+        results.append([*grads, *[b.clone() for b in branch.buffers()]])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("norm", ["2", "inf"])
+def test_fast_path_without_graph(device, norm):
+    """Evaluation without a graph (Hutchinson chain through ``linearize``) equals autograd."""
+    fast, slow = _pair(norm, device, training=False)
+    x, mask = _inputs(device)
+    values = []
+    for branch in (fast, slow):
+        gen = torch.Generator(device=device).manual_seed(7)
+        with torch.no_grad():
+            values.append(RouletteLogDet(n_probes=2, generator=gen)(branch, x, mask))
+    for a, b in zip(*values, strict=True):
+        assert not a.requires_grad
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_fast_path_frozen_parameters(device):
+    """Only x requires grad: the fast backward still gives the autograd input gradient."""
+    fast, slow = _pair("2", device, training=True)
+    for branch in (fast, slow):
+        branch.requires_grad_(False)
+    x, mask = _inputs(device)
+    grads = []
+    for branch in (fast, slow):
+        xg = x.clone().requires_grad_()
+        _, logdet = RouletteLogDet(generator=torch.Generator(device=device).manual_seed(1))(
+            branch, xg, mask
+        )
+        grads.append(torch.autograd.grad(logdet.sum(), xg)[0])
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-12)
+    assert grads[0].abs().max() > 0
+
+
+def test_linearization_products(device):
+    """``output``/``vjp`` against the forward and ``torch.func.vjp``, with a mask."""
+    mlp = LipschitzMLP((3, 8, 3), coeff=0.9).to(device=device, dtype=F64).eval()
+    x, mask = _inputs(device)
+    w = torch.randn(x.shape, dtype=F64, device=device)
+    lin = mlp.linearize(x, mask)
+    out, pullback = torch.func.vjp(lambda z: mlp(z, mask), x)
+    torch.testing.assert_close(lin.output, out, rtol=0, atol=1e-14)
+    torch.testing.assert_close(lin.vjp(w), pullback(w)[0], rtol=0, atol=1e-14)
+
+
+def test_branch_without_hook_uses_autograd(device):
+    """A branch without ``linearize`` keeps working: d/dw log(1 + w) = 1 / (1 + w)."""
+    branch = ScaleBranch(0.4, device=device)
+    assert branch.linearize(torch.zeros(1, 1, 1, dtype=F64, device=device)) is None
+    x = torch.zeros(2, 3, 1, dtype=F64, device=device)
+    estimator = RouletteLogDet(n_exact_terms=60, generator=torch.Generator().manual_seed(0))
+    _, logdet = estimator(branch, x)
+    (grad,) = torch.autograd.grad(logdet.sum(), [next(branch.parameters())])
+    expected = 2 * 3 / (1 + 0.4)  # two sequences of three tokens
+    torch.testing.assert_close(
+        grad, torch.tensor(expected, dtype=F64, device=device), atol=1e-6, rtol=0
+    )
