@@ -57,7 +57,8 @@ def check_sequence(
         raise ValueError(f"{name} has an empty dimension (shape {tuple(x.shape)})")
     if features is not None and x.shape[-1] != features:
         raise ValueError(
-            f"{name} must have {features} features in its last dimension, got shape {tuple(x.shape)}"
+            f"{name} must have {features} features in its last dimension, "
+            f"got shape {tuple(x.shape)}"
         )
     if like is not None:
         check_dtype_device(x, like, name)
@@ -143,7 +144,9 @@ def check_mask(mask: object, x: Tensor, name: str = "mask") -> Tensor | None:
     if mask is None:
         return None
     if not isinstance(mask, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of dtype torch.bool, got {type(mask).__name__}")
+        raise TypeError(
+            f"{name} must be a torch.Tensor of dtype torch.bool, got {type(mask).__name__}"
+        )
     if mask.dtype != torch.bool:
         raise TypeError(f"{name} must have dtype torch.bool (True = real token), got {mask.dtype}")
     if x.dim() != 3:

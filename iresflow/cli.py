@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="log-determinant: exact, or unbiased Russian-roulette estimates (default: exact)",
     )
     evaluate_parser.add_argument(
-        "--n-samples", type=int, default=4,
+        "--n-samples", type=_positive_int, default=4,
         help="roulette estimates per sequence (>= 2 gives a standard error; default: 4)",
     )
     evaluate_parser.add_argument("--seed", type=int, default=0, help="seed of the estimates")
@@ -137,9 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sample_parser.set_defaults(handler=_sample)
     _add_run_arguments(sample_parser)
-    sample_parser.add_argument("--num", type=int, default=16, help="sequences (default: 16)")
     sample_parser.add_argument(
-        "--length", type=int,
+        "--num", type=_positive_int, default=16, help="sequences (default: 16)"
+    )
+    sample_parser.add_argument(
+        "--length", type=_positive_int,
         help="length of every sequence (default: drawn from the training lengths)",
     )
     sample_parser.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
@@ -155,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     info_parser.set_defaults(handler=_info)
     _add_run_arguments(info_parser)
     info_parser.add_argument(
-        "--seq-len", type=int,
+        "--seq-len", type=_positive_int,
         help="sequence length of the Lipschitz report (default: the data's longest)",
     )
     return parser
@@ -188,6 +190,16 @@ def _optional(base: type) -> Any:
 
     parse.__name__ = base.__name__  # argparse names the type in its error messages
     return parse
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -241,8 +253,6 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    if args.n_samples < 1:
-        raise CLIError(f"--n-samples must be >= 1, got {args.n_samples}")
     run = load_run(args.run, checkpoint=args.checkpoint, device=args.device)
     result = evaluate_run(
         run, split=args.split, method=args.method, n_samples=args.n_samples, seed=args.seed
@@ -253,12 +263,9 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    if args.num < 1:
-        raise CLIError(f"--num must be >= 1, got {args.num}")
     run = load_run(args.run, checkpoint=args.checkpoint, device=args.device)
-    max_len = run.model.max_len
-    if args.length is not None and not 1 <= args.length <= max_len:
-        raise CLIError(f"--length must lie in [1, {max_len}] for this model, got {args.length}")
+    if args.length is not None and args.length > run.model.max_len:
+        raise CLIError(f"--length must be <= {run.model.max_len} for this model, got {args.length}")
     samples = sample_run(run, args.num, length=args.length, seed=args.seed)
     out = args.out if args.out is not None else run.paths.root / "samples.npz"
     if out.suffix != ".npz":
@@ -289,8 +296,8 @@ def _sample(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     run = load_run(args.run, checkpoint=args.checkpoint, device=args.device)
     seq_len = args.seq_len if args.seq_len is not None else run.dataset.max_len
-    if not 1 <= seq_len <= run.model.max_len:
-        raise CLIError(f"--seq-len must lie in [1, {run.model.max_len}], got {seq_len}")
+    if seq_len > run.model.max_len:
+        raise CLIError(f"--seq-len must be <= {run.model.max_len} for this model, got {seq_len}")
     parameters = sum(p.numel() for p in run.model.parameters())
     print(f"run: {run.paths.root}")
     print(f"data: {run.dataset.name} ({run.dataset.features} features, up to "

@@ -20,7 +20,7 @@ from iresflow.train.config import TrainConfig
 
 TINY = [
     "--n-blocks", "1", "--hidden", "8", "--max-train", "12", "--max-eval", "6",
-    "--batch-size", "6", "--device", "cpu", "--quiet",
+    "--batch-size", "6", "--quiet",
 ]
 
 
@@ -35,13 +35,14 @@ class _Payload:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny trained run; its settings come partly from a file, partly from flags."""
+def run(tmp_path_factory: pytest.TempPathFactory, device: torch.device) -> Path:
+    """A tiny trained run (on the test device); its settings come from a file and flags."""
     folder = tmp_path_factory.mktemp("cli")
     config = folder / "run.toml"
     config.write_text('epochs = 5\nlr = 0.01\nattention = "lipschitznorm"\n', encoding="utf-8")
     out = folder / "run"
-    assert main(["train", "--config", str(config), "--epochs", "1", "--out", str(out)] + TINY) == 0
+    flags = ["--epochs", "1", "--out", str(out), "--device", str(device)]
+    assert main(["train", "--config", str(config)] + flags + TINY) == 0
     return out
 
 
@@ -130,7 +131,6 @@ def test_info_reports_size_and_lipschitz_constants(
         (["train", "--config", "{tmp}/missing.toml"], "cannot read config file"),
         (["evaluate", "{tmp}/missing"], "run folder not found"),
         (["info", "{tmp}"], "holds no checkpoint"),
-        (["sample", "{tmp}/missing", "--num", "0"], "--num must be >= 1"),
     ],
 )
 def test_errors_are_one_line_messages(
@@ -160,6 +160,7 @@ def test_bad_config_files_are_one_line_messages(
         (["train", "--attention", "dot"], "invalid choice: 'dot'"),
         (["train", "--epochs", "many"], "invalid int value: 'many'"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["sample", "run", "--num", "0"], "--num: expected a positive integer, got '0'"),
     ],
 )
 def test_malformed_command_lines_exit_2(

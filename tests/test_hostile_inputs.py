@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from iresflow.data.datasets import load_dataset
-from iresflow.inverse.fixed_point import fixed_point_inverse
+from iresflow.inverse.fixed_point import default_tolerance, fixed_point_inverse
 from iresflow.logdet.exact import ExactLogDet
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.logdet.series import SeriesLogDet
@@ -81,8 +81,6 @@ class EntryPoint:
         checks_values: Whether NaN/Inf and empty dimensions are rejected (not by linear layers).
         solves: Whether the result comes from a fixed-point solve (accurate to its tolerance).
         max_len: Longest accepted sequence, if bounded.
-        pending: Corruptions left out of the property test until a fix in another file lands
-            (each has a strict ``xfail`` test below).
     """
 
     call: Callable[[Any, Any], Any]
@@ -93,7 +91,6 @@ class EntryPoint:
     checks_values: bool = True
     solves: bool = False
     max_len: int | None = None
-    pending: tuple[str, ...] = ()
 
 
 def _entry(call: Callable[[Any, Any], Any], arg: str = "x", **kwargs: Any) -> EntryPoint:
@@ -181,7 +178,7 @@ def build_zoo(device: torch.device, dtype: torch.dtype) -> dict[str, EntryPoint]
         ),
         "SequenceCompositeTransform.inverse": _entry(
             lambda x, m: composite.inverse(x, mask=m), "inputs", ranks=(2, 3), solves=True,
-            max_len=MAX_LEN, pending=("features",),
+            max_len=MAX_LEN,
         ),
         "ResidualFlowTransformer.log_prob": _entry(
             lambda x, m: model.log_prob(x, m, method="exact"), max_len=MAX_LEN
@@ -290,7 +287,7 @@ def _corruptions(entry: EntryPoint) -> list[str]:
         kinds += ["mask_dtype", "mask_shape", "mask_all_padding", "mask_non_tensor"]
     if entry.max_len is not None:
         kinds.append("too_long")
-    return [k for k in kinds if k not in entry.pending]
+    return kinds
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)
@@ -357,9 +354,6 @@ def test_bad_input_raises_clear_error(zoo, device, dtype, name, data):
 
 
 DTYPE_NAMING_GAPS = {
-    "ResidualTransform.forward": "residual.py _prepare: check_sequence(..., like=<branch param>)",
-    "ResidualTransform.inverse": "residual.py _prepare: check_sequence(..., like=<branch param>)",
-    "SequenceCompositeTransform.inverse": "residual.py _prepare (first member inverted)",
     "ResidualFlowTransformer.log_prob": "transformer.py _check_inputs: like=self._reference()",
     "ResidualFlowTransformer.transform_to_noise": "transformer.py _check_inputs: like=...",
     "ResidualFlowTransformer.inverse": "transformer.py _check_inputs: like=self._reference()",
@@ -379,12 +373,6 @@ def test_mismatched_dtype_error_names_the_argument(zoo, device, dtype, name):
             entry.call(x.to(other), None)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "iresflow/nn/positional.py PositionalBranch and the Contractive* attention branches "
-    "expose no `features`, so ResidualTransform._prepare and the log-det gate cannot check D; "
-    "the error then comes from the positional table, naming `x` (and, in forward, the shape of "
-    "the repeated Jacobian batch)"
-))
 @pytest.mark.parametrize("direction", ["forward", "inverse"])
 def test_feature_size_error_of_positional_block_names_the_argument(device, dtype, direction):
     branch = PositionalBranch(ContractiveL2MultiheadAttention(FEATURES, HEADS),
@@ -396,12 +384,7 @@ def test_feature_size_error_of_positional_block_names_the_argument(device, dtype
         call(x)
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-        "residual.py _prepare: check_sequence(..., like=<branch param>); the positional table "
-        "is added to the input before the attention's own check")))
-    if n == "SequenceCompositeTransform.inverse" else n for n in ENTRY_POINTS
-])
+@pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_input_on_another_device_raises_type_error(zoo, device, dtype, name):
     # The meta device stands in for "another device" on every machine; see also the CUDA test.
     entry = zoo[name]
@@ -478,9 +461,11 @@ def test_padded_values_never_change_real_outputs(zoo, device, dtype, data):
     name = data.draw(st.sampled_from(MASKED), label="entry point")
     entry = zoo[name]
     x, mask = data.draw(batches(entry, device, dtype, masked=True))
-    # Fixed-point solves get unit-scale padding: their default tolerance scales with the largest
-    # entry of a sample, padding included (see test_inverse_accuracy_ignores_padded_values).
-    scale = 3.0 if entry.solves else data.draw(st.sampled_from([1.0, 1e3, 1e6]))
+    # The bare solver gets unit-scale padding: its default tolerance scales with the largest
+    # entry of a sample, padding included; the transforms solve with padding set to zero (see
+    # test_inverse_accuracy_ignores_padded_values).
+    bare = name == "fixed_point_inverse"
+    scale = 3.0 if bare else data.draw(st.sampled_from([1.0, 1e3, 1e6]))
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(
         data.draw(st.integers(0, 2**16))), dtype=torch.float64).to(device=device, dtype=dtype)
     hostile = torch.where(mask.unsqueeze(-1), x, scale * noise)
@@ -499,11 +484,6 @@ def test_all_true_mask_equals_no_mask(zoo, device, dtype, name):
     _assert_same(entry.call(x, mask), entry.call(x, None), dtype, entry.solves)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "iresflow/transforms/residual.py ResidualTransform.inverse: the default fixed-point "
-    "tolerance scales with max|y_b| including padded entries; solve on y with padded entries "
-    "set to 0 and put the padded y back afterwards"
-))
 @pytest.mark.parametrize("name", ["ResidualTransform.inverse", "ResidualFlowTransformer.inverse"])
 def test_inverse_accuracy_ignores_padded_values(zoo, device, dtype, name):
     entry = zoo[name]
@@ -538,21 +518,10 @@ LOW_PRECISION_MODULES: dict[str, Callable[[], torch.nn.Module]] = {
     ),
     "ActNorm": lambda: ActNorm(FEATURES),
 }
-LOW_PRECISION_GAPS = {
-    "ContractiveLipschitzNormAttention": (
-        "iresflow/nn/lipschitz_norm.py transformer_head_bound/multihead_bound: "
-        "torch.linalg.matrix_norm rejects float16/bfloat16 with a raw RuntimeError; compute the "
-        "bound in float32 and cast back (or raise TypeError for low precision)"
-    ),
-}
 
 
 @pytest.mark.parametrize("low", list(LOW_PRECISION), ids=str)
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=RuntimeError,
-                                            reason=LOW_PRECISION_GAPS[n]))
-    if n in LOW_PRECISION_GAPS else n for n in LOW_PRECISION_MODULES
-])
+@pytest.mark.parametrize("name", list(LOW_PRECISION_MODULES))
 def test_low_precision_module_matches_float64(device, name, low):
     torch.manual_seed(0)
     reference = LOW_PRECISION_MODULES[name]().to(device=device, dtype=torch.float64)
@@ -581,11 +550,17 @@ def test_estimators_reject_low_precision(device, estimator, low):
 @pytest.mark.parametrize("low", list(LOW_PRECISION), ids=str)
 def test_fixed_point_inverse_solves_in_low_precision(device, low):
     y = torch.randn(3, 4, FEATURES, device=device, dtype=torch.float64)
-    x, stats = fixed_point_inverse(lambda t: 0.5 * torch.sin(t), y.to(low))
+    y_low = y.to(low)
+    x, stats = fixed_point_inverse(lambda t: 0.5 * torch.sin(t), y_low)
     reference, _ = fixed_point_inverse(lambda t: 0.5 * torch.sin(t), y)
     assert x.dtype == low and bool(stats.converged.all())
-    # Banach: |x - x*| <= L / (1 - L) * tol (L = 1/2) plus the rounding of y
-    assert float((x.double() - reference).abs().max()) <= 4 * LOW_PRECISION[low]
+    # Banach with L = 1/2: L / (1 - L) * tol from the stopping rule, plus 1 / (1 - L) times the
+    # rounding of y and of one evaluation of y - g(x) (a few units in the last place of |y|).
+    rounding = float((y_low.double() - y).abs().max()) + 3 * torch.finfo(low).eps * float(
+        y.abs().max()
+    )
+    bound = float(default_tolerance(y_low).max()) + 2 * rounding
+    assert float((x.double() - reference).abs().max()) <= bound
 
 
 def test_low_precision_model_raises_type_error(device):

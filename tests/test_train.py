@@ -25,7 +25,7 @@ from iresflow.train.loop import (
 from iresflow.train.plots import plot_learning_curves, plot_marginals, plot_traces
 
 TINY = dict(
-    n_blocks=1, hidden=8, max_train=12, max_eval=6, batch_size=6, epochs=1, device="cpu",
+    n_blocks=1, hidden=8, max_train=12, max_eval=6, batch_size=6, epochs=1, device="cpu"
 )
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -220,8 +220,10 @@ def test_split_log_prob_matches_full_padded_batch() -> None:
     assert estimate.shape == stderr.shape == (len(dataset.val),)
 
 
-def test_train_writes_run_folder_and_restores_global_state(tmp_path: Path) -> None:
-    config = TrainConfig(**TINY).replace(epochs=2)
+def test_train_writes_run_folder_and_restores_global_state(
+    tmp_path: Path, device: torch.device
+) -> None:
+    config = TrainConfig(**TINY).replace(epochs=2, device=str(device))
     before, rng = torch.are_deterministic_algorithms_enabled(), torch.get_rng_state()
     result = train(config, tmp_path / "run", progress=False)
     assert torch.are_deterministic_algorithms_enabled() == before
@@ -250,9 +252,11 @@ def test_train_writes_run_folder_and_restores_global_state(tmp_path: Path) -> No
     assert (tmp_path / "other" / "notes.txt").exists()
 
 
-def test_resume_continues_exactly(tmp_path: Path) -> None:
+def test_resume_continues_exactly(tmp_path: Path, device: torch.device) -> None:
     # Every piece of state: roulette training, moving average, clipping, plateau schedule.
-    config = TrainConfig(**TINY).replace(ema=0.9, clip=1.0, seed=3, max_train=8, batch_size=4)
+    config = TrainConfig(**TINY).replace(
+        ema=0.9, clip=1.0, seed=3, max_train=8, batch_size=4, device=str(device)
+    )
     train(config, tmp_path / "a", progress=False)
     resumed = train(config.replace(epochs=3), tmp_path / "a", resume=True, progress=False)
     uninterrupted = train(config.replace(epochs=3), tmp_path / "b", progress=False)

@@ -5,15 +5,10 @@ spectral normalisation). When an engine evaluates a branch more than once for th
 (batch chunks of the exact engine, the recomputation in the memory-efficient backward), the
 repeated evaluations must see the buffers as they were before the first one, and must leave the
 module's buffers as the first evaluation left them. Repeated evaluations therefore run through
-:func:`torch.func.functional_call` on clones of a snapshot taken before the first evaluation;
-other methods than ``forward`` (e.g. :meth:`~iresflow.nn.base.LipschitzBranch.linearize`) run
-inside :func:`buffers_from`.
+:func:`torch.func.functional_call` on clones of a snapshot taken before the first evaluation.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -54,30 +49,3 @@ def call_with_buffers(
         return branch(x, mask)
     buffers = {name: buf.clone() for name, buf in snapshot.items()}
     return torch.func.functional_call(branch, buffers, (x, mask))
-
-
-@contextmanager
-def buffers_from(branch: LipschitzBranch, snapshot: dict[str, Tensor]) -> Iterator[None]:
-    """Run a block with the buffers of ``branch`` set to the state ``snapshot``.
-
-    The buffers are overwritten in place with ``snapshot`` on entry and get their previous
-    values back on exit, so the module is left as it was and ``snapshot`` is not modified.
-
-    Args:
-        branch: The branch.
-        snapshot: Result of :func:`buffer_snapshot`.
-    """
-    if not snapshot:
-        yield
-        return
-    buffers = dict(branch.named_buffers())
-    current = buffer_snapshot(branch)
-    with torch.no_grad():
-        for name, value in snapshot.items():
-            buffers[name].copy_(value)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for name, value in current.items():
-                buffers[name].copy_(value)

@@ -42,8 +42,11 @@ forward give the same gradients as the plain path.
 vector-Jacobian products, and the memory-efficient backward its
 :meth:`~iresflow.nn.base.Linearization.surrogate_backward` (the gradient of :math:`\Phi` without
 a double backward; autograd only carries the gradients of the effective parameters it returns to
-the raw parameters). Values and gradients are those of the autograd path; branches without a
-linearization use autograd throughout.
+the raw parameters). Between forward and backward the engine keeps the linearization at an empty
+batch (the effective parameters of the forward and their small graphs to the parameters) and
+re-evaluates it at :math:`x` in backward, so the recomputation uses the forward's weights
+without touching the module's buffers. Values and gradients are those of the autograd path;
+branches without a linearization use autograd throughout.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from iresflow.logdet._hutchinson import (
     repeated_mask,
     vjp,
 )
-from iresflow.logdet._state import buffer_snapshot, buffers_from, call_with_buffers
+from iresflow.logdet._state import buffer_snapshot, call_with_buffers
 from iresflow.nn.base import Linearization, LipschitzBranch
 
 __all__ = ["NeumannLogDetFunction", "neumann_logdet"]
@@ -104,21 +107,23 @@ class NeumannLogDetFunction(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         batch = x.shape[0]
         copies = v.shape[0] // batch
-        snapshot = buffer_snapshot(branch)
         mask_rep = repeated_mask(mask, copies)
         x_rep = repeated_input(x, copies, keep_graph=False)
-        lin = branch.linearize(x_rep.detach(), mask_rep)
+        with torch.enable_grad():  # roots of the linearization with their parameter graphs
+            lin = branch.linearize(x_rep.detach(), mask_rep)
+        ctx.branch, ctx.mask, ctx.params = branch, mask, params
         if lin is not None:
             y = lin.output
             estimate, u = power_series(lin.vjp, v, coeffs, neumann_coeffs=neumann_coeffs)
+            # Parameter-sized state only: the effective parameters of this forward.
+            ctx.lin = lin.at(x_rep[:0].detach(), None if mask_rep is None else mask_rep[:0])
         else:
+            ctx.lin, ctx.snapshot = None, buffer_snapshot(branch)
             with torch.enable_grad():
                 y = branch(x_rep, mask_rep)
                 estimate, u = power_series(
                     lambda w: vjp(y, x_rep, w, False), v, coeffs, neumann_coeffs=neumann_coeffs
                 )
-        ctx.branch, ctx.mask, ctx.snapshot, ctx.params = branch, mask, snapshot, params
-        ctx.fast = lin is not None
         ctx.save_for_backward(x, u, v)
         return y[:batch].detach(), estimate.view(copies, batch).mean(0).detach()
 
@@ -129,9 +134,8 @@ class NeumannLogDetFunction(torch.autograd.Function):
         batch = x.shape[0]
         copies = v.shape[0] // batch
         wanted = [p for p, need in zip(ctx.params, ctx.needs_input_grad[6:], strict=True) if need]
-        if ctx.fast:
-            with torch.enable_grad(), buffers_from(ctx.branch, ctx.snapshot):
-                lin = ctx.branch.linearize(x.repeat(copies, 1, 1), repeated_mask(ctx.mask, copies))
+        if ctx.lin is not None:
+            lin = ctx.lin.at(x.repeat(copies, 1, 1), repeated_mask(ctx.mask, copies))
             grads = _fast_backward(lin, wanted, grad_out, grad_logdet, u, v)
         else:
             grads = _autograd_backward(ctx, wanted, grad_out, grad_logdet, x, u, v)
@@ -188,7 +192,7 @@ def _fast_backward(
         return (grad_x, *[torch.zeros_like(p) for p in wanted])
     roots, root_grads = zip(*pairs, strict=True)
     grads = torch.autograd.grad(
-        roots, wanted, root_grads, allow_unused=True, materialize_grads=True
+        roots, wanted, root_grads, retain_graph=True, allow_unused=True, materialize_grads=True
     )
     return (grad_x, *grads)
 

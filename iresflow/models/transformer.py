@@ -222,7 +222,9 @@ class ResidualFlowTransformer(nn.Module):
                 Jacobian for attention), evaluated in chunks of sequences of similar length with
                 the trailing padding common to a chunk removed (padding never changes a
                 density); ``"roulette"`` the unbiased Russian-roulette estimator (in ``eval()``
-                mode with 20 exact terms).
+                mode with 20 exact terms): the configured estimators, with their generators,
+                when ``config["logdet"]`` is ``"roulette"``, else a default
+                :class:`~iresflow.logdet.roulette.RouletteLogDet` on torch's global generator.
             n_samples: Number of independent estimates averaged (stochastic estimators only;
                 must be 1 for ``"exact"``).
             return_stderr: Also return the standard error of the average: the sample standard
@@ -257,7 +259,9 @@ class ResidualFlowTransformer(nn.Module):
         if exact:
             estimates = [self._exact_log_prob(x, mask, chunk_size)]
         else:
-            estimator = None if method is None else RouletteLogDet()
+            # The configured estimators (and their generators) serve whenever they match.
+            configured = method is None or self.config["logdet"] == method
+            estimator = None if configured else RouletteLogDet()
             estimates = []
             for _ in range(n_samples):
                 z, logdet = self._cascade(x, mask, estimator)

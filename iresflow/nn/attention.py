@@ -244,6 +244,11 @@ class ContractiveL2MultiheadAttention(LipschitzBranch):
         self.norm = norm  # type: ignore[misc]  # per-instance choice of the certified norm
         self.length = length
 
+    @property
+    def features(self) -> int:
+        """Token dimension ``D`` the branch requires."""
+        return self.attention.dim
+
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """Evaluate :math:`c F(X) / B(\\theta, N)`.
 
@@ -313,6 +318,11 @@ class ContractiveLipschitzNormAttention(LipschitzBranch):
         coeff = _check_coefficient(coeff, strict=True)
         self.attention = DotProductMultiheadAttention(dim, heads, "transformer", alpha)
         self.coeff = float(coeff)
+
+    @property
+    def features(self) -> int:
+        """Token dimension ``D`` the branch requires."""
+        return self.attention.dim
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """Evaluate :math:`c\\,\\mathrm{MHA}_{LN}(X) / B(\\theta, N)`.
@@ -405,12 +415,7 @@ def _check_inputs(x: Tensor, mask: Tensor | None, weight: Tensor) -> Tensor | No
     """
     if _under_functorch_transform():
         return mask
-    check_sequence(x, "x", features=weight.shape[0], allow_2d=False)
-    if x.dtype != weight.dtype or x.device != weight.device:
-        raise TypeError(
-            f"x must have the module's dtype/device ({weight.dtype}, {weight.device}), "
-            f"got ({x.dtype}, {x.device})"
-        )
+    check_sequence(x, "x", features=weight.shape[0], allow_2d=False, like=weight)
     return check_mask(mask, x)
 
 

@@ -24,6 +24,21 @@ class Linearization(ABC):
     output: Tensor
 
     @abstractmethod
+    def at(self, x: Tensor, mask: Tensor | None = None) -> Linearization:
+        """The same map (same effective parameters, same roots) at another input.
+
+        Calls no module and updates no buffer. At an empty batch the result holds only
+        parameter-sized state, which engines keep between a forward and a backward pass.
+
+        Args:
+            x: Sequences ``(R, N, D)``.
+            mask: Optional boolean padding mask ``(R, N)``.
+
+        Returns:
+            The linearization at ``x``.
+        """
+
+    @abstractmethod
     def vjp(self, w: Tensor) -> Tensor:
         r"""The vector-Jacobian product :math:`w^\top J`, row by row, without a graph.
 
@@ -52,7 +67,8 @@ class Linearization(ABC):
         Returns:
             ``(grad_x, pairs)``: :math:`\partial\Phi/\partial x` of shape ``(R, N, D)``, and
             pairs ``(root, grad)`` where ``root`` is a tensor computed from the parameters
-            (with a graph to them when built under grad mode, or a parameter itself) and
+            (with a graph to them when :meth:`LipschitzBranch.linearize` ran under grad mode,
+            or a parameter itself) and
             ``grad`` is :math:`\partial\Phi/\partial\,\mathrm{root}`; backpropagating every
             ``grad`` from its ``root`` gives the parameter gradients of :math:`\Phi`.
         """
@@ -71,6 +87,11 @@ class LipschitzBranch(nn.Module, ABC):
       log-det series and the fixed-point inverse of :math:`x + g(x)`.
     * :meth:`lipschitz_constant`: the certified bound, which a contractive branch keeps ``< 1``
       structurally, in every forward, without any update call.
+    * ``features``: the token dimension ``D`` it requires, an ``int`` attribute or property
+      (``None`` or absent if any ``D`` is accepted);
+      :class:`~iresflow.transforms.residual.ResidualTransform` and the log-det estimators check
+      the input's last dimension against it before evaluating the branch, so a wrong ``D`` is
+      reported on the caller's argument.
 
     Contract for masks: with a boolean ``mask`` of shape ``(B, N)`` (``True`` = real token), the
     output at padded positions is exactly zero and padded inputs never influence real outputs.
@@ -104,8 +125,9 @@ class LipschitzBranch(nn.Module, ABC):
         """Optional fast path: evaluate the branch with hand-written Jacobian products.
 
         A call counts as one forward (buffers a training forward updates are updated the same
-        way). Engines use the result in place of autograd when it is not ``None`` and must
-        obtain identical values and gradients either way.
+        way); returning ``None`` has no side effects. Engines use the result in place of
+        autograd when it is not ``None`` and must obtain identical values and gradients either
+        way.
 
         Args:
             x: Sequences ``(B, N, D)`` (validated by the caller).

@@ -219,7 +219,7 @@ def transformer_head_bound(
     s_max = softmax_norm_bound(alpha, seq_len).to(dtype=w_query.dtype, device=w_query.device)
     factor = torch.sqrt(32 * alpha**2 + (s_max + 2 * alpha) ** 2)
     stacked = torch.cat([w.reshape(dim, heads, -1) for w in (w_query, w_key, w_value)], dim=2)
-    spectral = torch.linalg.matrix_norm(stacked.transpose(0, 1), ord=2)  # (H,)
+    spectral = _spectral_norm(stacked.transpose(0, 1))  # (H,)
     return factor[..., None] * spectral
 
 
@@ -243,7 +243,19 @@ def multihead_bound(head_bounds: Tensor, w_out: Tensor) -> Tensor:
         >>> multihead_bound(torch.tensor([3.0, 4.0]), 2 * torch.eye(2))
         tensor(10.)
     """
-    return torch.linalg.matrix_norm(w_out, ord=2) * torch.linalg.vector_norm(head_bounds, dim=-1)
+    return _spectral_norm(w_out) * torch.linalg.vector_norm(head_bounds, dim=-1)
+
+
+def _spectral_norm(w: Tensor) -> Tensor:
+    """``torch.linalg.matrix_norm(w, 2)``, computed in float32 for float16/bfloat16 ``w``.
+
+    The SVD behind the spectral norm has no half-precision kernels; the float32 result is cast
+    back to ``w``'s dtype (differentiably), so low-precision modules keep a certificate in their
+    own dtype.
+    """
+    if w.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.matrix_norm(w.float(), ord=2).to(w.dtype)
+    return torch.linalg.matrix_norm(w, ord=2)
 
 
 class LinearScoreAttention(nn.Module):

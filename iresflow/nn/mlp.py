@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from iresflow._validation import check_mask, check_sequence
@@ -170,7 +171,18 @@ class LipschitzMLP(LipschitzBranch):
             >>> bool(torch.allclose(lin.vjp(w), ref, atol=1e-6))
             True
         """
-        return _MLPLinearization(self, x, mask)
+        with torch.no_grad():
+            # One forward of every layer, for its buffer updates only (the power iteration of
+            # SpectralLinear in training mode): on an empty batch, the values come from below.
+            self.net(x[:0])
+        linears = [m for m in self.net if not isinstance(m, LipSwish)]
+        return _MLPLinearization(
+            [layer.weight_normalized() for layer in linears],
+            [layer.bias for layer in linears],
+            [m.beta for m in self.net if isinstance(m, LipSwish)],
+            x,
+            mask,
+        )
 
 
 def _lipswish_slope(beta: Tensor, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -195,6 +207,16 @@ def _lipswish_second(beta: Tensor, z: Tensor, s: Tensor) -> tuple[Tensor, Tensor
     return ds * (2 + beta * z * (1 - 2 * s)) / 1.1, z * z * ds / 1.1
 
 
+def _rows(t: Tensor) -> Tensor:
+    """``(..., H)`` as a matrix ``(rows, H)``."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    """Sum of the elementwise product of two tensors of equal shape (0-dim)."""
+    return torch.dot(a.reshape(-1), b.reshape(-1))
+
+
 class _MLPLinearization(Linearization):
     r"""A :class:`LipschitzMLP` at ``x`` (see :meth:`LipschitzMLP.linearize`).
 
@@ -203,30 +225,35 @@ class _MLPLinearization(Linearization):
     sigmoids :math:`\sigma(\beta_l a_l)` and slopes :math:`\phi_l'(a_l)`, all ``(R, N, H_l)``.
     """
 
-    def __init__(self, mlp: LipschitzMLP, x: Tensor, mask: Tensor | None) -> None:
-        linears = [m for m in mlp.net if not isinstance(m, LipSwish)]
-        self.betas = [m.beta for m in mlp.net if isinstance(m, LipSwish)]
-        self.biases = [m.bias for m in linears]
+    def __init__(
+        self,
+        weights: list[Tensor],
+        biases: list[Tensor | None],
+        betas: list[Tensor],
+        x: Tensor,
+        mask: Tensor | None,
+    ) -> None:
+        self.weights, self.biases, self.betas = weights, biases, betas
         self.mask = None if mask is None else mask.unsqueeze(-1)
-        self.weights: list[Tensor] = []
+        self._detached = [weight.detach() for weight in weights]
         self.inputs: list[Tensor] = []
         self.pre: list[Tensor] = []
         self.sigmoids: list[Tensor] = []
         self.slopes: list[Tensor] = []
         h = x.detach()
-        for i, layer in enumerate(linears):
-            with torch.no_grad():
-                a = layer(h)  # advances the power iteration as the forward does
-            self.weights.append(layer.weight_normalized())
-            self.inputs.append(h)
-            self.pre.append(a)
-            if i < len(self.betas):
-                with torch.no_grad():
-                    h, slope, sigmoid = _lipswish_slope(self.betas[i].detach(), a)
-                self.slopes.append(slope)
-                self.sigmoids.append(sigmoid)
+        with torch.no_grad():
+            for i, (weight, bias) in enumerate(zip(self._detached, biases, strict=True)):
+                a = F.linear(h, weight, bias)
+                self.inputs.append(h)
+                self.pre.append(a)
+                if i < len(betas):
+                    h, slope, sigmoid = _lipswish_slope(betas[i].detach(), a)
+                    self.slopes.append(slope)
+                    self.sigmoids.append(sigmoid)
         self.output = a if self.mask is None else torch.where(self.mask, a, 0.0)
-        self._detached = [weight.detach() for weight in self.weights]
+
+    def at(self, x: Tensor, mask: Tensor | None = None) -> _MLPLinearization:
+        return _MLPLinearization(self.weights, self.biases, self.betas, x, mask)
 
     def _masked(self, w: Tensor) -> Tensor:
         return w if self.mask is None else torch.where(self.mask, w, 0.0)
@@ -262,15 +289,12 @@ class _MLPLinearization(Linearization):
             q, dphi_dbeta = _lipswish_second(beta, self.pre[l], self.sigmoids[l])
             extra = rho * alpha[l] * q
             kappa.insert(0, self.slopes[l] * rho)
-            gamma.insert(0, self.slopes[l] * eta + beta * extra)
-            grad_betas.insert(0, (eta * dphi_dbeta + extra * self.pre[l]).sum())
+            gamma.insert(0, torch.addcmul(self.slopes[l] * eta, extra, beta))
+            grad_betas.insert(0, _dot(eta, dphi_dbeta) + _dot(extra, self.pre[l]))
         pairs: list[tuple[Tensor, Tensor]] = []
         for l in range(n):
-            flat_gamma = gamma[l].reshape(-1, gamma[l].shape[-1])
-            grad_w = flat_gamma.T @ self.inputs[l].reshape(-1, self.inputs[l].shape[-1])
-            grad_w = grad_w + kappa[l].reshape(flat_gamma.shape).T @ tau[l].reshape(
-                -1, tau[l].shape[-1]
-            )
+            flat_gamma, flat_kappa = _rows(gamma[l]), _rows(kappa[l])
+            grad_w = torch.addmm(flat_gamma.T @ _rows(self.inputs[l]), flat_kappa.T, _rows(tau[l]))
             pairs.append((self.weights[l], grad_w))
             if self.biases[l] is not None:
                 pairs.append((self.biases[l], flat_gamma.sum(0)))

@@ -188,6 +188,11 @@ class PositionalBranch(LipschitzBranch):
         """Norm in which the wrapped branch's certificate holds."""
         return self.branch.norm
 
+    @property
+    def features(self) -> int | None:
+        """Token dimension ``D`` the wrapped branch requires, if it declares one."""
+        return getattr(self.branch, "features", None)
+
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """Evaluate :math:`g(X + E)`.
 

@@ -24,7 +24,13 @@ from iresflow.data.datasets import SequenceDataset
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
-from iresflow.train.loop import RunPaths, load_data, resolve_device, split_log_prob
+from iresflow.train.loop import (
+    RunPaths,
+    copy_parameters,
+    load_data,
+    resolve_device,
+    split_log_prob,
+)
 from iresflow.train.plots import plot_learning_curves, plot_marginals, plot_traces
 
 __all__ = ["LoadedRun", "Samples", "evaluate_run", "load_run", "sample_run", "write_plots"]
@@ -82,8 +88,8 @@ def load_run(
 
     Args:
         run_dir: The run folder written by :func:`~iresflow.train.loop.train`.
-        checkpoint: ``"best"`` (lowest validation NLL; falls back to ``last`` when no epoch has
-            finished with a finite one) or ``"last"``.
+        checkpoint: ``"best"`` (lowest validation NLL; ``last`` when there is no ``best.pt``)
+            or ``"last"``.
         device: Device for the model (default: the run's ``device`` setting).
 
     Returns:
@@ -108,9 +114,7 @@ def load_run(
         model = ResidualFlowTransformer(**state["model_config"])
         model.load_state_dict(state["model"])
         if state["ema"] is not None:
-            with torch.no_grad():
-                for name, parameter in model.named_parameters():
-                    parameter.copy_(state["ema"][name])
+            copy_parameters(model, state["ema"])
         epoch, history = int(state["epoch"]), list(state["history"])
     except ConfigError:
         raise

@@ -51,6 +51,7 @@ __all__ = [
     "TrainResult",
     "TrainingDivergedError",
     "build_model",
+    "copy_parameters",
     "load_data",
     "resolve_device",
     "split_log_prob",
@@ -193,19 +194,11 @@ class ExponentialMovingAverage:
     def applied(self, model: nn.Module) -> Iterator[None]:
         """Within the block, the model's parameters are the averages."""
         current = {name: p.detach().clone() for name, p in model.named_parameters()}
-        self.copy_to(model)
+        copy_parameters(model, self.shadow)
         try:
             yield
         finally:
-            with torch.no_grad():
-                for name, parameter in model.named_parameters():
-                    parameter.copy_(current[name])
-
-    @torch.no_grad()
-    def copy_to(self, model: nn.Module) -> None:
-        """Overwrite the model's parameters with the averages."""
-        for name, parameter in model.named_parameters():
-            parameter.copy_(self.shadow[name])
+            copy_parameters(model, current)
 
     def state_dict(self) -> dict[str, Tensor]:
         """The averages, by parameter name."""
@@ -218,6 +211,20 @@ class ExponentialMovingAverage:
         with torch.no_grad():
             for name, value in state.items():
                 self.shadow[name].copy_(value)
+
+
+@torch.no_grad()
+def copy_parameters(model: nn.Module, values: dict[str, Tensor]) -> None:
+    """Overwrite every parameter of ``model`` with the tensor of the same name in ``values``.
+
+    Example:
+        >>> model = nn.Linear(2, 1)
+        >>> copy_parameters(model, {"weight": torch.ones(1, 2), "bias": torch.zeros(1)})
+        >>> model.weight.tolist()
+        [[1.0, 1.0]]
+    """
+    for name, parameter in model.named_parameters():
+        parameter.copy_(values[name])
 
 
 def resolve_device(name: str) -> torch.device:

@@ -166,7 +166,8 @@ class ResidualTransform(SequenceTransform):
         r"""Solve :math:`x + g(x) = y` and return :math:`-\log\det(I + J_g(x))`.
 
         Runs without gradient tracking; the diagnostics are stored in
-        :attr:`last_inverse_stats`.
+        :attr:`last_inverse_stats`. With a mask, the solve sees the padded entries as zeros (so
+        they cannot loosen the per-sample default tolerance) and returns them unchanged.
 
         Args:
             inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
@@ -178,21 +179,28 @@ class ResidualTransform(SequenceTransform):
             ``outputs`` with the shape of ``inputs`` and ``logabsdet`` of shape ``(B,)``.
 
         Raises:
+            TypeError: ``inputs`` is not on the dtype/device of the branch parameters.
             InversionError: the fixed-point iteration did not converge (with
                 ``on_failure="raise"``).
         """
         y, mask, vector = self._prepare(inputs, context, mask)
         estimator = self.logdet if logdet is None else make_logdet(logdet)
         with torch.no_grad():
+            # Padded entries are solved as zeros: the default tolerance scales with the largest
+            # entry of each sample, which padding must not loosen. The branch is 0 there, so the
+            # padded outputs are the padded inputs, put back afterwards.
+            real = None if mask is None else mask[..., None]
             x, stats = fixed_point_inverse(
                 self.branch,
-                y,
+                y if real is None else torch.where(real, y, 0.0),
                 args=() if mask is None else (mask,),
                 tol=self.inverse_tol,
                 max_iter=self.inverse_max_iter,
                 solver=self.inverse_solver,
                 on_failure=self.on_failure,
             )
+            if real is not None:
+                x = torch.where(real, x, y)
             self.last_inverse_stats = stats
             _, logabsdet = estimator(self.branch, x, mask)
         return (x.squeeze(1) if vector else x), -logabsdet
@@ -202,7 +210,8 @@ class ResidualTransform(SequenceTransform):
     ) -> tuple[Tensor, Tensor | None, bool]:
         if context is not None:
             raise ValueError("ResidualTransform is unconditional: context must be None")
-        x = check_sequence(inputs, "inputs", features=self.features)
+        like = next(self.branch.parameters(), None)
+        x = check_sequence(inputs, "inputs", features=self.features, like=like)
         mask = check_mask(mask, x)
         vector = x.dim() == 2
         return (x.unsqueeze(1) if vector else x), mask, vector
