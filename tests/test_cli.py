@@ -56,7 +56,8 @@ def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
 
 def test_module_help_runs_as_a_subprocess() -> None:
     completed = subprocess.run(
-        [sys.executable, "-m", "iresflow", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "iresflow", "--help"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
     )
     assert completed.returncode == 0
     for command in ("train", "evaluate", "sample", "info"):

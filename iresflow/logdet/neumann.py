@@ -38,15 +38,15 @@ re-evaluation (:mod:`iresflow.logdet._state`), so branches that update buffers i
 forward give the same gradients as the plain path.
 
 **Fast path.** When the branch returns a :class:`~iresflow.nn.base.Linearization` from
-:meth:`~iresflow.nn.base.LipschitzBranch.linearize`, the power chain uses its hand-written
-vector-Jacobian products, and the memory-efficient backward its
+:meth:`~iresflow.nn.base.LipschitzBranch.linearize`, the memory-efficient Function computes the
+power chain with its hand-written vector-Jacobian products and the backward with its
 :meth:`~iresflow.nn.base.Linearization.surrogate_backward` (the gradient of :math:`\Phi` without
 a double backward; autograd only carries the gradients of the effective parameters it returns to
-the raw parameters). Between forward and backward the engine keeps the linearization at an empty
-batch (the effective parameters of the forward and their small graphs to the parameters) and
-re-evaluates it at :math:`x` in backward, so the recomputation uses the forward's weights
+the raw parameters). Between forward and backward the Function keeps the linearization at an
+empty batch (the effective parameters of the forward, with their small graphs to the parameters)
+and re-evaluates it at :math:`x` in backward, so the recomputation uses the forward's weights
 without touching the module's buffers. Values and gradients are those of the autograd path;
-branches without a linearization use autograd throughout.
+the plain path and branches without a linearization use autograd throughout.
 """
 
 from __future__ import annotations
@@ -251,21 +251,12 @@ def neumann_logdet(
     batch = x.shape[0]
     copies = v.shape[0] // batch
     graph = torch.is_grad_enabled()
-    mask_rep = repeated_mask(mask, copies)
-    snapshot = buffer_snapshot(branch)
     with torch.enable_grad():
         x_rep = repeated_input(x, copies, keep_graph=graph)
-        with torch.no_grad():
-            lin = branch.linearize(x_rep.detach(), mask_rep)
-        if lin is None:
-            y = branch(x_rep, mask_rep)
-            product = lambda w: vjp(y, x_rep, w, False)  # noqa: E731
-        else:
-            # The graph of the surrogate needs an autograd evaluation of g, from the buffer
-            # state that the linearization (one forward) started from.
-            y = call_with_buffers(branch, snapshot, x_rep, mask_rep)
-            product = lin.vjp
-        estimate, u = power_series(product, v, coeffs, neumann_coeffs=neumann_coeffs)
+        y = branch(x_rep, repeated_mask(mask, copies))
+        estimate, u = power_series(
+            lambda w: vjp(y, x_rep, w, False), v, coeffs, neumann_coeffs=neumann_coeffs
+        )
         s = _surrogate(y, x_rep, u, v, batch)
     logdet = estimate.view(copies, batch).mean(0) + (s - s.detach())
     if not graph:
