@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 RUN ?= runs/japanese_vowels
 
-.PHONY: install demo test lint
+.PHONY: install demo test lint docs
 
 $(BIN)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,3 +26,6 @@ test: $(BIN)/.installed
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check iresflow tests benchmarks examples
+
+docs: $(BIN)/.installed
+	$(BIN)/mkdocs build --strict -d site

@@ -311,6 +311,10 @@ def _info(args: argparse.Namespace) -> int:
     print(run.config.to_toml().rstrip())
     generator = torch.Generator(next(run.model.parameters()).device).manual_seed(0)
     report = run.model.lipschitz_report(seq_len, generator=generator)
+    print(
+        "guarantees: re-checked at load: every parameter finite, every certified Lipschitz "
+        "constant below 1 (weights are re-normalised in every forward pass)"
+    )
     print(f"\nLipschitz constants of the residual branches (sequence length {seq_len}):")
     print(f"{'branch':<24}{'type':<36}{'norm':>5}{'certified':>11}{'observed':>10}")
     for row in report:

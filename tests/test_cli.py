@@ -15,8 +15,9 @@ import torch
 
 from iresflow.cli import main
 from iresflow.models.transformer import ResidualFlowTransformer
-from iresflow.train.checkpoint import load_checkpoint
+from iresflow.train.checkpoint import CheckpointError, load_checkpoint
 from iresflow.train.config import TrainConfig
+from iresflow.train.evaluate import load_run
 
 TINY = [
     "--n-blocks", "1", "--hidden", "8", "--max-train", "12", "--max-eval", "6",
@@ -195,3 +196,31 @@ def test_run_folder_errors(run: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["info", str(copy)]) == 1
     assert "refusing checkpoint" in _error_line(capsys)
     assert not marker.exists()
+
+
+def test_edited_checkpoints_are_renormalised_or_refused(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    copy = tmp_path / "edited"
+    shutil.copytree(run, copy)
+    best = copy / "checkpoints" / "best.pt"
+    state = load_checkpoint(best)
+    mlp = "transform._transforms.3.branch.net.0.weight"
+    for name in (mlp, "transform._transforms.1.branch.branch.attention.w_value"):
+        state["model"][name] = state["model"][name] * 100.0  # far beyond the constraint
+    torch.save(state, best)
+    loaded = load_run(copy, device="cpu")
+    layer = loaded.model.get_submodule(mlp.rsplit(".", 1)[0])
+    assert torch.linalg.matrix_norm(layer.weight, 2) > 10  # the raw weight is edited
+    assert torch.linalg.matrix_norm(layer.weight_normalized(), 2) <= layer.coeff * (1 + 1e-5)
+    for row in loaded.model.lipschitz_report(6):
+        assert row["estimate"] <= row["certified"] * (1 + 1e-5) and row["certified"] < 1
+    assert main(["info", str(copy), "--seq-len", "6"]) == 0
+    assert "guarantees: re-checked at load" in capsys.readouterr().out
+
+    state["model"][mlp][0, 0] = torch.nan
+    torch.save(state, best)
+    assert main(["info", str(copy)]) == 1
+    assert f"refusing {best}: {mlp} holds NaN or Inf values" in _error_line(capsys)
+    with pytest.raises(CheckpointError, match="holds NaN"):
+        load_run(copy)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 from pathlib import Path
@@ -12,11 +13,13 @@ import torch
 from torch import nn
 
 from iresflow.data.datasets import load_dataset
+from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.loop import (
     ExponentialMovingAverage,
     RunPaths,
+    TrainingDivergedError,
     build_model,
     load_data,
     split_log_prob,
@@ -123,7 +126,7 @@ def test_failed_write_leaves_previous_checkpoint_intact(
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match="cannot write checkpoint .*: disk full"):
         save_checkpoint({"epoch": 2}, path)
     monkeypatch.undo()
     assert load_checkpoint(path)["epoch"] == 1
@@ -313,3 +316,73 @@ def test_plots_write_png_files(tmp_path: Path) -> None:
         plot_marginals(real, None, real, mask, tmp_path / "x.png")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="at least one epoch"):
         plot_learning_curves([], tmp_path / "x.png")
+
+
+# -- numerical health -----------------------------------------------------------------------
+
+
+def _inject_nan(monkeypatch: pytest.MonkeyPatch, *, training: bool, call: int) -> None:
+    """Make the ``call``-th log_prob of the model in training (or evaluation) mode return NaN."""
+    original = ResidualFlowTransformer.log_prob
+    calls = {"n": 0}
+
+    def log_prob(self: ResidualFlowTransformer, *args: object, **kwargs: object) -> torch.Tensor:
+        value = original(self, *args, **kwargs)
+        if self.training == training:
+            calls["n"] += 1
+            if calls["n"] == call:
+                return value * torch.nan
+        return value
+
+    monkeypatch.setattr(ResidualFlowTransformer, "log_prob", log_prob)
+
+
+def test_nan_loss_skips_the_step_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _inject_nan(monkeypatch, training=True, call=2)  # 2 steps per epoch: the last of epoch 1
+    config = TrainConfig(**TINY).replace(on_nan="skip", epochs=2)
+    result = train(config, tmp_path / "run", progress=False)
+    assert "warning: non-finite loss or gradient at epoch 1, step 2; skipped" in (
+        capsys.readouterr().err
+    )
+    assert [row["skipped_steps"] for row in result.history] == [1.0, 0.0]
+    for row in result.history:
+        assert math.isfinite(row["train_nll"]) and math.isfinite(row["grad_norm"])
+    for name in ("last", "best"):
+        state = load_checkpoint(getattr(RunPaths(tmp_path / "run"), name))
+        assert all(torch.isfinite(v).all() for v in state["model"].values())
+        assert all(torch.isfinite(s).all() for p in state["optimizer"]["state"].values()
+                   for s in p.values())
+
+
+def test_nan_loss_stops_and_keeps_the_last_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = TrainConfig(**TINY)
+    train(config, tmp_path / "run", progress=False)
+    before = load_checkpoint(RunPaths(tmp_path / "run").last)
+    _inject_nan(monkeypatch, training=True, call=1)
+    with pytest.raises(TrainingDivergedError, match="non-finite loss .* epoch 2, step 1; training"):
+        train(config.replace(epochs=2), tmp_path / "run", resume=True, progress=False)
+    after = load_checkpoint(RunPaths(tmp_path / "run").last)
+    assert after["epoch"] == 1
+    for name, value in before["model"].items():
+        assert torch.equal(after["model"][name], value)
+
+
+def test_nan_validation_is_never_the_best_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _inject_nan(monkeypatch, training=False, call=2)  # one validation batch per epoch: epoch 2
+    config = TrainConfig(**TINY).replace(epochs=2, on_nan="skip")
+    result = train(config, tmp_path / "run", progress=False)
+    assert "non-finite validation NLL at epoch 2" in capsys.readouterr().err
+    assert math.isnan(result.history[1]["val_nll"])
+    assert result.best_epoch == 1 and math.isfinite(result.best_val_nll)
+    best = load_checkpoint(RunPaths(tmp_path / "run").best)
+    assert best["epoch"] == 1 and math.isfinite(best["best_metric"])
+    _inject_nan(monkeypatch, training=False, call=1)  # the validation of epoch 3
+    with pytest.raises(TrainingDivergedError, match="non-finite validation NLL at epoch 3"):
+        train(config.replace(epochs=3, on_nan="stop"), tmp_path / "run", resume=True,
+              progress=False)

@@ -42,6 +42,9 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
     ``path`` in one step; if anything fails, the temporary file is removed and an existing file at
     ``path`` is left untouched.
 
+    Raises:
+        CheckpointError: the write failed (full disk, unwritable folder), with the reason.
+
     Args:
         state: Plain data (tensors, numbers, strings, ``None``, lists, tuples, dicts).
         path: Destination file; its folder must exist.
@@ -54,16 +57,32 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
         3
     """
     path = Path(path)
-    handle, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        handle, temp_name = tempfile.mkstemp(
+            prefix=f".{path.name}.", suffix=".tmp", dir=path.parent
+        )
+    except OSError as error:
+        raise _write_error(path, error) from None
     try:
         with os.fdopen(handle, "wb") as file:
             torch.save(state, file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp_name, path)
-    except BaseException:
+    except BaseException as error:
         Path(temp_name).unlink(missing_ok=True)
+        if isinstance(error, OSError) or isinstance(error.__cause__, OSError):
+            raise _write_error(path, error) from None
         raise
+
+
+def _write_error(path: Path, error: BaseException) -> CheckpointError:
+    """One-line message for a failed write (full disk, unwritable folder)."""
+    cause = error if isinstance(error, OSError) else error.__cause__
+    reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(error)
+    return CheckpointError(
+        f"cannot write checkpoint {path}: {reason}; any previous checkpoint there is unchanged"
+    )
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

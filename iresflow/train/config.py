@@ -26,7 +26,9 @@ from typing import Any
 __all__ = ["DEVICE_PATTERN", "RESUMABLE_FIELDS", "ConfigError", "TrainConfig", "read_toml"]
 
 # Settings that may change when a run is resumed; every other one must match the checkpoint.
-RESUMABLE_FIELDS = frozenset({"epochs", "patience", "device", "tensorboard", "max_eval"})
+RESUMABLE_FIELDS = frozenset(
+    {"epochs", "patience", "device", "tensorboard", "max_eval", "on_nan"}
+)
 
 #: Accepted spellings of the ``device`` setting.
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -98,6 +100,15 @@ class TrainConfig:
     patience: int = _opt(10, "stop after this many epochs without a better val NLL (0: never)")
     ema: float = _opt(0.0, "decay of an exponential moving average of the weights (0: off)")
     clip: float = _opt(10.0, "clip the gradient norm to this value (0: off)")
+    on_nan: str = _opt(
+        "stop",
+        "on a non-finite loss, gradient or validation NLL, or an inverse that stops converging: "
+        "stop with a message, or skip (the step, or the epoch as a best candidate) with a warning",
+        ("stop", "skip"),
+    )
+    nproc: int = _opt(
+        1, "processes for data-parallel training (DDP: gloo on the CPU, nccl with one GPU each)"
+    )
     seed: int = _opt(0, "seed of the data split, the initialisation and every random stream")
     device: str = _opt("auto", "cpu, cuda, cuda:N or auto")
     # evaluation
@@ -127,7 +138,7 @@ class TrainConfig:
             if not 0.0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
         for name in ("n_blocks", "hidden", "batch_size", "epochs", "n_power_iterations",
-                     "eval_n_samples", "heads", "max_len", "max_train", "max_eval"):
+                     "eval_n_samples", "heads", "max_len", "max_train", "max_eval", "nproc"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")

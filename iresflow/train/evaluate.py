@@ -33,7 +33,15 @@ from iresflow.train.loop import (
 )
 from iresflow.train.plots import plot_learning_curves, plot_marginals, plot_traces
 
-__all__ = ["LoadedRun", "Samples", "evaluate_run", "load_run", "sample_run", "write_plots"]
+__all__ = [
+    "LoadedRun",
+    "Samples",
+    "check_guarantees",
+    "evaluate_run",
+    "load_run",
+    "sample_run",
+    "write_plots",
+]
 
 #: Sequences sampled for the figures of :func:`write_plots`.
 PLOT_SAMPLES = 64
@@ -97,7 +105,8 @@ def load_run(
 
     Raises:
         FileNotFoundError: ``run_dir`` is not a run folder.
-        CheckpointError: the checkpoint is unreadable or does not match its model.
+        CheckpointError: the checkpoint is unreadable, does not match its model, or breaks the
+            model's guarantees (:func:`check_guarantees`).
         ConfigError: the stored settings are invalid, or the device is unavailable.
     """
     paths = RunPaths(Path(run_dir))
@@ -120,11 +129,46 @@ def load_run(
         raise
     except (KeyError, TypeError, ValueError, RuntimeError) as error:
         raise CheckpointError(f"checkpoint {path} does not match its model: {error}") from None
+    check_guarantees(model, path)
     target = resolve_device(device if device is not None else config.device)
     dataset = load_data(config)
     return LoadedRun(
         paths, config, dataset, model.to(target).eval(), path.stem, epoch, history
     )
+
+
+def check_guarantees(model: ResidualFlowTransformer, source: str | os.PathLike) -> None:
+    """Re-check a loaded model's invertibility guarantees; refuse a model that breaks them.
+
+    The spectrally normalised layers divide their raw weights by the norm in every forward pass,
+    so weights edited to violate the Lipschitz constraint are re-normalised structurally and the
+    certificates of :meth:`~iresflow.models.transformer.ResidualFlowTransformer.lipschitz_report`
+    are recomputed from them. The model is refused when a parameter or buffer is NaN or
+    infinite, or when a certified Lipschitz constant is not finite and below 1 (the residual
+    steps would not be invertible, MATH.md A).
+
+    Args:
+        model: The loaded flow.
+        source: The checkpoint it came from, named in the message.
+
+    Raises:
+        CheckpointError: a non-finite tensor or a certified bound ``>= 1``.
+
+    Example:
+        >>> model = ResidualFlowTransformer(2, n_blocks=1, hidden=4, max_len=4)
+        >>> check_guarantees(model, "fresh model")
+    """
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"refusing {source}: {name} holds NaN or Inf values")
+    with torch.no_grad():
+        report = model.lipschitz_report(n_inputs=1, generator=torch.Generator().manual_seed(0))
+    for row in report:
+        if not 0.0 <= row["certified"] < 1.0:  # also false for NaN
+            raise CheckpointError(
+                f"refusing {source}: the certified Lipschitz constant of {row['name']} is "
+                f"{row['certified']:.4g}, not below 1, so the flow is not invertible"
+            )
 
 
 def evaluate_run(

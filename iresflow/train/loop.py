@@ -12,6 +12,13 @@ computed in the dataset's unit with the evaluation log-determinant, the invertib
 is checked on a few validation sequences, the learning-rate schedule advances, and the ``last``
 (and, on improvement, ``best``) checkpoint is written atomically.
 
+Numerical health: a step whose loss or gradient norm is not finite never reaches the optimiser;
+a non-finite validation NLL or an inverse that stops converging is detected after the epoch.
+With ``on_nan = "stop"`` (default) training ends with :class:`TrainingDivergedError` and the last
+checkpoint untouched; with ``"skip"`` a warning line goes to stderr and the step is skipped (the
+epoch's ``skipped_steps`` counts them). An epoch becomes ``best`` only with a finite validation
+NLL, a converging inverse and finite weights.
+
 Exact resume: a checkpoint stores the model, the optimiser, the schedule, the moving average of
 the weights, every random state (torch's global CPU and CUDA generators, the shuffling generator,
 the log-determinant's generator) and the metric history, so a resumed run continues with the same
@@ -42,8 +49,17 @@ from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
 from iresflow.inverse.fixed_point import InversionError
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.models.transformer import ResidualFlowTransformer
-from iresflow.train.checkpoint import load_checkpoint, save_checkpoint
+from iresflow.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from iresflow.train.config import DEVICE_PATTERN, ConfigError, TrainConfig
+from iresflow.train.distributed import (
+    World,
+    all_gather_objects,
+    broadcast_object,
+    current_world,
+    shard,
+    spawn,
+)
+from iresflow.transforms.actnorm import ActNorm
 
 __all__ = [
     "ExponentialMovingAverage",
@@ -69,7 +85,8 @@ INVERSE_CHECK_SEQUENCES = 8
 
 
 class TrainingDivergedError(RuntimeError):
-    """The training loss became NaN or infinite."""
+    """The training loss, a gradient or the validation NLL became non-finite, or the inverse
+    stopped converging (with ``on_nan = "stop"``)."""
 
 
 @dataclass(frozen=True)
@@ -388,6 +405,16 @@ def train(
     """
     paths = RunPaths(Path(run_dir))
     device = resolve_device(config.device)
+    world = current_world()
+    if config.nproc > 1 and world.size == 1:  # start the processes; each one calls train
+        return spawn(
+            train, config.nproc, device.type, config, run_dir, resume=resume,
+            overwrite=overwrite, progress=progress,
+        )
+    if world.size != config.nproc:
+        raise ConfigError(f"nproc={config.nproc} but the process group has {world.size} ranks")
+    if world.size > 1 and device.type == "cuda":  # one GPU per process
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":  # deterministic cuBLAS; must be set before the first CUDA matmul
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     dataset = load_data(config)
@@ -396,14 +423,27 @@ def train(
     with _deterministic_algorithms(), torch.random.fork_rng(devices=devices):
         torch.manual_seed(config.seed)
         model = build_model(config, dataset).to(device)  # settings checked before any deletion
-        state = _prepare_folder(paths, config, resume=resume, overwrite=overwrite)
-        session = _Session(config, dataset, model, device)
+        outcome: Any = None
+        if world.main:  # only rank 0 touches the folder; the others learn the outcome
+            try:
+                state = _prepare_folder(paths, config, resume=resume, overwrite=overwrite)
+            except (ConfigError, CheckpointError, OSError) as error:
+                outcome = error
+        outcome = broadcast_object(outcome)
+        if outcome is not None:
+            raise outcome
+        if not world.main:
+            state = load_checkpoint(paths.last) if resume else None
+        session = _Session(config, dataset, model, device, world)
         if state is not None:
             session.restore(state)
-        paths.checkpoints.mkdir(parents=True, exist_ok=True)
-        config.save(paths.config)
-        _write_metrics(paths, session.history)
-        return session.run(paths, progress)
+        if world.main:
+            paths.checkpoints.mkdir(parents=True, exist_ok=True)
+            for stale in paths.checkpoints.glob(".*.tmp"):  # a write cut short by a killed run
+                stale.unlink()
+            config.save(paths.config)
+            _write_metrics(paths, session.history)
+        return session.run(paths, progress and world.main)
 
 
 class _Session:
@@ -415,8 +455,15 @@ class _Session:
         dataset: SequenceDataset,
         model: ResidualFlowTransformer,
         device: torch.device,
+        world: World,
     ) -> None:
         self.config, self.dataset, self.model, self.device = config, dataset, model, device
+        self.world = world
+        self.replica: nn.Module = _LogProb(model)
+        if world.size > 1:
+            self.replica = nn.parallel.DistributedDataParallel(
+                self.replica, device_ids=[device] if device.type == "cuda" else None
+            )
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         optimizer_type = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
         self.optimizer = optimizer_type(
@@ -433,7 +480,9 @@ class _Session:
             )
         self.ema = ExponentialMovingAverage(model, config.ema) if config.ema > 0 else None
         self.shuffle = torch.Generator().manual_seed(config.seed)
-        self.estimator_generator = torch.Generator(device).manual_seed(config.seed + 1)
+        self.estimator_generator = torch.Generator(device).manual_seed(
+            config.seed + 1 + world.rank
+        )
         for estimator in _roulette_estimators(model):
             estimator.generator = self.estimator_generator
         self.epoch = 0
@@ -451,6 +500,7 @@ class _Session:
         }
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        ranks = all_gather_objects({k: v.cpu() for k, v in rng.items()})
         return {
             "format": CHECKPOINT_FORMAT,
             "config": self.config.to_dict(),
@@ -465,6 +515,8 @@ class _Session:
             "best_metric": self.best_metric,
             "bad_epochs": self.bad_epochs,
             "history": self.history,
+            "nproc": self.world.size,
+            "rng_ranks": ranks if self.world.size > 1 else None,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -476,7 +528,7 @@ class _Session:
                 self.scheduler.T_max = self.config.epochs  # a longer run keeps annealing
         if self.ema is not None:
             self.ema.load_state_dict(state["ema"])
-        rng = state["rng"]
+        rng = state["rng"] if self.world.size == 1 else state["rng_ranks"][self.world.rank]
         torch.set_rng_state(rng["torch"])
         self.shuffle.set_state(rng["shuffle"])
         self.estimator_generator.set_state(rng["estimator"])
@@ -491,7 +543,9 @@ class _Session:
     # -- epochs -----------------------------------------------------------------------------
     def run(self, paths: RunPaths, progress: bool) -> TrainResult:
         config = self.config
-        writer = _tensorboard_writer(paths, self.epoch) if config.tensorboard else None
+        writer = None
+        if config.tensorboard and self.world.main:
+            writer = _tensorboard_writer(paths, self.epoch)
         stopped_early = config.patience > 0 and self.bad_epochs >= config.patience
         try:
             while self.epoch < config.epochs and not stopped_early:
@@ -509,10 +563,11 @@ class _Session:
                 self.advance(row)
                 self.history.append(row)
                 state = self.state()
-                save_checkpoint(state, paths.last)
-                if self.best_epoch == self.epoch:
-                    save_checkpoint(state, paths.best)
-                _write_metrics(paths, self.history)
+                if self.world.main:
+                    save_checkpoint(state, paths.last)
+                    if self.best_epoch == self.epoch:
+                        save_checkpoint(state, paths.best)
+                    _write_metrics(paths, self.history)
                 if writer is not None:
                     for key, value in row.items():
                         if key != "epoch":
@@ -538,33 +593,55 @@ class _Session:
         train = self.dataset.train
         order = torch.randperm(len(train), generator=self.shuffle)
         log_prob = torch.zeros(len(train), dtype=torch.float64)
+        kept = torch.ones(len(train), dtype=torch.bool)
         grad_norms = []
         self.model.train()
-        for index in order.split(self.config.batch_size):
-            x, mask = _batch(train, index, self.device)
-            batch_log_prob = self.model.log_prob(x, mask)
-            loss = -batch_log_prob.sum() / self.dataset.units(mask).sum()
+        world = self.world
+        for step, index in enumerate(order.split(self.config.batch_size), start=1):
+            if world.size > 1 and step == 1 and self.epoch == 1:
+                _initialize_data_dependent(self, *_batch(train, index, self.device))
+            part, weight = shard(index, world)
+            x, mask = _batch(train, part, self.device)
+            batch_log_prob = self.replica(x, mask)
+            # Global-batch normalisation; times W to undo DDP's gradient average.
+            units = float(self.dataset.units(train.mask[index]).sum())
+            loss = -batch_log_prob.sum() * (weight * world.size / units)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norms.append(
-                nn.utils.clip_grad_norm_(self.parameters, self.config.clip or math.inf)
-            )
+            norm = nn.utils.clip_grad_norm_(self.parameters, self.config.clip or math.inf)
+            bar.update()
+            # One host sync per step, after the backward pass: a non-finite loss or gradient
+            # must never reach the optimiser, the moving average or a checkpoint.
+            finite = torch.isfinite(loss.detach()) & torch.isfinite(norm)
+            if world.size > 1:  # every rank skips the same steps
+                finite = finite.to(torch.int32)
+                torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+            if not bool(finite):
+                self.unhealthy(f"non-finite loss or gradient at epoch {self.epoch}, step {step}")
+                self.optimizer.zero_grad(set_to_none=True)
+                kept[index] = False
+                continue
+            grad_norms.append(norm)
             self.optimizer.step()
             if self.ema is not None:
                 self.ema.update(self.model)
-            log_prob[index] = batch_log_prob.detach().double().cpu()
-            bar.update()
-            if not bar.disable and bar.n % 10 == 1:  # a host sync, so only now and then
+            if weight > 0:
+                log_prob[part] = batch_log_prob.detach().double().cpu()
+            if not bar.disable and bar.n % 10 == 1:
                 bar.set_postfix(loss=f"{float(loss):.4g}")
-        norms = torch.stack(grad_norms)
-        if not bool(torch.isfinite(log_prob).all()):
+        if not grad_norms:
             raise TrainingDivergedError(
-                f"training diverged at epoch {self.epoch} (non-finite loss); "
-                "try a smaller lr or a gradient clip"
+                f"training diverged at epoch {self.epoch}: every step had a non-finite loss or "
+                "gradient; try a smaller lr or a gradient clip"
             )
+        norms = torch.stack(grad_norms)
+        if world.size > 1:  # each rank holds the log-densities of its shards
+            torch.distributed.all_reduce(log_prob)
+        trained = SequenceSplit(train.x[kept], train.mask[kept], train.log_jacobian[kept])
         return {
             "epoch": self.epoch,
-            "train_nll": self.dataset.nll(log_prob, train),
+            "train_nll": self.dataset.nll(log_prob[kept], trained),
+            "skipped_steps": float(len(order.split(self.config.batch_size)) - len(grad_norms)),
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": float(norms.mean()),
             "grad_norm_max": float(norms.max()),
@@ -578,16 +655,46 @@ class _Session:
                 self.model, val, method=config.eval_method, n_samples=config.eval_n_samples,
                 batch_size=config.batch_size,
             )
-            row = {"val_nll": self.dataset.nll(log_prob, val)}
-            if stderr is not None:
+            finite = bool(torch.isfinite(log_prob).all())
+            row = {"val_nll": self.dataset.nll(log_prob, val) if finite else math.nan}
+            if stderr is not None and finite:
                 row["val_nll_stderr"] = self.dataset.nll_stderr(stderr, val)
             row.update(_inverse_check(self.model, val, self.device))
-        return row
+        if not math.isfinite(row["val_nll"]):
+            self.unhealthy(f"non-finite validation NLL at epoch {self.epoch}")
+        if not math.isfinite(row["reconstruction_error"]):
+            self.unhealthy(
+                f"the inverse stopped converging at epoch {self.epoch} (residual "
+                f"{row['inverse_residual']:.2e} after {row['inverse_iterations']:.0f} iterations)"
+            )
+        return broadcast_object(row)  # every rank takes the same schedule and early stop
+
+    def unhealthy(self, problem: str) -> None:
+        """Stop on a numerical problem, or warn and go on (``on_nan``)."""
+        if self.config.on_nan == "stop":
+            raise TrainingDivergedError(
+                f"{problem}; training stopped (the last checkpoint is intact; try a smaller lr, "
+                "a gradient clip, or on_nan = skip)"
+            )
+        if self.world.main:
+            tqdm.write(f"iresflow: warning: {problem}; skipped", file=sys.stderr)
+
+    def healthy(self) -> bool:
+        """Whether every parameter (and moving average) is finite."""
+        tensors = list(self.model.parameters())
+        if self.ema is not None:
+            tensors += list(self.ema.shadow.values())
+        return all(bool(torch.isfinite(t).all()) for t in tensors)
 
     def advance(self, row: dict[str, float]) -> None:
-        """Early-stopping bookkeeping and the learning-rate schedule."""
+        """Early-stopping bookkeeping and the learning-rate schedule.
+
+        An epoch becomes ``best`` only with a finite validation NLL, a converging inverse and
+        finite weights, so a ``best`` checkpoint never holds a broken model.
+        """
         metric = row["val_nll"]
-        if metric < self.best_metric:
+        candidate = math.isfinite(metric) and math.isfinite(row["reconstruction_error"])
+        if candidate and metric < self.best_metric and self.healthy():
             self.best_metric, self.best_epoch, self.bad_epochs = metric, self.epoch, 0
         else:
             self.bad_epochs += 1
@@ -595,6 +702,42 @@ class _Session:
             self.scheduler.step(metric if math.isfinite(metric) else math.inf)
         elif self.scheduler is not None:
             self.scheduler.step()
+
+
+class _LogProb(nn.Module):
+    """The flow's training log-density as ``forward``, the method DDP wraps."""
+
+    def __init__(self, flow: ResidualFlowTransformer) -> None:
+        super().__init__()
+        self.flow = flow
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        return self.flow.log_prob(x, mask)
+
+
+def _initialize_data_dependent(session: _Session, x: Tensor, mask: Tensor) -> None:
+    """Initialise ActNorm from the whole first global batch on every rank.
+
+    A single process initialises ActNorm in its first forward pass, from the first minibatch; a
+    rank only sees its shard. This forward pass on the global batch initialises it alike on
+    every rank and leaves everything else as it was: buffers (power iterations), random states.
+    """
+    if all(module.initialized for module in session.model.modules()
+           if isinstance(module, ActNorm)):
+        return
+    buffers = {
+        name: value.clone() for name, value in session.model.named_buffers()
+        if not name.endswith("initialized")
+    }
+    estimator = session.estimator_generator.get_state()
+    devices = [session.device] if session.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        session.model.log_prob(x, mask)
+    session.estimator_generator.set_state(estimator)
+    with torch.no_grad():
+        for name, value in session.model.named_buffers():
+            if name in buffers:
+                value.copy_(buffers[name])
 
 
 def _roulette_estimators(model: nn.Module) -> list[RouletteLogDet]:
@@ -670,7 +813,7 @@ def _prepare_folder(
         if changed:
             raise ConfigError(
                 f"cannot resume {paths.root} with different settings: {', '.join(changed)} "
-                "(only epochs, patience, device, tensorboard and max_eval may change)"
+                "(only epochs, patience, device, tensorboard, max_eval and on_nan may change)"
             )
         return state
     if paths.root.exists() and any(paths.root.iterdir()):
