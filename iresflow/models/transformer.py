@@ -401,6 +401,9 @@ class ResidualFlowTransformer(nn.Module):
           the normalisation by it (:math:`B(\theta, N)` of MATH.md C/F, at ``seq_len``), which
           measures how expansive the learned weights are; ``None`` for the MLP.
 
+        Call it in ``eval()`` mode: in training mode the spectral norms of the MLP are
+        power-iteration estimates, and evaluating the branches advances that iteration.
+
         Args:
             seq_len: Sequence length of the probe inputs and of ``"raw_bound"``; ``None`` uses
                 ``min(max_len, 16)``.

@@ -26,6 +26,7 @@ exactly with the same ``nproc``.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -137,6 +138,9 @@ def spawn(function: Callable[..., Any], nproc: int, device_type: str, *args: Any
     context = mp.get_context("spawn")
     outcomes = context.SimpleQueue()
     backend = "nccl" if device_type == "cuda" else "gloo"
+    logger = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process ..."
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # the other ranks of a failed run are stopped on purpose
     try:
         mp.start_processes(
             _worker, args=(nproc, _free_port(), backend, outcomes, function, args, kwargs),
@@ -146,6 +150,8 @@ def spawn(function: Callable[..., Any], nproc: int, device_type: str, *args: Any
         failure = str(error).strip().splitlines()[0]  # the reason is in the queue, if any
     else:
         failure = "no result"
+    finally:
+        logger.setLevel(level)
     results, errors = [], []
     while not outcomes.empty():
         kind, value = outcomes.get()
@@ -164,6 +170,8 @@ def _worker(
     """One process: join the group, run ``function``, report its result or error."""
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    else:  # share the cores: more threads than cores stall in intra-op barriers
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
     )

@@ -394,6 +394,10 @@ def train(
         overwrite: Replace an existing run in ``run_dir``.
         progress: Show a progress bar (on a terminal) and one summary line per epoch (stderr).
 
+    With ``config.nproc > 1`` and no process group yet, ``nproc`` processes are started
+    (:func:`~iresflow.train.distributed.spawn`), each runs this function as one rank of a
+    data-parallel run, and rank 0's result is returned; an error of any rank is re-raised here.
+
     Returns:
         A :class:`TrainResult`.
 
@@ -401,7 +405,8 @@ def train(
         ConfigError: ``run_dir`` already holds a run (without ``resume``/``overwrite``), is not
             a run folder, or the settings are incompatible with the checkpoint.
         CheckpointError: the checkpoint to resume from is missing or unreadable.
-        TrainingDivergedError: the loss became non-finite.
+        TrainingDivergedError: a non-finite loss, gradient or validation NLL, or an inverse
+            that stopped converging, with ``on_nan = "stop"``.
     """
     paths = RunPaths(Path(run_dir))
     device = resolve_device(config.device)
@@ -605,7 +610,7 @@ class _Session:
             batch_log_prob = self.replica(x, mask)
             # Global-batch normalisation; times W to undo DDP's gradient average.
             units = float(self.dataset.units(train.mask[index]).sum())
-            loss = -batch_log_prob.sum() * (weight * world.size / units)
+            loss = -batch_log_prob.sum() * (weight * world.size) / units
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             norm = nn.utils.clip_grad_norm_(self.parameters, self.config.clip or math.inf)
