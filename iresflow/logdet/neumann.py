@@ -112,6 +112,14 @@ class NeumannLogDetFunction(torch.autograd.Function):
         with torch.enable_grad():  # roots of the linearization with their parameter graphs
             lin = branch.linearize(x_rep.detach(), mask_rep)
         ctx.branch, ctx.mask, ctx.params = branch, mask, params
+        # The backward re-evaluates the branch under the forward's autocast state (as
+        # torch.amp.custom_bwd does), so mixed-precision products see matching dtypes.
+        device_type = x.device.type
+        ctx.autocast = (
+            device_type,
+            torch.get_autocast_dtype(device_type),
+            torch.is_autocast_enabled(device_type),
+        )
         if lin is not None:
             y = lin.output
             estimate, u = power_series(lin.vjp, v, coeffs, neumann_coeffs=neumann_coeffs)
@@ -134,11 +142,13 @@ class NeumannLogDetFunction(torch.autograd.Function):
         batch = x.shape[0]
         copies = v.shape[0] // batch
         wanted = [p for p, need in zip(ctx.params, ctx.needs_input_grad[6:], strict=True) if need]
-        if ctx.lin is not None:
-            lin = ctx.lin.at(x.repeat(copies, 1, 1), repeated_mask(ctx.mask, copies))
-            grads = _fast_backward(lin, wanted, grad_out, grad_logdet, u, v)
-        else:
-            grads = _autograd_backward(ctx, wanted, grad_out, grad_logdet, x, u, v)
+        device_type, autocast_dtype, autocast_enabled = ctx.autocast
+        with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_enabled):
+            if ctx.lin is not None:
+                lin = ctx.lin.at(x.repeat(copies, 1, 1), repeated_mask(ctx.mask, copies))
+                grads = _fast_backward(lin, wanted, grad_out, grad_logdet, u, v)
+            else:
+                grads = _autograd_backward(ctx, wanted, grad_out, grad_logdet, x, u, v)
         grad_x = grads[0].view(copies, *x.shape).sum(0) if ctx.needs_input_grad[4] else None
         it = iter(grads[1:])
         grad_params = [next(it) if need else None for need in ctx.needs_input_grad[6:]]
