@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 RUN ?= runs/japanese_vowels
 
-.PHONY: install demo test lint docs
+.PHONY: install demo test test-reliability test-slow lint docs
 
 $(BIN)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,13 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest
+
+# Multi-process checks (DDP, SIGKILL-and-resume) and the README example: slower, run in CI too.
+test-reliability: $(BIN)/.installed
+	$(BIN)/python -m pytest -m slow tests/test_distributed.py tests/test_fault_tolerance.py tests/test_readme.py
+
+test-slow: $(BIN)/.installed
+	$(BIN)/python -m pytest -m slow
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check iresflow tests benchmarks examples

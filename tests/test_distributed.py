@@ -41,6 +41,7 @@ def test_shards_cover_every_global_batch_once() -> None:
             assert all(weight == 0.0 or len(part) > 0 for part, weight in parts)
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     # float32 model: the shards sum in another order, so agreement is to float32 precision.
     train(TINY.replace(epochs=1), tmp_path / "single", progress=False)

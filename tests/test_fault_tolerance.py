@@ -79,6 +79,7 @@ def _killed_and_resumed(tmp_path: Path, kills: int) -> None:
     assert evaluation["test"]["exact"]["nll"] == expected["test"]["exact"]["nll"]
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_to_the_uninterrupted_result(tmp_path: Path) -> None:
     _killed_and_resumed(tmp_path, kills=1)
 
