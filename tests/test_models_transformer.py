@@ -262,6 +262,24 @@ def test_lipschitz_report(device, dtype):
     assert report[0]["estimate"] == pytest.approx(jac.abs().sum(-1).amax().item(), rel=1e-9)
 
 
+def test_lipschitz_report_describes_the_evaluation_mode_model(device, dtype):
+    model = ResidualFlowTransformer(2, n_blocks=1, hidden=8, max_len=4, coeff=0.8)
+    model = model.to(device=device, dtype=dtype).train()
+    # Weights far from the power iteration's state: training-mode estimates would exceed 0.8.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("weight"):
+                p.copy_(5 * torch.randn_like(p))
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    report = model.lipschitz_report(seq_len=3, n_inputs=1)
+    assert model.training
+    assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
+    slack = 1e-9 if dtype == torch.float64 else 1e-6
+    assert max(r["certified"] for r in report) <= 0.8 + slack
+    with torch.no_grad():  # the training-mode certificate lags behind the weights
+        assert float(model.transform._transforms[3].branch.lipschitz_constant()) > 0.8 + 1e-3
+
+
 def test_config_and_defaults(device, dtype):
     model = ResidualFlowTransformer(12)
     assert model.config == {

@@ -42,7 +42,7 @@ from iresflow.transforms.actnorm import ActNorm
 from iresflow.transforms.base import SequenceCompositeTransform
 from iresflow.transforms.residual import ResidualTransform
 
-__all__ = ["ResidualFlowTransformer"]
+__all__ = ["ResidualFlowTransformer", "default_heads"]
 
 ATTENTION_KINDS = ("l2", "lipschitznorm", "none")
 POSITIONAL_KINDS = ("sinusoidal", "learned")
@@ -401,8 +401,9 @@ class ResidualFlowTransformer(nn.Module):
           the normalisation by it (:math:`B(\theta, N)` of MATH.md C/F, at ``seq_len``), which
           measures how expansive the learned weights are; ``None`` for the MLP.
 
-        Call it in ``eval()`` mode: in training mode the spectral norms of the MLP are
-        power-iteration estimates, and evaluating the branches advances that iteration.
+        The report always describes the evaluation-mode model (exact spectral norms, MATH.md
+        G7): it runs in ``eval()`` mode and restores the previous mode afterwards, so it neither
+        reports the power-iteration estimates of a training-mode forward nor advances them.
 
         Args:
             seq_len: Sequence length of the probe inputs and of ``"raw_bound"``; ``None`` uses
@@ -423,22 +424,27 @@ class ResidualFlowTransformer(nn.Module):
         reference = self._reference()
         x = torch.randn(n_inputs, seq_len, self.features, generator=generator,
                         device=reference.device, dtype=reference.dtype)
-        report = []
-        for name, step in self._residual_steps():
-            branch = step.branch
-            inner = branch.branch if isinstance(branch, PositionalBranch) else branch
-            raw = getattr(inner, "raw_bound", None)
-            with torch.enable_grad():
-                local = jacobian_norm(lambda t, g=branch: g(t), x, branch.norm)
-            report.append({
-                "name": name,
-                "type": type(inner).__name__,
-                "norm": branch.norm,
-                "seq_len": seq_len,
-                "certified": float(branch.lipschitz_constant(seq_len)),
-                "estimate": float(local.max()),
-                "raw_bound": None if raw is None else float(raw(seq_len)),
-            })
+        was_training = self.training
+        self.eval()
+        try:
+            report = []
+            for name, step in self._residual_steps():
+                branch = step.branch
+                inner = branch.branch if isinstance(branch, PositionalBranch) else branch
+                raw = getattr(inner, "raw_bound", None)
+                with torch.enable_grad():
+                    local = jacobian_norm(lambda t, g=branch: g(t), x, branch.norm)
+                report.append({
+                    "name": name,
+                    "type": type(inner).__name__,
+                    "norm": branch.norm,
+                    "seq_len": seq_len,
+                    "certified": float(branch.lipschitz_constant(seq_len)),
+                    "estimate": float(local.max()),
+                    "raw_bound": None if raw is None else float(raw(seq_len)),
+                })
+        finally:
+            self.train(was_training)
         return report
 
     # ----------------------------------------------------------------------------------------

@@ -18,7 +18,12 @@ from torch import Tensor, nn
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.linear import _check_positive_int
 
-__all__ = ["LearnedPositionalEncoding", "PositionalBranch", "SinusoidalPositionalEncoding"]
+__all__ = [
+    "LearnedPositionalEncoding",
+    "PositionalBranch",
+    "SinusoidalPositionalEncoding",
+    "make_positional_encoding",
+]
 
 
 class SinusoidalPositionalEncoding(nn.Module):
