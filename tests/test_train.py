@@ -28,7 +28,8 @@ from iresflow.train.loop import (
 from iresflow.train.plots import plot_learning_curves, plot_marginals, plot_traces
 
 TINY = dict(
-    n_blocks=1, hidden=8, max_train=12, max_eval=6, batch_size=6, epochs=1, device="cpu"
+    n_blocks=1, hidden=8, max_train=12, max_eval=6, batch_size=6, epochs=1, device="cpu",
+    scheduler="plateau", eval_method="exact",
 )
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

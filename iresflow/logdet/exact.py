@@ -26,6 +26,33 @@ from iresflow.nn.base import LipschitzBranch
 __all__ = ["ExactLogDet", "jacobian_blocks"]
 
 
+#: Matrix size from which CPU batches are factorised one matrix at a time (see :func:`_slogdet`).
+_CPU_BATCHED_LU_LIMIT = 32
+
+
+def _slogdet(matrices: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.linalg.slogdet`` of a batch ``(..., n, n)``, safe on multi-threaded CPUs.
+
+    With several threads, the batched CPU LU of some MKL builds returns wrong factors for
+    matrices of a few hundred rows (it reports "Parameter 6 was incorrect on entry to DLASWP");
+    the log-determinants are then silently wrong. Large CPU matrices are therefore factorised one
+    at a time, which is exact and costs little next to building the Jacobian.
+
+    Args:
+        matrices: Square matrices, shape ``(..., n, n)``.
+
+    Returns:
+        ``(sign, logabsdet)``, each of shape ``(...)``.
+    """
+    n = matrices.shape[-1]
+    if matrices.device.type != "cpu" or n < _CPU_BATCHED_LU_LIMIT or matrices.dim() == 2:
+        return torch.linalg.slogdet(matrices)
+    flat = matrices.reshape(-1, n, n)
+    signs, logs = zip(*(torch.linalg.slogdet(m) for m in flat), strict=True)
+    batch = matrices.shape[:-2]
+    return torch.stack(signs).reshape(batch), torch.stack(logs).reshape(batch)
+
+
 def jacobian_blocks(
     branch: LipschitzBranch,
     x: Tensor,
@@ -143,7 +170,7 @@ class ExactLogDet(LogDetEstimator):
     ) -> tuple[Tensor, Tensor]:
         out, jac = jacobian_blocks(branch, x, mask, chunk_size=self.chunk_size)
         eye = torch.eye(jac.shape[-1], dtype=x.dtype, device=x.device)
-        sign, logabsdet = torch.linalg.slogdet(eye + jac)
+        sign, logabsdet = _slogdet(eye + jac)
         if branch.position_wise and mask is not None:
             logabsdet = logabsdet * mask
             sign = sign.masked_fill(~mask, 1.0)

@@ -116,7 +116,11 @@ class ResidualFlowTransformer(nn.Module):
             (unbiased Russian roulette with Neumann gradient, MATH.md G4/G5), ``"exact"``
             (dense Jacobian, small models) or ``"series"`` (truncated power series, biased).
         n_power_iterations: Power-iteration steps per training forward of every spectrally
-            normalised layer.
+            normalised layer (with ``spectral_norm="power"``).
+        spectral_norm: How the MLP layers get their spectral norm in training mode: ``"exact"``
+            (an SVD per weight update, so the certificate holds in every forward; maximum
+            likelihood rewards expansion, which makes power iteration lag behind the weights)
+            or ``"power"`` (warm-started power iteration, cheaper for wide layers).
 
     Example:
         >>> model = ResidualFlowTransformer(3, n_blocks=1, hidden=8, max_len=6).double().eval()
@@ -140,6 +144,7 @@ class ResidualFlowTransformer(nn.Module):
         max_len: int = 512,
         logdet: Literal["roulette", "exact", "series"] = "roulette",
         n_power_iterations: int = 1,
+        spectral_norm: Literal["exact", "power"] = "exact",
     ) -> None:
         super().__init__()
         features = check_int(features, "features", 1)
@@ -152,6 +157,8 @@ class ResidualFlowTransformer(nn.Module):
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
         if positional not in POSITIONAL_KINDS:
             raise ValueError(f"positional must be one of {POSITIONAL_KINDS}, got {positional!r}")
+        if spectral_norm not in ("exact", "power"):
+            raise ValueError(f'spectral_norm must be "exact" or "power", got {spectral_norm!r}')
         if logdet not in LOGDET_METHODS:
             raise ValueError(f"logdet must be one of {LOGDET_METHODS}, got {logdet!r}")
         heads = default_heads(features) if heads is None else check_int(heads, "heads", 1)
@@ -171,6 +178,7 @@ class ResidualFlowTransformer(nn.Module):
             "max_len": max_len,
             "logdet": logdet,
             "n_power_iterations": n_power_iterations,
+            "spectral_norm": spectral_norm,
         }
         encoding = None if attention == "none" else make_positional_encoding(
             positional, features, max_len
@@ -185,7 +193,7 @@ class ResidualFlowTransformer(nn.Module):
                                                                logdet=logdet)]
                 names += [f"block{i}.actnorm_attention", f"block{i}.attention"]
             mlp = LipschitzMLP((features, hidden, hidden, features), coeff=layer_coeff,
-                               n_power_iterations=n_power_iterations)
+                               n_power_iterations=n_power_iterations, sigma=spectral_norm)
             steps += [ActNorm(features), ResidualTransform(mlp, logdet=logdet)]
             names += [f"block{i}.actnorm_mlp", f"block{i}.mlp"]
         self.transform = SequenceCompositeTransform(steps)

@@ -73,7 +73,7 @@ class TrainConfig:
         None, "use at most this many validation and test sequences", unset="all"
     )
     # model
-    n_blocks: int = _opt(4, "number of residual Transformer blocks")
+    n_blocks: int = _opt(8, "number of residual Transformer blocks")
     hidden: int = _opt(64, "hidden width of the feed-forward branches")
     heads: int | None = _opt(
         None, "attention heads, dividing the number of features",
@@ -85,16 +85,21 @@ class TrainConfig:
     max_len: int | None = _opt(
         None, "longest sequence the model accepts", unset="the data's longest sequence"
     )
-    n_power_iterations: int = _opt(1, "power iterations per step for spectral normalisation")
+    n_power_iterations: int = _opt(
+        1, "power iterations per step for spectral normalisation (with --spectral-norm power)"
+    )
+    spectral_norm: str = _opt(
+        "exact", "spectral norm of the MLP layers in training", ("exact", "power")
+    )
     logdet: str = _opt("roulette", "log-determinant used for training", ("exact", "roulette"))
     # optimisation
     optimizer: str = _opt("adam", "optimiser", ("adam", "adamw"))
-    lr: float = _opt(3e-3, "learning rate")
+    lr: float = _opt(6e-3, "learning rate")
     weight_decay: float = _opt(0.0, "weight decay")
-    batch_size: int = _opt(32, "sequences per minibatch")
-    epochs: int = _opt(30, "maximum number of epochs")
+    batch_size: int = _opt(8, "sequences per minibatch")
+    epochs: int = _opt(60, "maximum number of epochs")
     scheduler: str = _opt(
-        "plateau", "learning-rate schedule (plateau: halve on a stalled val NLL)",
+        "cosine", "learning-rate schedule (plateau: halve on a stalled val NLL)",
         ("plateau", "cosine", "none"),
     )
     patience: int = _opt(10, "stop after this many epochs without a better val NLL (0: never)")
@@ -113,7 +118,7 @@ class TrainConfig:
     device: str = _opt("auto", "cpu, cuda, cuda:N or auto")
     # evaluation
     eval_method: str = _opt(
-        "exact", "log-determinant for validation and test", ("exact", "roulette")
+        "roulette", "log-determinant for validation and test", ("exact", "roulette")
     )
     eval_n_samples: int = _opt(
         4, "roulette estimates per sequence when eval_method is roulette (>= 2: standard error)"

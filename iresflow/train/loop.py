@@ -327,6 +327,7 @@ def build_model(config: TrainConfig, dataset: SequenceDataset) -> ResidualFlowTr
             max_len=config.max_len if config.max_len is not None else dataset.max_len,
             logdet=config.logdet,
             n_power_iterations=config.n_power_iterations,
+            spectral_norm=config.spectral_norm,
         )
     except ValueError as error:
         raise ConfigError(f"incompatible model settings for {dataset.name}: {error}") from None
