@@ -16,7 +16,7 @@ from iresflow.train.loop import RunPaths, train
 # 13 sequences in batches of 6: the last global batch has one sequence, so rank 1 sits it out.
 TINY = TrainConfig(
     n_blocks=1, hidden=8, max_train=13, max_eval=6, batch_size=6, epochs=2, device="cpu",
-    logdet="exact",
+    logdet="exact", eval_method="exact", scheduler="plateau",
 )
 
 
