@@ -353,18 +353,7 @@ def test_bad_input_raises_clear_error(zoo, device, dtype, name, data):
         entry.call(x, mask)
 
 
-DTYPE_NAMING_GAPS = {
-    "ResidualFlowTransformer.log_prob": "transformer.py _check_inputs: like=self._reference()",
-    "ResidualFlowTransformer.transform_to_noise": "transformer.py _check_inputs: like=...",
-    "ResidualFlowTransformer.inverse": "transformer.py _check_inputs: like=self._reference()",
-}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=DTYPE_NAMING_GAPS[n]))
-     if n in DTYPE_NAMING_GAPS else n for n in ENTRY_POINTS],
-)
+@pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_mismatched_dtype_error_names_the_argument(zoo, device, dtype, name):
     entry = zoo[name]
     x = torch.randn(2, 3, FEATURES, device=device, dtype=dtype)

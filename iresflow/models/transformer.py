@@ -468,7 +468,7 @@ class ResidualFlowTransformer(nn.Module):
     def _check_inputs(
         self, x: Tensor, mask: Tensor | None, name: str = "x"
     ) -> tuple[Tensor, Tensor | None]:
-        x = check_sequence(x, name, features=self.features, allow_2d=False)
+        x = check_sequence(x, name, features=self.features, allow_2d=False, like=self._reference())
         mask = check_mask(mask, x)
         if x.shape[1] > self.max_len:
             raise ValueError(
