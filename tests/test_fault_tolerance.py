@@ -20,7 +20,7 @@ from iresflow.train.checkpoint import load_checkpoint
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = [
     "--max-train", "16", "--max-eval", "8", "--n-blocks", "1", "--hidden", "8", "--epochs", "4",
-    "--batch-size", "8", "--device", "cpu", "--quiet",
+    "--batch-size", "8", "--device", "cpu", "--eval-method", "exact", "--quiet",
 ]
 
 
