@@ -20,6 +20,7 @@ exact log-det engine need; both paths compute the same function (checked to 1e-1
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from typing import Literal
 
 import torch
@@ -199,7 +200,55 @@ class DotProductMultiheadAttention(nn.Module):
         return _merge_heads(_attend(q, k, v, mask, scale), self.w_out, mask)
 
 
-class ContractiveL2MultiheadAttention(LipschitzBranch):
+class _ContractiveAttention(LipschitzBranch):
+    r"""Shared body of the contractive attention branches: :math:`c\,F(X) / B(\theta, N)`.
+
+    Subclasses set ``attention`` (the unnormalised map :math:`F`), ``coeff`` and ``length``
+    (``"actual"``: each sequence's real length in the bound; ``"max"``: the padded length) and
+    implement :meth:`raw_bound`.
+    """
+
+    position_wise = False
+    attention: nn.Module
+    coeff: float
+    length: str
+
+    @property
+    def features(self) -> int:
+        """Token dimension ``D`` the branch requires."""
+        return self.attention.dim
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Evaluate :math:`c F(X) / B(\\theta, N)`.
+
+        Args:
+            x: Sequences, shape ``(B, N, D)``.
+            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
+
+        Returns:
+            Branch output, shape ``(B, N, D)``, zero at padded positions.
+        """
+        y = self.attention(x, mask)
+        bound = self.raw_bound(_lengths(x, mask, self.length))
+        return self.coeff * y / bound.reshape(-1, 1, 1)
+
+    @abstractmethod
+    def raw_bound(self, seq_len: int | Tensor) -> Tensor:
+        """Certified bound :math:`B(\\theta, N)` of the unnormalised map for the current weights."""
+
+    def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
+        """Certified Lipschitz constant of the branch: ``coeff`` for every length.
+
+        Args:
+            seq_len: Unused; the normalisation makes the certificate length-free.
+
+        Returns:
+            ``coeff`` as a 0-dim tensor on the parameters' device and dtype.
+        """
+        return self.attention.w_query.new_tensor(self.coeff)
+
+
+class ContractiveL2MultiheadAttention(_ContractiveAttention):
     r"""Contractive L2-MHA residual branch (MATH.md D): :math:`c\,F(X) / B(\theta, N)`.
 
     :math:`F` is :class:`L2MultiheadAttention` and :math:`B` its Kim Theorem 3.2 bound for the
@@ -222,7 +271,6 @@ class ContractiveL2MultiheadAttention(LipschitzBranch):
         (torch.Size([3, 5, 4]), tensor(0.9000))
     """
 
-    position_wise = False
     norm = "inf"
 
     def __init__(
@@ -244,25 +292,6 @@ class ContractiveL2MultiheadAttention(LipschitzBranch):
         self.norm = norm  # type: ignore[misc]  # per-instance choice of the certified norm
         self.length = length
 
-    @property
-    def features(self) -> int:
-        """Token dimension ``D`` the branch requires."""
-        return self.attention.dim
-
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        """Evaluate :math:`c F(X) / B(\\theta, N)`.
-
-        Args:
-            x: Sequences, shape ``(B, N, D)``.
-            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
-
-        Returns:
-            Branch output, shape ``(B, N, D)``, zero at padded positions.
-        """
-        y = self.attention(x, mask)
-        bound = self.raw_bound(_lengths(x, mask, self.length))
-        return self.coeff * y / bound.reshape(-1, 1, 1)
-
     def raw_bound(self, seq_len: int | Tensor) -> Tensor:
         """Kim's bound :math:`B(\\theta, N)` of the unnormalised L2-MHA for the current weights.
 
@@ -275,19 +304,8 @@ class ContractiveL2MultiheadAttention(LipschitzBranch):
         a = self.attention
         return l2_attention_bound(a.w_query, a.w_value, a.w_out, a.heads, seq_len, self.norm)
 
-    def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
-        """Certified Lipschitz constant of the branch: ``coeff`` for every length.
 
-        Args:
-            seq_len: Unused; the normalisation makes the certificate length-free.
-
-        Returns:
-            ``coeff`` as a 0-dim tensor on the parameters' device and dtype.
-        """
-        return self.attention.w_query.new_tensor(self.coeff)
-
-
-class ContractiveLipschitzNormAttention(LipschitzBranch):
+class ContractiveLipschitzNormAttention(_ContractiveAttention):
     r"""Contractive LipschitzNorm attention branch: :math:`c\,\mathrm{MHA}_{LN}(X) / B(\theta, N)`.
 
     :math:`\mathrm{MHA}_{LN}` is :class:`DotProductMultiheadAttention` with
@@ -310,7 +328,6 @@ class ContractiveLipschitzNormAttention(LipschitzBranch):
         torch.Size([3, 5, 4])
     """
 
-    position_wise = False
     norm = "2"
 
     def __init__(self, dim: int, heads: int, coeff: float = 0.9, alpha: float = 1.0) -> None:
@@ -318,25 +335,7 @@ class ContractiveLipschitzNormAttention(LipschitzBranch):
         coeff = _check_coefficient(coeff, strict=True)
         self.attention = DotProductMultiheadAttention(dim, heads, "transformer", alpha)
         self.coeff = float(coeff)
-
-    @property
-    def features(self) -> int:
-        """Token dimension ``D`` the branch requires."""
-        return self.attention.dim
-
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        """Evaluate :math:`c\\,\\mathrm{MHA}_{LN}(X) / B(\\theta, N)`.
-
-        Args:
-            x: Sequences, shape ``(B, N, D)``.
-            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
-
-        Returns:
-            Branch output, shape ``(B, N, D)``, zero at padded positions.
-        """
-        y = self.attention(x, mask)
-        bound = self.raw_bound(_lengths(x, mask, "actual"))
-        return self.coeff * y / bound.reshape(-1, 1, 1)
+        self.length = "actual"
 
     def raw_bound(self, seq_len: int | Tensor) -> Tensor:
         """F6/F7 certificate :math:`B(\\theta, N)` of the unnormalised attention (2-norm).
@@ -352,17 +351,6 @@ class ContractiveLipschitzNormAttention(LipschitzBranch):
             a.alpha, seq_len, a.w_query, a.w_key, a.w_value, a.heads
         )  # (..., H)
         return multihead_bound(heads, a.w_out)
-
-    def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
-        """Certified Lipschitz constant of the branch (2-norm): ``coeff`` for every length.
-
-        Args:
-            seq_len: Unused; the normalisation makes the certificate length-free.
-
-        Returns:
-            ``coeff`` as a 0-dim tensor on the parameters' device and dtype.
-        """
-        return self.attention.w_query.new_tensor(self.coeff)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
