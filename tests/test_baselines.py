@@ -11,7 +11,6 @@ from scipy.stats import multivariate_normal
 from torchdiffeq import odeint
 
 from benchmarks.baselines.cnf import CNF, exact_divergence, hutchinson_divergence
-from benchmarks.baselines.common import sample_mask
 from benchmarks.baselines.gaussian import FrameGaussian, SequenceGaussian, fit_gaussian
 from benchmarks.baselines.nflows_models import frame_maf, sequence_maf, sequence_realnvp
 from benchmarks.baselines.training import batch_of, fit_model, split_log_prob
@@ -23,6 +22,7 @@ from benchmarks.results import (
     target_check,
 )
 from iresflow.data.datasets import SequenceSplit
+from iresflow.models.transformer import sample_mask
 from tests.oracles import finite_difference_grad, jacobian, jacobian_logdet
 
 MASK = torch.tensor([[True, True, True], [True, False, False], [True, True, False]])

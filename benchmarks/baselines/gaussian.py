@@ -20,8 +20,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from benchmarks.baselines.common import sample_mask
 from iresflow._validation import check_mask, check_sequence
+from iresflow.models.transformer import sample_mask
 
 __all__ = ["FrameGaussian", "SequenceGaussian", "fit_gaussian"]
 

@@ -18,8 +18,8 @@ from nflows.flows.base import Flow
 from nflows.flows.realnvp import SimpleRealNVP
 from torch import Tensor, nn
 
-from benchmarks.baselines.common import sample_mask
 from iresflow._validation import check_mask, check_sequence
+from iresflow.models.transformer import sample_mask
 
 __all__ = ["FlattenedSequenceFlow", "FrameFlow", "frame_maf", "sequence_maf", "sequence_realnvp"]
 

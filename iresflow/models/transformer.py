@@ -351,7 +351,7 @@ class ResidualFlowTransformer(nn.Module):
         temperature = check_float(temperature, "temperature", 0.0)
         generator = check_generator(generator)
         reference = self._reference()
-        mask = self._sample_mask(num, seq_len, lengths, reference.device)
+        mask = sample_mask(num, seq_len, lengths, self.max_len, reference.device)
         z = torch.randn(*mask.shape, self.features, generator=generator, device=reference.device,
                         dtype=reference.dtype) * temperature
         z = torch.where(mask.unsqueeze(-1), z, 0.0)
@@ -529,27 +529,49 @@ class ResidualFlowTransformer(nn.Module):
             total = total + logdet
         return x, total
 
-    def _sample_mask(
-        self, num: int, seq_len: int | None, lengths: Tensor | None, device: torch.device
-    ) -> Tensor:
-        if (seq_len is None) == (lengths is None):
-            raise ValueError("give exactly one of seq_len and lengths")
-        if lengths is None:
-            seq_len = check_int(seq_len, "seq_len", 1)
-            if seq_len > self.max_len:
-                raise ValueError(f"seq_len must be <= max_len={self.max_len}, got {seq_len}")
-            return torch.ones(num, seq_len, dtype=torch.bool, device=device)
-        if not isinstance(lengths, Tensor) or lengths.dtype.is_floating_point or (
-            lengths.dtype in (torch.bool, torch.complex64, torch.complex128)
-        ):
-            raise TypeError("lengths must be an integer torch.Tensor of shape (num,)")
-        if lengths.shape != (num,):
-            raise ValueError(f"lengths must have shape (num,) = ({num},), got "
-                             f"{tuple(lengths.shape)}")
-        if bool((lengths < 1).any()) or bool((lengths > self.max_len).any()):
-            raise ValueError(f"lengths must lie in [1, max_len={self.max_len}]")
-        lengths = lengths.to(device)
-        return torch.arange(int(lengths.max()), device=device) < lengths.unsqueeze(1)
+
+def sample_mask(
+    num: int, seq_len: int | None, lengths: Tensor | None, max_len: int,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Padding mask for ``num`` sequences to sample, from a common length or per-sample lengths.
+
+    Args:
+        num: Number of sequences, ``>= 1``.
+        seq_len: Common length in ``[1, max_len]``; exclusive with ``lengths``.
+        lengths: Per-sample lengths, integer tensor ``(num,)`` with values in ``[1, max_len]``.
+        max_len: Longest length the model accepts.
+        device: Device of the returned mask.
+
+    Returns:
+        Boolean mask ``(num, N)`` (``True`` = real token), ``N = seq_len`` or ``max(lengths)``.
+
+    Raises:
+        ValueError: neither or both of ``seq_len`` and ``lengths``, or lengths out of range.
+        TypeError: ``num`` or ``seq_len`` is not an int, or ``lengths`` is not an integer tensor.
+
+    Example:
+        >>> sample_mask(2, None, torch.tensor([1, 3]), 4).int().tolist()
+        [[1, 0, 0], [1, 1, 1]]
+    """
+    num = check_int(num, "num", 1)
+    if (seq_len is None) == (lengths is None):
+        raise ValueError("give exactly one of seq_len and lengths")
+    if lengths is None:
+        seq_len = check_int(seq_len, "seq_len", 1)
+        if seq_len > max_len:
+            raise ValueError(f"seq_len must be <= max_len={max_len}, got {seq_len}")
+        return torch.ones(num, seq_len, dtype=torch.bool, device=device)
+    if not isinstance(lengths, Tensor) or lengths.dtype.is_floating_point or (
+        lengths.dtype in (torch.bool, torch.complex64, torch.complex128)
+    ):
+        raise TypeError("lengths must be an integer torch.Tensor of shape (num,)")
+    if lengths.shape != (num,):
+        raise ValueError(f"lengths must have shape (num,) = ({num},), got {tuple(lengths.shape)}")
+    if bool((lengths < 1).any()) or bool((lengths > max_len).any()):
+        raise ValueError(f"lengths must lie in [1, max_len={max_len}]")
+    lengths = lengths.to(device)
+    return torch.arange(int(lengths.max()), device=lengths.device) < lengths.unsqueeze(1)
 
 
 def _attention_branch(kind: str, features: int, heads: int, coeff: float) -> LipschitzBranch:
