@@ -7,10 +7,20 @@ with a message naming the argument and the expected shape/dtype.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["check_dtype_device", "check_finite", "check_mask", "check_sequence"]
+__all__ = [
+    "check_dtype_device",
+    "check_finite",
+    "check_float",
+    "check_generator",
+    "check_int",
+    "check_mask",
+    "check_sequence",
+]
 
 
 def check_sequence(
@@ -158,3 +168,68 @@ def check_mask(mask: object, x: Tensor, name: str = "mask") -> Tensor | None:
     if not bool(mask.any(dim=1).all()):
         raise ValueError(f"{name} has a sequence with no real token (all padding)")
     return mask.to(x.device)
+
+
+def check_int(value: object, name: str, minimum: int) -> int:
+    """Validate an integer hyper-parameter ``>= minimum`` (booleans are rejected).
+
+    Args:
+        value: Candidate value.
+        name: Argument name used in the message.
+        minimum: Smallest admissible value.
+
+    Returns:
+        ``value`` as an ``int``.
+
+    Raises:
+        TypeError: not an integer.
+        ValueError: smaller than ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        kind = "positive" if minimum == 1 else f">= {minimum}"
+        raise ValueError(f"{name} must be {kind}, got {value}")
+    return value
+
+
+def check_float(value: object, name: str, low: float, high: float = math.inf) -> float:
+    """Validate a real hyper-parameter in the open interval ``(low, high)``.
+
+    Args:
+        value: Candidate value (int or float, not bool).
+        name: Argument name used in the message.
+        low: Exclusive lower bound.
+        high: Exclusive upper bound.
+
+    Returns:
+        ``value`` as a ``float``.
+
+    Raises:
+        TypeError: not a real number.
+        ValueError: outside ``(low, high)`` or not finite.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not (math.isfinite(value) and low < value < high):
+        raise ValueError(f"{name} must lie in the open interval ({low}, {high}), got {value}")
+    return float(value)
+
+
+def check_generator(generator: object) -> torch.Generator | None:
+    """Validate an optional ``torch.Generator``.
+
+    Args:
+        generator: ``None`` or a ``torch.Generator``.
+
+    Returns:
+        ``generator`` unchanged.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+        )
+    return generator

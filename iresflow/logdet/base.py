@@ -12,7 +12,6 @@ one from its name.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 
 import torch
@@ -120,67 +119,3 @@ def make_logdet(method: str | LogDetEstimator, **kwargs: object) -> LogDetEstima
     if method not in estimators:
         raise ValueError(f"method must be one of {sorted(estimators)}, got {method!r}")
     return estimators[method](**kwargs)
-
-
-def check_int(value: object, name: str, minimum: int) -> int:
-    """Validate an integer hyper-parameter ``>= minimum`` (booleans are rejected).
-
-    Args:
-        value: Candidate value.
-        name: Argument name used in the message.
-        minimum: Smallest admissible value.
-
-    Returns:
-        ``value`` as an ``int``.
-
-    Raises:
-        TypeError: not an integer.
-        ValueError: smaller than ``minimum``.
-    """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def check_float(value: object, name: str, low: float, high: float = math.inf) -> float:
-    """Validate a real hyper-parameter in the open interval ``(low, high)``.
-
-    Args:
-        value: Candidate value (int or float, not bool).
-        name: Argument name used in the message.
-        low: Exclusive lower bound.
-        high: Exclusive upper bound.
-
-    Returns:
-        ``value`` as a ``float``.
-
-    Raises:
-        TypeError: not a real number.
-        ValueError: outside ``(low, high)`` or not finite.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not (math.isfinite(value) and low < value < high):
-        raise ValueError(f"{name} must lie in the open interval ({low}, {high}), got {value}")
-    return float(value)
-
-
-def check_generator(generator: object) -> torch.Generator | None:
-    """Validate an optional ``torch.Generator``.
-
-    Args:
-        generator: ``None`` or a ``torch.Generator``.
-
-    Returns:
-        ``generator`` unchanged.
-
-    Raises:
-        TypeError: anything else.
-    """
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
-        )
-    return generator

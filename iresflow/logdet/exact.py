@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from iresflow._validation import check_int
 from iresflow.logdet._hutchinson import needs_graph, repeated_input, repeated_mask
 from iresflow.logdet._state import buffer_snapshot, call_with_buffers
-from iresflow.logdet.base import LogDetEstimator, check_int
+from iresflow.logdet.base import LogDetEstimator
 from iresflow.nn.base import LipschitzBranch
 
 __all__ = ["ExactLogDet", "jacobian_blocks"]

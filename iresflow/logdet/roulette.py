@@ -24,13 +24,14 @@ import math
 import torch
 from torch import Tensor
 
+from iresflow._validation import check_float, check_generator, check_int
 from iresflow.logdet._hutchinson import (
     check_probe,
     hutchinson_logdet,
     needs_graph,
     sample_probes,
 )
-from iresflow.logdet.base import LogDetEstimator, check_float, check_generator, check_int
+from iresflow.logdet.base import LogDetEstimator
 from iresflow.logdet.neumann import neumann_logdet
 from iresflow.nn.base import LipschitzBranch
 

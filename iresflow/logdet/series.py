@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from iresflow._validation import check_generator, check_int
 from iresflow.logdet._hutchinson import check_probe, hutchinson_logdet, sample_probes
-from iresflow.logdet.base import LogDetEstimator, check_generator, check_int
+from iresflow.logdet.base import LogDetEstimator
 from iresflow.logdet.exact import jacobian_blocks
 from iresflow.nn.base import LipschitzBranch
 

@@ -25,8 +25,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from iresflow._validation import check_mask, check_sequence
-from iresflow.logdet.base import LogDetEstimator, check_float, check_generator, check_int
+from iresflow._validation import check_float, check_generator, check_int, check_mask, check_sequence
+from iresflow.logdet.base import LogDetEstimator
 from iresflow.logdet.exact import ExactLogDet
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.logdet.series import SeriesLogDet

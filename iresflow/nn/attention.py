@@ -27,12 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from iresflow._validation import check_mask, check_sequence
+from iresflow._validation import check_int, check_mask, check_sequence
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.bounds import l2_attention_bound
 from iresflow.nn.linear import (
     _check_coefficient,
-    _check_positive_int,
     _under_functorch_transform,
 )
 from iresflow.nn.lipschitz_norm import (
@@ -408,7 +407,7 @@ def _check_inputs(x: Tensor, mask: Tensor | None, weight: Tensor) -> Tensor | No
 
 
 def _check_dims(dim: int, heads: int) -> None:
-    _check_positive_int(dim, "dim")
-    _check_positive_int(heads, "heads")
+    check_int(dim, "dim", 1)
+    check_int(heads, "heads", 1)
     if dim % heads != 0:
         raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads}")

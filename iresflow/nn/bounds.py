@@ -26,7 +26,8 @@ import torch
 from scipy.special import lambertw
 from torch import Tensor
 
-from iresflow.nn.linear import _check_positive_int, _under_functorch_transform
+from iresflow._validation import check_int
+from iresflow.nn.linear import _under_functorch_transform
 
 if TYPE_CHECKING:
     from iresflow.nn.attention import L2MultiheadAttention
@@ -133,7 +134,7 @@ def l2_attention_bound(
         tensor(5.1111, dtype=torch.float64)
     """
     norm = _check_p(p)
-    _check_positive_int(heads, "heads")
+    check_int(heads, "heads", 1)
     for name, w in (("w_query", w_query), ("w_value", w_value), ("w_out", w_out)):
         if not isinstance(w, Tensor) or w.dim() != 2 or w.shape[0] != w.shape[1]:
             shape = tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__
@@ -214,7 +215,7 @@ def _length_term(seq_len: int | Tensor, like: Tensor) -> Tensor:
         if not _under_functorch_transform() and not bool((n >= 1).all()):
             raise ValueError("seq_len must be >= 1 everywhere")
         return _phi_inv_tensor(n - 1)
-    return like.new_tensor(phi_inv(float(_check_positive_int(seq_len, "seq_len") - 1)))
+    return like.new_tensor(phi_inv(float(check_int(seq_len, "seq_len", 1) - 1)))
 
 
 def _check_p(p: object) -> Literal["inf", "2"]:

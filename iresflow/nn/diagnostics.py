@@ -15,9 +15,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from iresflow._validation import check_sequence
+from iresflow._validation import check_int, check_sequence
 from iresflow.nn.bounds import _check_p
-from iresflow.nn.linear import _check_positive_int
 
 __all__ = ["LipschitzEstimate", "empirical_lipschitz", "jacobian_norm"]
 
@@ -109,7 +108,7 @@ def empirical_lipschitz(
     check_sequence(x, "x")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be a non-negative int, got {steps!r}")
-    _check_positive_int(power_iterations, "power_iterations")
+    check_int(power_iterations, "power_iterations", 1)
     if not isinstance(lr, (int, float)) or not lr > 0:
         raise ValueError(f"lr must be a positive float, got {lr!r}")
 

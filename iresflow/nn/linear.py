@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from iresflow._validation import check_dtype_device
+from iresflow._validation import check_dtype_device, check_int
 
 __all__ = ["InfNormLinear", "SpectralLinear"]
 
@@ -33,15 +33,6 @@ def _check_coefficient(coeff: object, *, strict: bool = False) -> float:
         interval = "(0, 1)" if strict else "(0, 1]"
         raise ValueError(f"coeff must lie in {interval}, got {coeff}")
     return float(coeff)
-
-
-def _check_positive_int(value: object, name: str) -> int:
-    """Validate a positive ``int`` (``bool`` rejected); ``name`` is used in the messages."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
 
 
 def _under_functorch_transform() -> bool:
@@ -72,8 +63,8 @@ class _NormalizedLinear(nn.Module, ABC):
         dtype: torch.dtype | None,
     ) -> None:
         super().__init__()
-        self.in_features = _check_positive_int(in_features, "in_features")
-        self.out_features = _check_positive_int(out_features, "out_features")
+        self.in_features = check_int(in_features, "in_features", 1)
+        self.out_features = check_int(out_features, "out_features", 1)
         self.coeff = _check_coefficient(coeff)
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
@@ -220,7 +211,7 @@ class SpectralLinear(_NormalizedLinear):
         sigma: Literal["power", "exact"] = "power",
     ) -> None:
         super().__init__(in_features, out_features, coeff, bias, device, dtype)
-        self.n_power_iterations = _check_positive_int(n_power_iterations, "n_power_iterations")
+        self.n_power_iterations = check_int(n_power_iterations, "n_power_iterations", 1)
         if sigma not in ("power", "exact"):
             raise ValueError(f'sigma must be "power" or "exact", got {sigma!r}')
         self.sigma = sigma

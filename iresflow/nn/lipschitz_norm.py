@@ -24,8 +24,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from iresflow._validation import check_sequence
-from iresflow.nn.linear import _check_positive_int, _under_functorch_transform
+from iresflow._validation import check_int, check_sequence
+from iresflow.nn.linear import _under_functorch_transform
 
 __all__ = [
     "LinearScoreAttention",
@@ -129,11 +129,11 @@ def softmax_norm_bound(alpha: float, seq_len: int | Tensor, queries: int | None 
     n = (
         seq_len
         if isinstance(seq_len, Tensor)
-        else torch.tensor(_check_positive_int(seq_len, "seq_len"))
+        else torch.tensor(check_int(seq_len, "seq_len", 1))
     )
     if not n.is_floating_point():
         n = n.to(torch.float64)
-    m = n if queries is None else _check_positive_int(queries, "queries")
+    m = n if queries is None else check_int(queries, "queries", 1)
     e = math.exp(2 * alpha)
     return torch.sqrt(m * e / (e + n - 1))
 
@@ -285,8 +285,8 @@ class LinearScoreAttention(nn.Module):
 
     def __init__(self, dim: int, queries: int, alpha: float = 1.0) -> None:
         super().__init__()
-        _check_positive_int(dim, "dim")
-        _check_positive_int(queries, "queries")
+        check_int(dim, "dim", 1)
+        check_int(queries, "queries", 1)
         _check_positive(alpha, "alpha")
         self.alpha = float(alpha)
         self.query = nn.Parameter(torch.empty(queries, dim))

@@ -9,14 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from iresflow._validation import check_mask, check_sequence
+from iresflow._validation import check_int, check_mask, check_sequence
 from iresflow.nn.activations import LipSwish
 from iresflow.nn.base import Linearization, LipschitzBranch
 from iresflow.nn.linear import (
     InfNormLinear,
     SpectralLinear,
     _check_coefficient,
-    _check_positive_int,
 )
 
 __all__ = ["LipschitzMLP"]
@@ -81,7 +80,7 @@ class LipschitzMLP(LipschitzBranch):
             raise TypeError(f"dims must be a sequence of ints, got {type(dims).__name__}")
         if len(dims) < 2:
             raise ValueError(f"dims must contain at least 2 sizes (D, ..., D), got {list(dims)}")
-        dims = [_check_positive_int(d, "every entry of dims") for d in dims]
+        dims = [check_int(d, "every entry of dims", 1) for d in dims]
         if dims[0] != dims[-1]:
             raise ValueError(f"dims must start and end with the same size D, got {dims}")
         coeff = _check_coefficient(coeff, strict=True)

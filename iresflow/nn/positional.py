@@ -15,8 +15,8 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from iresflow._validation import check_int
 from iresflow.nn.base import LipschitzBranch
-from iresflow.nn.linear import _check_positive_int
 
 __all__ = [
     "LearnedPositionalEncoding",
@@ -49,7 +49,7 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     def __init__(self, features: int, base: float = 10000.0) -> None:
         super().__init__()
-        self.features = _check_positive_int(features, "features")
+        self.features = check_int(features, "features", 1)
         if not (isinstance(base, (int, float)) and math.isfinite(base) and base > 1.0):
             raise ValueError(f"base must be a finite number > 1, got {base!r}")
         self.base = float(base)
@@ -95,8 +95,8 @@ class LearnedPositionalEncoding(nn.Module):
 
     def __init__(self, features: int, max_len: int, init_std: float = 0.02) -> None:
         super().__init__()
-        self.features = _check_positive_int(features, "features")
-        self.max_len = _check_positive_int(max_len, "max_len")
+        self.features = check_int(features, "features", 1)
+        self.max_len = check_int(max_len, "max_len", 1)
         if not (isinstance(init_std, (int, float)) and math.isfinite(init_std) and init_std >= 0):
             raise ValueError(f"init_std must be a finite number >= 0, got {init_std!r}")
         self.table = nn.Parameter(torch.randn(self.max_len, self.features) * init_std)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from iresflow._validation import check_mask, check_sequence
-from iresflow.nn.linear import _check_positive_int
+from iresflow._validation import check_int, check_mask, check_sequence
 from iresflow.transforms.base import SequenceTransform
 
 __all__ = ["ActNorm"]
@@ -51,7 +50,7 @@ class ActNorm(SequenceTransform):
 
     def __init__(self, features: int) -> None:
         super().__init__()
-        self.features = _check_positive_int(features, "features")
+        self.features = check_int(features, "features", 1)
         self.shift = nn.Parameter(torch.zeros(self.features))
         self.log_scale = nn.Parameter(torch.zeros(self.features))
         self.register_buffer("initialized", torch.tensor(False))
