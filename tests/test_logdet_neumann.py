@@ -18,6 +18,7 @@ from oracles import (
 
 from iresflow.logdet.neumann import NeumannLogDetFunction, neumann_logdet
 from iresflow.logdet.roulette import RouletteLogDet
+from iresflow.nn.mlp import LipschitzMLP, _MLPLinearization
 
 F64 = torch.float64
 BRANCHES = {
@@ -114,7 +115,24 @@ def test_function_gradcheck_branch_output(device):
     params = list(branch.parameters())
 
     def outputs(t, *p):
-        return NeumannLogDetFunction.apply(branch, mask, coeffs, neumann_coeffs, t, probes, *p)[0]
+        return NeumannLogDetFunction.apply(
+            branch, None, mask, coeffs, neumann_coeffs, t, probes, *p
+        )[0]
+
+    assert torch.autograd.gradcheck(outputs, (x.requires_grad_(), *params))
+
+
+def test_function_gradcheck_fast_path(device):
+    """gradcheck of g(x) through the linearization path, w.r.t. x and the effective parameters."""
+    _, x, mask, probes, coeffs, neumann_coeffs = _function_setup(device)
+    mlp = LipschitzMLP((2, 5, 4, 2), coeff=0.9).to(device=device, dtype=F64).eval()
+    params = [p.detach().clone().requires_grad_() for p in mlp.linearize().params]
+
+    def outputs(t, *p):
+        lin = _MLPLinearization(list(p[:3]), list(p[3:6]), list(p[6:]))
+        return NeumannLogDetFunction.apply(
+            mlp, lin, mask, coeffs, neumann_coeffs, t, probes, *p
+        )[0]
 
     assert torch.autograd.gradcheck(outputs, (x.requires_grad_(), *params))
 
@@ -144,7 +162,7 @@ def test_function_matches_frozen_surrogate_oracle(device):
 
     xg = x.clone().requires_grad_()
     out, logdet = NeumannLogDetFunction.apply(
-        branch, mask, coeffs, neumann_coeffs, xg, probes, *params
+        branch, None, mask, coeffs, neumann_coeffs, xg, probes, *params
     )
     torch.testing.assert_close(out, branch(x, mask), atol=1e-14, rtol=0)
     torch.testing.assert_close(logdet, series.mean(0), atol=1e-12, rtol=0)

@@ -87,8 +87,9 @@ def repeated_input(x: Tensor, copies: int, keep_graph: bool) -> Tensor:
         The repeated batch, requiring grad.
     """
     if keep_graph and x.requires_grad:
-        return x.repeat(copies, 1, 1)
-    return x.detach().repeat(copies, 1, 1).requires_grad_(True)
+        return x if copies == 1 else x.repeat(copies, 1, 1)
+    x = x.detach()
+    return (x if copies == 1 else x.repeat(copies, 1, 1)).requires_grad_(True)
 
 
 def repeated_mask(mask: Tensor | None, copies: int) -> Tensor | None:
@@ -123,7 +124,7 @@ def power_series(
 
     Args:
         product: :math:`w \mapsto w^\top J`, row by row, on ``(R, N, D)`` tensors (autograd
-            :func:`vjp` or :meth:`~iresflow.nn.base.Linearization.vjp`).
+            :func:`vjp` or :meth:`~iresflow.nn.base.LinearizedPoint.vjp`).
         v: Probes, shape ``(R, N, D)``.
         coeffs: :math:`a_1, \dots, a_K` (plain Python floats: data-independent).
         neumann_coeffs: :math:`b_0, \dots, b_K`, or ``None``.
@@ -135,15 +136,17 @@ def power_series(
         raise ValueError(
             f"neumann_coeffs needs {len(coeffs) + 1} entries, got {len(neumann_coeffs)}"
         )
-    estimate = v.new_zeros(v.shape[0])
     u = None if neumann_coeffs is None else neumann_coeffs[0] * v
+    weighted = None  # sum_k a_k w_k: one inner product with v at the end
     w = v
     for k, a_k in enumerate(coeffs, start=1):
         w = product(w)
-        estimate = estimate + a_k * (w * v).flatten(1).sum(1)
+        weighted = a_k * w if weighted is None else torch.add(weighted, w, alpha=a_k)
         if neumann_coeffs is not None:
-            u = u + neumann_coeffs[k] * w
-    return estimate, u
+            u = torch.add(u, w, alpha=neumann_coeffs[k])
+    if weighted is None:
+        return v.new_zeros(v.shape[0]), u
+    return (weighted * v).flatten(1).sum(1), u
 
 
 def hutchinson_logdet(
@@ -176,10 +179,11 @@ def hutchinson_logdet(
     x_rep = repeated_input(x, copies, graph)
     if not graph:
         with torch.no_grad():
-            lin = branch.linearize(x_rep.detach(), mask_rep)
+            lin = branch.linearize()
             if lin is not None:
-                estimate, _ = power_series(lin.vjp, v, coeffs)
-                return lin.output[:batch], estimate.view(copies, batch).mean(0)
+                point = lin.at(x_rep.detach(), mask_rep)
+                estimate, _ = power_series(point.vjp, v, coeffs)
+                return point.output[:batch], estimate.view(copies, batch).mean(0)
     with torch.enable_grad():
         y = branch(x_rep, mask_rep)
         estimate, _ = power_series(lambda w: vjp(y, x_rep, w, graph), v, coeffs)

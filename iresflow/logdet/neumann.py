@@ -38,15 +38,16 @@ re-evaluation (:mod:`iresflow.logdet._state`), so branches that update buffers i
 forward give the same gradients as the plain path.
 
 **Fast path.** When the branch returns a :class:`~iresflow.nn.base.Linearization` from
-:meth:`~iresflow.nn.base.LipschitzBranch.linearize`, the memory-efficient Function computes the
-power chain with its hand-written vector-Jacobian products and the backward with its
-:meth:`~iresflow.nn.base.Linearization.surrogate_backward` (the gradient of :math:`\Phi` without
-a double backward; autograd only carries the gradients of the effective parameters it returns to
-the raw parameters). Between forward and backward the Function keeps the linearization at an
-empty batch (the effective parameters of the forward, with their small graphs to the parameters)
-and re-evaluates it at :math:`x` in backward, so the recomputation uses the forward's weights
-without touching the module's buffers. Values and gradients are those of the autograd path;
-the plain path and branches without a linearization use autograd throughout.
+:meth:`~iresflow.nn.base.LipschitzBranch.linearize`, its effective parameters (the normalised
+weights of this forward, with their small graphs to the module's parameters) are the Function's
+tensor inputs in place of the parameters. The forward computes the power chain with the
+hand-written vector-Jacobian products, the backward re-evaluates the map at :math:`x` and returns
+:meth:`~iresflow.nn.base.LinearizedPoint.surrogate_backward`, the gradient of :math:`\Phi`
+without a double backward, for those inputs; autograd carries it on to the parameters in the
+same backward pass. Between forward and backward the Function keeps only the parameter-sized
+linearization, so the recomputation uses the forward's weights without touching the module's
+buffers. Values and gradients are those of the autograd path; the plain path and branches
+without a linearization use autograd throughout.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from iresflow.logdet._hutchinson import (
     vjp,
 )
 from iresflow.logdet._state import buffer_snapshot, call_with_buffers
-from iresflow.nn.base import Linearization, LipschitzBranch
+from iresflow.nn.base import Linearization, LinearizedPoint, LipschitzBranch
 
 __all__ = ["NeumannLogDetFunction", "neumann_logdet"]
 
@@ -79,16 +80,17 @@ def _surrogate(y: Tensor, x: Tensor, u: Tensor, v: Tensor, batch: int) -> Tensor
 class NeumannLogDetFunction(torch.autograd.Function):
     r"""Memory-efficient :math:`(g(x), \hat\ell)` with the Neumann gradient (see module docs).
 
-    ``apply(branch, mask, coeffs, neumann_coeffs, x, v, *params)``:
+    ``apply(branch, lin, mask, coeffs, neumann_coeffs, x, v, *params)``:
 
     * ``branch``: the :class:`~iresflow.nn.base.LipschitzBranch` (not a tensor input);
+    * ``lin``: its :class:`~iresflow.nn.base.Linearization`, or ``None`` for the autograd path;
     * ``mask``: padding mask ``(B, N)`` or ``None``;
     * ``coeffs``: log-det weights :math:`a_k = \frac{(-1)^{k+1}}{k} c_k`, :math:`k = 1..K`;
     * ``neumann_coeffs``: Neumann weights :math:`(-1)^k c_k`, :math:`k = 0..K`;
     * ``x``: sequences ``(B, N, D)``;
     * ``v``: probes ``(P B, N, D)`` (copy ``p`` of sample ``b`` in row ``p B + b``);
-    * ``params``: the branch parameters that should receive gradients (tensors, so that autograd
-      routes their gradients through this Function).
+    * ``params``: ``lin.params``, or without ``lin`` the branch parameters that should receive
+      gradients (tensors, so that autograd routes their gradients through this Function).
 
     Returns ``g(x)`` of shape ``(B, N, D)`` and the estimate :math:`\hat\ell` of shape ``(B,)``.
     No autograd graph is kept between forward and backward.
@@ -98,6 +100,7 @@ class NeumannLogDetFunction(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: FunctionCtx,
         branch: LipschitzBranch,
+        lin: Linearization | None,
         mask: Tensor | None,
         coeffs: Sequence[float],
         neumann_coeffs: Sequence[float],
@@ -108,10 +111,7 @@ class NeumannLogDetFunction(torch.autograd.Function):
         batch = x.shape[0]
         copies = v.shape[0] // batch
         mask_rep = repeated_mask(mask, copies)
-        x_rep = repeated_input(x, copies, keep_graph=False)
-        with torch.enable_grad():  # roots of the linearization with their parameter graphs
-            lin = branch.linearize(x_rep.detach(), mask_rep)
-        ctx.branch, ctx.mask, ctx.params = branch, mask, params
+        ctx.branch, ctx.lin, ctx.mask, ctx.params = branch, lin, mask, params
         # The backward re-evaluates the branch under the forward's autocast state (as
         # torch.amp.custom_bwd does), so mixed-precision products see matching dtypes.
         device_type = x.device.type
@@ -121,13 +121,13 @@ class NeumannLogDetFunction(torch.autograd.Function):
             torch.is_autocast_enabled(device_type),
         )
         if lin is not None:
-            y = lin.output
-            estimate, u = power_series(lin.vjp, v, coeffs, neumann_coeffs=neumann_coeffs)
-            # Parameter-sized state only: the effective parameters of this forward.
-            ctx.lin = lin.at(x_rep[:0].detach(), None if mask_rep is None else mask_rep[:0])
+            point = lin.at(repeated_input(x, copies, keep_graph=False).detach(), mask_rep)
+            y = point.output
+            estimate, u = power_series(point.vjp, v, coeffs, neumann_coeffs=neumann_coeffs)
         else:
-            ctx.lin, ctx.snapshot = None, buffer_snapshot(branch)
+            ctx.snapshot = buffer_snapshot(branch)
             with torch.enable_grad():
+                x_rep = repeated_input(x, copies, keep_graph=False)
                 y = branch(x_rep, mask_rep)
                 estimate, u = power_series(
                     lambda w: vjp(y, x_rep, w, False), v, coeffs, neumann_coeffs=neumann_coeffs
@@ -141,18 +141,27 @@ class NeumannLogDetFunction(torch.autograd.Function):
         x, u, v = ctx.saved_tensors
         batch = x.shape[0]
         copies = v.shape[0] // batch
-        wanted = [p for p, need in zip(ctx.params, ctx.needs_input_grad[6:], strict=True) if need]
+        need_params = ctx.needs_input_grad[7:]
         device_type, autocast_dtype, autocast_enabled = ctx.autocast
         with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_enabled):
             if ctx.lin is not None:
-                lin = ctx.lin.at(x.repeat(copies, 1, 1), repeated_mask(ctx.mask, copies))
-                grads = _fast_backward(lin, wanted, grad_out, grad_logdet, u, v)
+                point = ctx.lin.at(
+                    repeated_input(x, copies, False).detach(), repeated_mask(ctx.mask, copies)
+                )
+                grad_x, grads = _fast_backward(point, grad_out, grad_logdet, u, v)
+                grad_params = [
+                    g if need else None for g, need in zip(grads, need_params, strict=True)
+                ]
             else:
-                grads = _autograd_backward(ctx, wanted, grad_out, grad_logdet, x, u, v)
-        grad_x = grads[0].view(copies, *x.shape).sum(0) if ctx.needs_input_grad[4] else None
-        it = iter(grads[1:])
-        grad_params = [next(it) if need else None for need in ctx.needs_input_grad[6:]]
-        return (None, None, None, None, grad_x, None, *grad_params)
+                wanted = [p for p, need in zip(ctx.params, need_params, strict=True) if need]
+                grad_x, *grads = _autograd_backward(ctx, wanted, grad_out, grad_logdet, x, u, v)
+                it = iter(grads)
+                grad_params = [next(it) if need else None for need in need_params]
+        if ctx.needs_input_grad[5]:
+            grad_x = grad_x.view(copies, *x.shape).sum(0) if copies > 1 else grad_x
+        else:
+            grad_x = None
+        return (None, None, None, None, None, grad_x, None, *grad_params)
 
 
 def _weights(grad_logdet: Tensor, copies: int, like: Tensor) -> Tensor:
@@ -182,29 +191,18 @@ def _autograd_backward(
 
 
 def _fast_backward(
-    lin: Linearization,
-    wanted: list[Tensor],
+    point: LinearizedPoint,
     grad_out: Tensor,
     grad_logdet: Tensor,
     u: Tensor,
     v: Tensor,
-) -> tuple[Tensor, ...]:
-    r"""Gradients of :math:`\Phi` w.r.t. the repeated input and ``wanted``, from ``lin``."""
+) -> tuple[Tensor, tuple[Tensor, ...]]:
+    r"""Gradients of :math:`\Phi` w.r.t. the repeated input and the effective parameters."""
     copies = v.shape[0] // grad_out.shape[0]
     if copies > 1:
         padding = grad_out.new_zeros((copies - 1) * grad_out.shape[0], *grad_out.shape[1:])
         grad_out = torch.cat([grad_out, padding])
-    grad_x, pairs = lin.surrogate_backward(grad_out, u * _weights(grad_logdet, copies, u), v)
-    pairs = [(root, grad) for root, grad in pairs if root is not None and root.requires_grad]
-    if not wanted:
-        return (grad_x,)
-    if not pairs:
-        return (grad_x, *[torch.zeros_like(p) for p in wanted])
-    roots, root_grads = zip(*pairs, strict=True)
-    grads = torch.autograd.grad(
-        roots, wanted, root_grads, retain_graph=True, allow_unused=True, materialize_grads=True
-    )
-    return (grad_x, *grads)
+    return point.surrogate_backward(grad_out, u * _weights(grad_logdet, copies, u), v)
 
 
 def neumann_logdet(
@@ -254,9 +252,13 @@ def neumann_logdet(
         (0.405465, 0.666667)
     """
     if memory_efficient:
-        params = tuple(p for p in branch.parameters() if p.requires_grad)
+        lin = branch.linearize()
+        if lin is not None:
+            params = lin.params
+        else:
+            params = tuple(p for p in branch.parameters() if p.requires_grad)
         return NeumannLogDetFunction.apply(
-            branch, mask, tuple(coeffs), tuple(neumann_coeffs), x, v, *params
+            branch, lin, mask, tuple(coeffs), tuple(neumann_coeffs), x, v, *params
         )
     batch = x.shape[0]
     copies = v.shape[0] // batch

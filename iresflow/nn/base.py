@@ -7,40 +7,55 @@ from typing import ClassVar, Literal
 
 from torch import Tensor, nn
 
-__all__ = ["LipschitzBranch", "Linearization"]
+__all__ = ["LinearizedPoint", "LipschitzBranch", "Linearization"]
 
 
 class Linearization(ABC):
-    r"""A branch evaluated at a batch ``x``, with hand-written Jacobian products (MATH.md G5).
+    r"""A branch's map with its effective parameters fixed, for hand-written Jacobian products.
 
     Returned by :meth:`LipschitzBranch.linearize` for branches that can apply their Jacobian
-    :math:`J = \partial g / \partial x` without autograd. Rows (sequences) are independent: row
-    ``r`` of every product uses the Jacobian of row ``r`` of ``x``.
+    :math:`J = \partial g / \partial x` without autograd (MATH.md G5). It holds only
+    parameter-sized state: the *effective parameters* ``params`` of one forward (for example the
+    normalised weights), computed from the module's parameters under the grad mode in which
+    :meth:`~LipschitzBranch.linearize` ran, so they carry a graph back to the parameters. Engines
+    pass ``params`` to their custom autograd Functions as inputs and return the gradients of
+    :meth:`LinearizedPoint.surrogate_backward` for them; autograd carries them on to the
+    module's parameters in the same backward pass.
 
     Attributes:
-        output: :math:`g(x)`, shape ``(R, N, D)``, detached, zero at padded positions.
+        params: The effective parameters, a tuple of tensors.
     """
 
-    output: Tensor
+    params: tuple[Tensor, ...]
 
     @abstractmethod
-    def at(self, x: Tensor, mask: Tensor | None = None) -> Linearization:
-        """The same map (same effective parameters, same roots) at another input.
-
-        Calls no module and updates no buffer. At an empty batch the result holds only
-        parameter-sized state, which engines keep between a forward and a backward pass.
+    def at(self, x: Tensor, mask: Tensor | None = None) -> LinearizedPoint:
+        """Evaluate the map at ``x`` (calls no module, updates no buffer).
 
         Args:
             x: Sequences ``(R, N, D)``.
             mask: Optional boolean padding mask ``(R, N)``.
 
         Returns:
-            The linearization at ``x``.
+            The map at ``x``, with its Jacobian products.
         """
+
+
+class LinearizedPoint(ABC):
+    r"""A :class:`Linearization` evaluated at a batch ``x``, with its Jacobian products.
+
+    Rows (sequences) are independent: row ``r`` of every product uses the Jacobian of row ``r``
+    of ``x``. Nothing here records an autograd graph.
+
+    Attributes:
+        output: :math:`g(x)`, shape ``(R, N, D)``, zero at padded positions.
+    """
+
+    output: Tensor
 
     @abstractmethod
     def vjp(self, w: Tensor) -> Tensor:
-        r"""The vector-Jacobian product :math:`w^\top J`, row by row, without a graph.
+        r"""The vector-Jacobian product :math:`w^\top J`, row by row.
 
         Args:
             w: Cotangents ``(R, N, D)``.
@@ -52,7 +67,7 @@ class Linearization(ABC):
     @abstractmethod
     def surrogate_backward(
         self, grad_out: Tensor, u: Tensor, v: Tensor
-    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
         r"""Gradient of :math:`\Phi = \sum g(x) \odot \bar g + \sum_r u_r^\top J_r v_r`.
 
         :math:`\bar g` (``grad_out``), :math:`u` and :math:`v` are constants; this is the
@@ -65,12 +80,9 @@ class Linearization(ABC):
             v: Right vectors ``(R, N, D)``.
 
         Returns:
-            ``(grad_x, pairs)``: :math:`\partial\Phi/\partial x` of shape ``(R, N, D)``, and
-            pairs ``(root, grad)`` where ``root`` is a tensor computed from the parameters
-            (with a graph to them when :meth:`LipschitzBranch.linearize` ran under grad mode,
-            or a parameter itself) and
-            ``grad`` is :math:`\partial\Phi/\partial\,\mathrm{root}`; backpropagating every
-            ``grad`` from its ``root`` gives the parameter gradients of :math:`\Phi`.
+            ``(grad_x, grad_params)``: :math:`\partial\Phi/\partial x` of shape ``(R, N, D)``
+            and :math:`\partial\Phi/\partial p` for every effective parameter ``p`` of
+            :attr:`Linearization.params`, in that order and with those shapes.
         """
 
 
@@ -121,20 +133,15 @@ class LipschitzBranch(nn.Module, ABC):
                 position-wise branches ignore it.
         """
 
-    def linearize(self, x: Tensor, mask: Tensor | None = None) -> Linearization | None:
-        """Optional fast path: evaluate the branch with hand-written Jacobian products.
+    def linearize(self) -> Linearization | None:
+        """Optional fast path: the branch's map with hand-written Jacobian products.
 
         A call counts as one forward (buffers a training forward updates are updated the same
         way); returning ``None`` has no side effects. Engines use the result in place of
         autograd when it is not ``None`` and must obtain identical values and gradients either
         way.
 
-        Args:
-            x: Sequences ``(B, N, D)`` (validated by the caller).
-            mask: Optional boolean padding mask ``(B, N)``.
-
         Returns:
-            A :class:`Linearization` at ``x``, or ``None`` (the default) when the branch has
-            none.
+            A :class:`Linearization`, or ``None`` (the default) when the branch has none.
         """
         return None

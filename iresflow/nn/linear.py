@@ -96,6 +96,20 @@ class _NormalizedLinear(nn.Module, ABC):
         """
         return self.weight / self._scale()
 
+    def forward_weight(self) -> Tensor:
+        r"""The effective weight of one forward, with that forward's side effects.
+
+        :meth:`forward` is ``F.linear(x, self.forward_weight(), self.bias)``; engines that apply
+        the layer by hand (:meth:`~iresflow.nn.mlp.LipschitzMLP.linearize`) call this instead, so
+        that the buffers advance exactly as in a forward. Here it equals
+        :meth:`weight_normalized`; :class:`SpectralLinear` first advances its power iteration in
+        training mode.
+
+        Returns:
+            Tensor of shape ``(out_features, in_features)``, differentiable w.r.t. ``weight``.
+        """
+        return self.weight_normalized()
+
     def lipschitz_constant(self) -> Tensor:
         r"""Exact Lipschitz constant of the layer, :math:`\|\tilde W\|` (0-dim tensor).
 
@@ -128,7 +142,7 @@ class _NormalizedLinear(nn.Module, ABC):
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x must have shape (..., {self.in_features}), got {tuple(x.shape)}")
         check_dtype_device(x, self.weight, "x")
-        return F.linear(x, self.weight_normalized(), self.bias)
+        return F.linear(x, self.forward_weight(), self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -256,7 +270,8 @@ class SpectralLinear(_NormalizedLinear):
         _, u1, v1 = cache
         return torch.dot(u1, torch.mv(weight, v1))
 
-    def _power_iteration(self) -> None:
+    def _power_iteration(self) -> tuple[Tensor, Tensor]:
+        """Advance ``u``, ``v`` by ``n_power_iterations`` steps; return fresh copies of them."""
         with torch.no_grad():
             weight, u, v = self.weight, self.u, self.v
             for _ in range(self.n_power_iterations):
@@ -264,6 +279,7 @@ class SpectralLinear(_NormalizedLinear):
                 u = _normalize_or_keep(torch.mv(weight, v), u)
             self.u.copy_(u)
             self.v.copy_(v)
+        return u, v
 
     def _scaling_norm(self) -> Tensor:
         if self.training and self.sigma == "power":
@@ -271,18 +287,19 @@ class SpectralLinear(_NormalizedLinear):
             return torch.dot(self.u.clone(), torch.mv(self.weight, self.v.clone()))
         return self._norm()
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Apply :math:`x \\mapsto \\tilde W x + b`; in training mode first advance ``u``, ``v``.
-
-        Args:
-            x: Input of shape ``(..., in_features)``.
+    def forward_weight(self) -> Tensor:
+        """The effective weight of one forward; in training mode first advance ``u``, ``v``.
 
         Returns:
-            Output of shape ``(..., out_features)``.
+            Tensor of shape ``(out_features, in_features)``, differentiable w.r.t. ``weight``.
         """
         if self.training and self.sigma == "power" and not _under_functorch_transform():
-            self._power_iteration()
-        return super().forward(x)
+            # The fresh u, v equal the updated buffers and are never written again, so the
+            # graph of sigma may keep them without clones.
+            u, v = self._power_iteration()
+            sigma = torch.dot(u, torch.mv(self.weight, v))
+            return self.weight / torch.clamp(sigma / self.coeff, min=1.0)
+        return self.weight_normalized()
 
     def extra_repr(self) -> str:
         return (

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from iresflow._validation import check_int, check_mask, check_sequence
 from iresflow.nn.activations import LipSwish
-from iresflow.nn.base import Linearization, LipschitzBranch
+from iresflow.nn.base import Linearization, LinearizedPoint, LipschitzBranch
 from iresflow.nn.linear import (
     InfNormLinear,
     SpectralLinear,
@@ -93,9 +93,7 @@ class LipschitzMLP(LipschitzBranch):
             if i > 0:
                 layers.append(LipSwish())
             if norm == "2":
-                layers.append(
-                    SpectralLinear(d_in, d_out, coeff, n_power_iterations, sigma=sigma)
-                )
+                layers.append(SpectralLinear(d_in, d_out, coeff, n_power_iterations, sigma=sigma))
             else:
                 layers.append(InfNormLinear(d_in, d_out, coeff))
         self.net = nn.Sequential(*layers)
@@ -144,44 +142,42 @@ class LipschitzMLP(LipschitzBranch):
         ]
         return torch.stack(constants).prod()
 
-    def linearize(self, x: Tensor, mask: Tensor | None = None) -> Linearization:
-        r"""The branch at ``x`` with hand-written Jacobian products (fast log-det path, G5).
+    def linearize(self) -> _MLPLinearization:
+        r"""The branch's map with hand-written Jacobian products (fast log-det path, G5).
 
         Counts as one forward: in training mode every
         :class:`~iresflow.nn.linear.SpectralLinear` advances its power iteration exactly once, as
-        in :meth:`forward`. The effective weights :math:`\tilde W_l` and LipSwish slopes
-        :math:`\beta_l` are built under the current grad mode (so their graphs reach
-        ``weight``, ``beta_raw``); the activations are detached.
-
-        Args:
-            x: Sequences ``(B, N, D)``, validated by the caller.
-            mask: Optional boolean padding mask ``(B, N)``.
+        in :meth:`forward`. The effective parameters (weights :math:`\tilde W_l`, biases, LipSwish
+        slopes :math:`\beta_l`) are built under the current grad mode, so their graphs reach
+        ``weight`` and ``beta_raw``.
 
         Returns:
-            The :class:`~iresflow.nn.base.Linearization`; its ``output`` equals ``self(x, mask)``.
+            The :class:`~iresflow.nn.base.Linearization`; ``linearize().at(x, mask).output``
+            equals ``self(x, mask)``.
 
         Example:
             >>> mlp = LipschitzMLP((2, 8, 2), coeff=0.9)
             >>> x, w = torch.randn(3, 4, 2), torch.randn(3, 4, 2)
-            >>> lin = mlp.linearize(x)
-            >>> bool(torch.allclose(lin.output, mlp(x)))
+            >>> point = mlp.linearize().at(x)
+            >>> bool(torch.allclose(point.output, mlp(x)))
             True
             >>> ref = torch.func.vjp(mlp, x)[1](w)[0]
-            >>> bool(torch.allclose(lin.vjp(w), ref, atol=1e-6))
+            >>> bool(torch.allclose(point.vjp(w), ref, atol=1e-6))
             True
         """
-        with torch.no_grad():
-            # One forward of every layer, for its buffer updates only (the power iteration of
-            # SpectralLinear in training mode): on an empty batch, the values come from below.
-            self.net(x[:0])
-        linears = [m for m in self.net if not isinstance(m, LipSwish)]
-        return _MLPLinearization(
-            [layer.weight_normalized() for layer in linears],
-            [layer.bias for layer in linears],
-            [m.beta for m in self.net if isinstance(m, LipSwish)],
-            x,
-            mask,
-        )
+        weights: list[Tensor] = []
+        biases: list[Tensor | None] = []
+        betas: list[Tensor] = []
+        for layer in self.net:
+            if isinstance(layer, LipSwish):
+                betas.append(layer.beta)
+            else:
+                weights.append(layer.forward_weight())
+                biases.append(layer.bias)
+        return _MLPLinearization(weights, biases, betas)
+
+
+_SCALE = 1 / 1.1  # the LipSwish normalisation
 
 
 def _lipswish_slope(beta: Tensor, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -192,7 +188,8 @@ def _lipswish_slope(beta: Tensor, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """
     t = beta * z
     s = torch.sigmoid(t)
-    return z * s / 1.1, (s + t * s * (1 - s)) / 1.1, s
+    scaled = s * _SCALE
+    return z * scaled, torch.addcmul(scaled, t * scaled, 1 - s), s
 
 
 def _lipswish_second(beta: Tensor, z: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
@@ -202,8 +199,8 @@ def _lipswish_second(beta: Tensor, z: Tensor, s: Tensor) -> tuple[Tensor, Tensor
     :math:`\partial\phi'/\partial\beta = z q`) and
     :math:`\partial\phi/\partial\beta = z^2 s (1 - s) / 1.1`.
     """
-    ds = s * (1 - s)
-    return ds * (2 + beta * z * (1 - 2 * s)) / 1.1, z * z * ds / 1.1
+    ds = s * (1 - s) * _SCALE
+    return ds * (beta * z * (1 - 2 * s)).add_(2), z * z * ds
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -217,48 +214,55 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
 
 
 class _MLPLinearization(Linearization):
-    r"""A :class:`LipschitzMLP` at ``x`` (see :meth:`LipschitzMLP.linearize`).
+    r"""A :class:`LipschitzMLP` with fixed effective parameters (:meth:`LipschitzMLP.linearize`).
+
+    ``params`` lists the weights, the biases that exist, then the LipSwish slopes.
+    """
+
+    def __init__(
+        self, weights: list[Tensor], biases: list[Tensor | None], betas: list[Tensor]
+    ) -> None:
+        self.params = (*weights, *[b for b in biases if b is not None], *betas)
+        self.weights = [w.detach() for w in weights]
+        self.biases = [None if b is None else b.detach() for b in biases]
+        self.betas = [b.detach() for b in betas]
+
+    def at(self, x: Tensor, mask: Tensor | None = None) -> _MLPPoint:
+        return _MLPPoint(self, x, mask)
+
+
+class _MLPPoint(LinearizedPoint):
+    r"""A :class:`LipschitzMLP` map at ``x``.
 
     Layers :math:`a_l = \tilde W_l h_l + b_l`, :math:`h_{l+1} = \phi_l(a_l)` (LipSwish),
     :math:`g = a_{L-1}`. Stores the layer inputs :math:`h_l`, pre-activations :math:`a_l`,
     sigmoids :math:`\sigma(\beta_l a_l)` and slopes :math:`\phi_l'(a_l)`, all ``(R, N, H_l)``.
     """
 
-    def __init__(
-        self,
-        weights: list[Tensor],
-        biases: list[Tensor | None],
-        betas: list[Tensor],
-        x: Tensor,
-        mask: Tensor | None,
-    ) -> None:
-        self.weights, self.biases, self.betas = weights, biases, betas
+    def __init__(self, lin: _MLPLinearization, x: Tensor, mask: Tensor | None) -> None:
+        self.lin = lin
         self.mask = None if mask is None else mask.unsqueeze(-1)
-        self._detached = [weight.detach() for weight in weights]
         self.inputs: list[Tensor] = []
         self.pre: list[Tensor] = []
         self.sigmoids: list[Tensor] = []
         self.slopes: list[Tensor] = []
         h = x.detach()
         with torch.no_grad():
-            for i, (weight, bias) in enumerate(zip(self._detached, biases, strict=True)):
+            for i, (weight, bias) in enumerate(zip(lin.weights, lin.biases, strict=True)):
                 a = F.linear(h, weight, bias)
                 self.inputs.append(h)
                 self.pre.append(a)
-                if i < len(betas):
-                    h, slope, sigmoid = _lipswish_slope(betas[i].detach(), a)
+                if i < len(lin.betas):
+                    h, slope, sigmoid = _lipswish_slope(lin.betas[i], a)
                     self.slopes.append(slope)
                     self.sigmoids.append(sigmoid)
         self.output = a if self.mask is None else torch.where(self.mask, a, 0.0)
-
-    def at(self, x: Tensor, mask: Tensor | None = None) -> _MLPLinearization:
-        return _MLPLinearization(self.weights, self.biases, self.betas, x, mask)
 
     def _masked(self, w: Tensor) -> Tensor:
         return w if self.mask is None else torch.where(self.mask, w, 0.0)
 
     def vjp(self, w: Tensor) -> Tensor:
-        weights = self._detached
+        weights = self.lin.weights
         g = self._masked(w) @ weights[-1]
         for weight, slope in zip(reversed(weights[:-1]), reversed(self.slopes), strict=True):
             g = (g * slope) @ weight
@@ -266,12 +270,12 @@ class _MLPLinearization(Linearization):
 
     def surrogate_backward(
         self, grad_out: Tensor, u: Tensor, v: Tensor
-    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
         # Notation of MATH.md G5 in layer form: tangent tau_l (J v up to layer l), alpha_l its
         # pre-activation; kappa_l, rho_l cotangents of the tangent chain from u; gamma_l
         # cotangent of a_l in the primal chain, which receives rho * alpha * phi'' (the
         # dependence of the slopes on a_l).
-        weights = self._detached
+        weights, betas = self.lin.weights, self.lin.betas
         n = len(weights)
         tau, alpha = [v], []
         for l, weight in enumerate(weights):
@@ -284,18 +288,17 @@ class _MLPLinearization(Linearization):
         for l in range(n - 2, -1, -1):
             rho = kappa[0] @ weights[l + 1]
             eta = gamma[0] @ weights[l + 1]
-            beta = self.betas[l].detach()
-            q, dphi_dbeta = _lipswish_second(beta, self.pre[l], self.sigmoids[l])
+            q, dphi_dbeta = _lipswish_second(betas[l], self.pre[l], self.sigmoids[l])
             extra = rho * alpha[l] * q
             kappa.insert(0, self.slopes[l] * rho)
-            gamma.insert(0, torch.addcmul(self.slopes[l] * eta, extra, beta))
+            gamma.insert(0, torch.addcmul(self.slopes[l] * eta, extra, betas[l]))
             grad_betas.insert(0, _dot(eta, dphi_dbeta) + _dot(extra, self.pre[l]))
-        pairs: list[tuple[Tensor, Tensor]] = []
+        grad_weights, grad_biases = [], []
         for l in range(n):
             flat_gamma, flat_kappa = _rows(gamma[l]), _rows(kappa[l])
-            grad_w = torch.addmm(flat_gamma.T @ _rows(self.inputs[l]), flat_kappa.T, _rows(tau[l]))
-            pairs.append((self.weights[l], grad_w))
-            if self.biases[l] is not None:
-                pairs.append((self.biases[l], flat_gamma.sum(0)))
-        pairs.extend(zip(self.betas, grad_betas, strict=True))
-        return gamma[0] @ weights[0], pairs
+            grad_weights.append(
+                torch.addmm(flat_gamma.T @ _rows(self.inputs[l]), flat_kappa.T, _rows(tau[l]))
+            )
+            if self.lin.biases[l] is not None:
+                grad_biases.append(flat_gamma.sum(0))
+        return gamma[0] @ weights[0], (*grad_weights, *grad_biases, *grad_betas)
