@@ -189,18 +189,18 @@ def _lipswish_slope(beta: Tensor, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     t = beta * z
     s = torch.sigmoid(t)
     scaled = s * _SCALE
-    return z * scaled, torch.addcmul(scaled, t * scaled, 1 - s), s
+    return z * scaled, torch.addcmul(scaled, t.mul_(scaled), torch.rsub(s, 1)), s
 
 
 def _lipswish_second(beta: Tensor, z: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     r"""Second-order LipSwish factors at ``z``, given :math:`s = \sigma(\beta z)`.
 
     Returns :math:`q = s (1 - s)(2 + t (1 - 2 s)) / 1.1` (so that :math:`\phi'' = \beta q` and
-    :math:`\partial\phi'/\partial\beta = z q`) and
-    :math:`\partial\phi/\partial\beta = z^2 s (1 - s) / 1.1`.
+    :math:`\partial\phi'/\partial\beta = z q`) and :math:`d = s (1 - s) / 1.1` (so that
+    :math:`\partial\phi/\partial\beta = z^2 d`).
     """
-    ds = s * (1 - s) * _SCALE
-    return ds * (beta * z * (1 - 2 * s)).add_(2), z * z * ds
+    d = torch.rsub(s, 1).mul_(s).mul_(_SCALE)
+    return (beta * z).mul_(torch.rsub(s, 1, alpha=2)).add_(2).mul_(d), d
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -265,7 +265,7 @@ class _MLPPoint(LinearizedPoint):
         weights = self.lin.weights
         g = self._masked(w) @ weights[-1]
         for weight, slope in zip(reversed(weights[:-1]), reversed(self.slopes), strict=True):
-            g = (g * slope) @ weight
+            g = g.mul_(slope) @ weight  # g is a fresh product: scaled in place
         return g
 
     def surrogate_backward(
@@ -288,11 +288,13 @@ class _MLPPoint(LinearizedPoint):
         for l in range(n - 2, -1, -1):
             rho = kappa[0] @ weights[l + 1]
             eta = gamma[0] @ weights[l + 1]
-            q, dphi_dbeta = _lipswish_second(betas[l], self.pre[l], self.sigmoids[l])
-            extra = rho * alpha[l] * q
+            z = self.pre[l]
+            q, d = _lipswish_second(betas[l], z, self.sigmoids[l])
+            extra = (rho * alpha[l]).mul_(q)
             kappa.insert(0, self.slopes[l] * rho)
             gamma.insert(0, torch.addcmul(self.slopes[l] * eta, extra, betas[l]))
-            grad_betas.insert(0, _dot(eta, dphi_dbeta) + _dot(extra, self.pre[l]))
+            # d/d beta: sum(eta * z^2 d) + sum(extra * z), as one inner product with z.
+            grad_betas.insert(0, _dot(z, torch.addcmul(extra, eta * z, d)))
         grad_weights, grad_biases = [], []
         for l in range(n):
             flat_gamma, flat_kappa = _rows(gamma[l]), _rows(kappa[l])
