@@ -152,8 +152,7 @@ class LipschitzMLP(LipschitzBranch):
         ``weight`` and ``beta_raw``.
 
         Returns:
-            The :class:`~iresflow.nn.base.Linearization`; ``linearize().at(x, mask).output``
-            equals ``self(x, mask)``.
+            A linearization whose ``at(x, mask).output`` equals ``self(x, mask)``.
 
         Example:
             >>> mlp = LipschitzMLP((2, 8, 2), coeff=0.9)
@@ -161,7 +160,8 @@ class LipschitzMLP(LipschitzBranch):
             >>> point = mlp.linearize().at(x)
             >>> bool(torch.allclose(point.output, mlp(x)))
             True
-            >>> ref = torch.func.vjp(mlp, x)[1](w)[0]
+            >>> _, pullback = torch.func.vjp(mlp, x)
+            >>> ref = pullback(w)[0]
             >>> bool(torch.allclose(point.vjp(w), ref, atol=1e-6))
             True
         """
