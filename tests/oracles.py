@@ -83,6 +83,22 @@ def jacobian_logdet(
     return torch.stack(out)
 
 
+def residual_map(branch: SequenceMap) -> SequenceMap:
+    """The residual map :math:`x + g(x)` of a branch ``g``, for :func:`jacobian_logdet`."""
+    return lambda x, mask: x + branch(x, mask)
+
+
+def padded_batch(device: torch.device, scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Three float64 sequences ``(3, 4, 3)`` with entries ``scale * N(0, 1)`` and a mask padding
+    the end of one sequence and the middle of another."""
+    x = scale * torch.randn(3, 4, 3, dtype=torch.float64, device=device)
+    mask = torch.tensor(
+        [[True, True, True, True], [True, True, False, False], [True, False, True, True]],
+        device=device,
+    )
+    return x, mask
+
+
 def finite_difference_grad(
     fn: Callable[[], Tensor], tensors: Sequence[Tensor], eps: float = 1e-6
 ) -> list[Tensor]:

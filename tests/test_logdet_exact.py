@@ -13,6 +13,8 @@ from oracles import (
     TanhMLPBranch,
     finite_difference_grad,
     jacobian_logdet,
+    padded_batch,
+    residual_map,
 )
 
 from iresflow.logdet.base import LogDetEstimator, make_logdet
@@ -28,28 +30,15 @@ BRANCHES = {
 }
 
 
-def _inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(3, 4, 3, dtype=F64, device=device)
-    mask = torch.tensor(
-        [[True, True, True, True], [True, True, False, False], [True, False, True, True]],
-        device=device,
-    )
-    return x, mask
-
-
-def _residual(branch):
-    return lambda t, m: t + branch(t, m)
-
-
 @pytest.mark.parametrize("kind", sorted(BRANCHES))
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("chunk_size", [None, 2])
 def test_matches_jacobian_oracle(device, kind, masked, chunk_size):
     branch = BRANCHES[kind](device)
-    x, mask = _inputs(device)
+    x, mask = padded_batch(device)
     mask = mask if masked else None
     out, logdet = ExactLogDet(chunk_size=chunk_size)(branch, x, mask)
-    expected = jacobian_logdet(_residual(branch), x, mask)
+    expected = jacobian_logdet(residual_map(branch), x, mask)
     assert logdet.shape == (3,) and out.shape == x.shape
     torch.testing.assert_close(logdet, expected, atol=1e-8, rtol=0)
     torch.testing.assert_close(out, branch(x, mask), atol=1e-12, rtol=0)
@@ -70,7 +59,7 @@ def test_prefix_mask_equals_truncated_sequence(device, kind):
 
 def test_position_wise_blocks_are_diagonal_blocks_of_full_jacobian(device):
     branch = TanhMLPBranch(3, 5, 0.6, positional=True, device=device)
-    x, mask = _inputs(device)
+    x, mask = padded_batch(device)
     _, blocks = jacobian_blocks(branch, x, mask)
     mixing_view = copy.deepcopy(branch)
     mixing_view.position_wise = False  # instance override: dense path on the same map
@@ -85,7 +74,7 @@ def test_position_wise_blocks_are_diagonal_blocks_of_full_jacobian(device):
 @pytest.mark.parametrize("kind", ["mlp", "mixing"])
 def test_gradcheck_wrt_inputs(device, kind):
     branch = BRANCHES[kind](device)
-    x, mask = _inputs(device)
+    x, mask = padded_batch(device)
     x = x.requires_grad_()
     estimator = ExactLogDet(chunk_size=2)
     assert torch.autograd.gradcheck(lambda t: estimator(branch, t, mask), (x,))
@@ -94,7 +83,7 @@ def test_gradcheck_wrt_inputs(device, kind):
 @pytest.mark.parametrize("kind", ["mlp", "mixing"])
 def test_parameter_gradients_match_finite_differences(device, kind):
     branch = BRANCHES[kind](device)
-    x, mask = _inputs(device)
+    x, mask = padded_batch(device)
     weights = torch.tensor([0.5, -1.5, 2.0], dtype=F64, device=device)
     estimator = ExactLogDet()
 
@@ -121,7 +110,7 @@ def test_non_contractive_branch_raises(device):
 def test_stateful_branch_chunks_see_one_forward(device):
     torch.manual_seed(3)
     branch = SpectralNormBranch(3, 0.6, device=device).train()
-    x, mask = _inputs(device)
+    x, mask = padded_batch(device)
     chunked, reference = copy.deepcopy(branch), copy.deepcopy(branch)
     out_all, logdet_all = ExactLogDet(chunk_size=None)(branch, x, mask)
     out_one, logdet_one = ExactLogDet(chunk_size=1)(chunked, x, mask)
@@ -133,13 +122,13 @@ def test_stateful_branch_chunks_see_one_forward(device):
     torch.testing.assert_close(out_one, expected_out, atol=1e-14, rtol=0)
     torch.testing.assert_close(logdet_one, logdet_all, atol=1e-14, rtol=0)
     frozen = reference.eval()  # evaluation mode reuses the advanced power-iteration state
-    expected = jacobian_logdet(_residual(frozen), x, mask)
+    expected = jacobian_logdet(residual_map(frozen), x, mask)
     torch.testing.assert_close(logdet_all, expected, atol=1e-8, rtol=0)
 
 
 def test_no_grad_gives_plain_tensors(device):
     branch = BRANCHES["mixing"](device)
-    x, mask = _inputs(device)
+    x, mask = padded_batch(device)
     with_grad = ExactLogDet()(branch, x.requires_grad_(), mask)
     with torch.no_grad():
         out, logdet = ExactLogDet()(branch, x, mask)
@@ -153,7 +142,7 @@ def test_float32_follows_input(device):
     out, logdet = ExactLogDet()(branch, x)
     assert out.dtype == logdet.dtype == torch.float32
     assert out.device == logdet.device == x.device
-    expected = jacobian_logdet(_residual(branch.double()), x.double())
+    expected = jacobian_logdet(residual_map(branch.double()), x.double())
     torch.testing.assert_close(logdet.double(), expected, atol=1e-5, rtol=0)
 
 

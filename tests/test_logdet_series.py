@@ -6,7 +6,14 @@ import math
 
 import pytest
 import torch
-from oracles import MixingBranch, ScaleBranch, TanhMLPBranch, jacobian_logdet
+from oracles import (
+    MixingBranch,
+    ScaleBranch,
+    TanhMLPBranch,
+    jacobian_logdet,
+    padded_batch,
+    residual_map,
+)
 
 from iresflow.logdet.exact import ExactLogDet
 from iresflow.logdet.series import SeriesLogDet
@@ -18,28 +25,15 @@ BRANCHES = {
 }
 
 
-def _inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    x = 0.3 * torch.randn(3, 4, 3, dtype=F64, device=device)
-    mask = torch.tensor(
-        [[True, True, True, True], [True, True, False, False], [True, False, True, True]],
-        device=device,
-    )
-    return x, mask
-
-
-def _residual(branch):
-    return lambda t, m: t + branch(t, m)
-
-
 @pytest.mark.parametrize("kind", sorted(BRANCHES))
 @pytest.mark.parametrize("masked", [False, True])
 def test_exact_trace_series_converges_to_slogdet(device, kind, masked):
     """H10: 80 exact-trace terms agree with slogdet to 1e-12 for L <= 0.6."""
     branch = BRANCHES[kind](device, 0.6)
-    x, mask = _inputs(device)
+    x, mask = padded_batch(device, 0.3)
     mask = mask if masked else None
     out, logdet = SeriesLogDet(n_terms=80, exact_trace=True)(branch, x, mask)
-    expected = jacobian_logdet(_residual(branch), x, mask)
+    expected = jacobian_logdet(residual_map(branch), x, mask)
     assert expected.abs().min() > 0.05  # a non-trivial log-determinant
     torch.testing.assert_close(logdet, expected, atol=1e-12, rtol=0)
     torch.testing.assert_close(out, branch(x, mask), atol=0, rtol=0)
@@ -50,7 +44,7 @@ def test_exact_trace_series_converges_to_slogdet(device, kind, masked):
 def test_truncation_error_within_bound(device, kind, lip):
     """H11: |error at n terms| <= d * sum_{k>n} L^k / k with the certified L and d = real N D."""
     branch = BRANCHES[kind](device, lip)
-    x, mask = _inputs(device)
+    x, mask = padded_batch(device, 0.3)
     lipschitz = branch.lipschitz_constant().item()
     assert lipschitz == pytest.approx(lip)
     _, exact = ExactLogDet()(branch, x, mask)
@@ -67,7 +61,7 @@ def test_rademacher_traces_of_scaled_identity_are_exact(device):
     """With J = c I and Rademacher probes, v^T J^k v = d c^k for every probe."""
     c = -0.6
     branch = ScaleBranch(c, device=device)
-    x, mask = _inputs(device)
+    x, mask = padded_batch(device, 0.3)
     gen = torch.Generator(device=device).manual_seed(0)
     n = 7
     _, logdet = SeriesLogDet(n_terms=n, n_probes=3, generator=gen)(branch, x, mask)
@@ -80,7 +74,7 @@ def test_rademacher_traces_of_scaled_identity_are_exact(device):
 def test_hutchinson_series_is_unbiased_for_the_truncated_series(device, probe):
     """Independent draws (the batch repeated R times) average to the exact-trace series."""
     branch = BRANCHES["mixing"](device, 0.6)
-    x, mask = _inputs(device)
+    x, mask = padded_batch(device, 0.3)
     repeats = 2000
     gen = torch.Generator(device=device).manual_seed(1)
     estimator = SeriesLogDet(n_terms=4, probe=probe, generator=gen)
@@ -95,7 +89,7 @@ def test_hutchinson_series_is_unbiased_for_the_truncated_series(device, probe):
 def test_probes_share_one_chain_and_average(device):
     """n_probes = P equals the mean of the P single-probe estimates drawn in the same order."""
     branch = BRANCHES["mlp"](device, 0.6)
-    x, mask = _inputs(device)
+    x, mask = padded_batch(device, 0.3)
     seed = 5
     gen = torch.Generator(device=device).manual_seed(seed)
     _, multi = SeriesLogDet(n_terms=5, n_probes=4, generator=gen)(branch, x, mask)
@@ -110,7 +104,7 @@ def test_probes_share_one_chain_and_average(device):
 def test_gradcheck(device, exact_trace):
     """Gradients are those of the estimate (fixed probes: a fresh generator per evaluation)."""
     branch = BRANCHES["mixing"](device, 0.6)
-    x, mask = _inputs(device)
+    x, mask = padded_batch(device, 0.3)
     x.requires_grad_()
 
     def estimate(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +117,7 @@ def test_gradcheck(device, exact_trace):
 
 def test_parameter_gradients_reach_every_parameter(device):
     branch = BRANCHES["mixing"](device, 0.6)
-    x, mask = _inputs(device)
+    x, mask = padded_batch(device, 0.3)
     _, logdet = SeriesLogDet(n_terms=3)(branch, x, mask)
     logdet.sum().backward()
     for name, p in branch.named_parameters():
@@ -132,7 +126,7 @@ def test_parameter_gradients_reach_every_parameter(device):
 
 def test_padding_does_not_matter(device):
     branch = BRANCHES["mixing"](device, 0.6)
-    x, mask = _inputs(device)
+    x, mask = padded_batch(device, 0.3)
     other = torch.where(mask[..., None], x, torch.randn_like(x))
     results = []
     for inputs in (x, other):

@@ -87,9 +87,8 @@ def repeated_input(x: Tensor, copies: int, keep_graph: bool) -> Tensor:
         The repeated batch, requiring grad.
     """
     if keep_graph and x.requires_grad:
-        return x if copies == 1 else x.repeat(copies, 1, 1)
-    x = x.detach()
-    return (x if copies == 1 else x.repeat(copies, 1, 1)).requires_grad_(True)
+        return x.repeat(copies, 1, 1)
+    return x.detach().repeat(copies, 1, 1).requires_grad_(True)
 
 
 def repeated_mask(mask: Tensor | None, copies: int) -> Tensor | None:
@@ -137,15 +136,13 @@ def power_series(
             f"neumann_coeffs needs {len(coeffs) + 1} entries, got {len(neumann_coeffs)}"
         )
     u = None if neumann_coeffs is None else neumann_coeffs[0] * v
-    weighted = None  # sum_k a_k w_k: one inner product with v at the end
+    weighted = torch.zeros_like(v)  # sum_k a_k w_k: one inner product with v at the end
     w = v
     for k, a_k in enumerate(coeffs, start=1):
         w = product(w)
-        weighted = a_k * w if weighted is None else torch.add(weighted, w, alpha=a_k)
+        weighted = torch.add(weighted, w, alpha=a_k)
         if neumann_coeffs is not None:
             u = torch.add(u, w, alpha=neumann_coeffs[k])
-    if weighted is None:
-        return v.new_zeros(v.shape[0]), u
     return (weighted * v).flatten(1).sum(1), u
 
 

@@ -121,7 +121,7 @@ class NeumannLogDetFunction(torch.autograd.Function):
             torch.is_autocast_enabled(device_type),
         )
         if lin is not None:
-            point = lin.at(repeated_input(x, copies, keep_graph=False).detach(), mask_rep)
+            point = lin.at(x.repeat(copies, 1, 1), mask_rep)
             y = point.output
             estimate, u = power_series(point.vjp, v, coeffs, neumann_coeffs=neumann_coeffs)
         else:
@@ -145,9 +145,7 @@ class NeumannLogDetFunction(torch.autograd.Function):
         device_type, autocast_dtype, autocast_enabled = ctx.autocast
         with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_enabled):
             if ctx.lin is not None:
-                point = ctx.lin.at(
-                    repeated_input(x, copies, False).detach(), repeated_mask(ctx.mask, copies)
-                )
+                point = ctx.lin.at(x.repeat(copies, 1, 1), repeated_mask(ctx.mask, copies))
                 grad_x, grads = _fast_backward(point, grad_out, grad_logdet, u, v)
                 grad_params = [
                     g if need else None for g, need in zip(grads, need_params, strict=True)
@@ -157,10 +155,7 @@ class NeumannLogDetFunction(torch.autograd.Function):
                 grad_x, *grads = _autograd_backward(ctx, wanted, grad_out, grad_logdet, x, u, v)
                 it = iter(grads)
                 grad_params = [next(it) if need else None for need in need_params]
-        if ctx.needs_input_grad[5]:
-            grad_x = grad_x.view(copies, *x.shape).sum(0) if copies > 1 else grad_x
-        else:
-            grad_x = None
+        grad_x = grad_x.view(copies, *x.shape).sum(0) if ctx.needs_input_grad[5] else None
         return (None, None, None, None, None, grad_x, None, *grad_params)
 
 

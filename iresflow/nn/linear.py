@@ -270,8 +270,7 @@ class SpectralLinear(_NormalizedLinear):
         _, u1, v1 = cache
         return torch.dot(u1, torch.mv(weight, v1))
 
-    def _power_iteration(self) -> tuple[Tensor, Tensor]:
-        """Advance ``u``, ``v`` by ``n_power_iterations`` steps; return fresh copies of them."""
+    def _power_iteration(self) -> None:
         with torch.no_grad():
             weight, u, v = self.weight, self.u, self.v
             for _ in range(self.n_power_iterations):
@@ -279,7 +278,6 @@ class SpectralLinear(_NormalizedLinear):
                 u = _normalize_or_keep(torch.mv(weight, v), u)
             self.u.copy_(u)
             self.v.copy_(v)
-        return u, v
 
     def _scaling_norm(self) -> Tensor:
         if self.training and self.sigma == "power":
@@ -294,11 +292,7 @@ class SpectralLinear(_NormalizedLinear):
             Tensor of shape ``(out_features, in_features)``, differentiable w.r.t. ``weight``.
         """
         if self.training and self.sigma == "power" and not _under_functorch_transform():
-            # The fresh u, v equal the updated buffers and are never written again, so the
-            # graph of sigma may keep them without clones.
-            u, v = self._power_iteration()
-            sigma = torch.dot(u, torch.mv(self.weight, v))
-            return self.weight / torch.clamp(sigma / self.coeff, min=1.0)
+            self._power_iteration()
         return self.weight_normalized()
 
     def extra_repr(self) -> str:
