@@ -1,0 +1,97 @@
+"""Typed, validated settings records: the field helper and the checks shared by every config.
+
+A settings record is a frozen dataclass whose fields are declared with :func:`setting`, which
+stores the help text, the admissible values and the meaning of ``None`` next to the default.
+:func:`validate_fields` coerces and checks every field against its type hint and choices, so
+the command line, TOML files and the Python API all go through the same checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import field
+from typing import Any
+
+__all__ = ["ConfigError", "check_keys", "check_range", "setting", "validate_fields"]
+
+
+class ConfigError(ValueError):
+    """An invalid, unknown or unreadable setting."""
+
+
+def setting(
+    default: Any, help: str, choices: tuple[str, ...] | None = None, unset: str | None = None
+) -> Any:
+    """A dataclass field with its help text, its admissible values and the meaning of ``None``.
+
+    Args:
+        default: Default value (``None`` for "automatic", explained by ``unset``).
+        help: One-line description (used for ``--help`` and the docs).
+        choices: Admissible string values, if the setting is a choice.
+        unset: What ``None`` means, for settings that may be left automatic.
+    """
+    return field(default=default, metadata={"help": help, "choices": choices, "unset": unset})
+
+
+def validate_fields(record: Any) -> None:
+    """Coerce every field of a frozen dataclass to its type hint and check its choices.
+
+    Integers are accepted for ``float`` fields; floats must be finite; ``bool`` is not an
+    ``int`` here.
+
+    Raises:
+        ConfigError: a value of the wrong type or outside its choices.
+    """
+    hints = typing.get_type_hints(type(record))
+    for f in dataclasses.fields(record):
+        value = _coerce(f.name, getattr(record, f.name), hints[f.name])
+        object.__setattr__(record, f.name, value)
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def check_keys(cls: type, values: dict[str, Any]) -> None:
+    """Reject keys that are not fields of the dataclass ``cls``.
+
+    Raises:
+        ConfigError: naming the first unknown key and the known ones.
+    """
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown option {unknown[0]!r} (known: {', '.join(sorted(known))})")
+
+
+def check_range(name: str, value: float, low: float, high: float) -> None:
+    """Require ``low < value < high``.
+
+    Raises:
+        ConfigError: naming the setting and the open interval.
+    """
+    if not low < value < high:
+        raise ConfigError(f"{name} must lie in ({low:g}, {high:g}), got {value}")
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    if isinstance(hint, types.UnionType):
+        if value is None:
+            return None
+        (hint,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
+    if typing.get_origin(hint) is tuple:
+        if isinstance(value, list):
+            value = tuple(value)
+        (item,) = {arg for arg in typing.get_args(hint) if arg is not Ellipsis}
+        if not isinstance(value, tuple) or not all(isinstance(v, item) for v in value):
+            raise ConfigError(f"{name} must be a list of {item.__name__}, got {value!r}")
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name} must be finite, got {value}")
+    if not isinstance(value, hint) or (hint is not bool and isinstance(value, bool)):
+        raise ConfigError(f"{name} must be of type {hint.__name__}, got {value!r}")
+    return value

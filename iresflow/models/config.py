@@ -1,0 +1,119 @@
+"""The model's settings: one record, the single source of every model default.
+
+:class:`ModelConfig` is what :class:`~iresflow.models.transformer.ResidualFlowTransformer` is
+built from, what the training configuration embeds (its model fields *are* these fields), what
+the command line turns into flags and what a checkpoint stores. Every check of a model setting
+lives in :meth:`ModelConfig.__post_init__`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from iresflow._settings import ConfigError, check_keys, check_range, setting, validate_fields
+
+__all__ = ["ModelConfig", "default_heads"]
+
+
+def default_heads(features: int) -> int:
+    """Default number of attention heads: the largest of 4, 3, 2, 1 that divides ``features``.
+
+    Four heads of width ``D / 4`` is the usual choice for small feature sizes (``D = 12`` gives
+    head width 3); smaller ``D`` fall back to the largest divisor available.
+
+    Args:
+        features: Feature size ``D``.
+
+    Returns:
+        The number of heads.
+
+    Example:
+        >>> default_heads(12), default_heads(6), default_heads(5)
+        (4, 3, 1)
+    """
+    return next(h for h in (4, 3, 2, 1) if features % h == 0)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Every setting of a residual-flow Transformer, validated on construction.
+
+    ``features`` and ``max_len`` describe the data; they may be left ``None`` while the data is
+    not known yet (the training configuration fills them from the dataset), but a model can only
+    be built from a config that has both.
+
+    Raises:
+        ConfigError: a value has the wrong type or lies outside its range (a ``ValueError``).
+
+    Example:
+        >>> config = ModelConfig(features=12, max_len=29, n_blocks=2)
+        >>> config.replace(hidden=8).hidden, ModelConfig.from_dict(config.to_dict()) == config
+        (8, True)
+    """
+
+    features: int | None = setting(None, "feature size D of every frame", unset="from the data")
+    max_len: int | None = setting(
+        None, "longest sequence the model accepts", unset="the data's longest sequence"
+    )
+    n_blocks: int = setting(8, "number of residual Transformer blocks")
+    hidden: int = setting(64, "hidden width of the feed-forward branches")
+    heads: int | None = setting(
+        None, "attention heads, dividing the number of features",
+        unset="the largest of 4, 3, 2, 1 that divides it",
+    )
+    coeff: float = setting(0.9, "Lipschitz coefficient of every residual branch, in (0, 1)")
+    attention: str = setting("l2", "attention branch", ("l2", "lipschitznorm", "none"))
+    positional: str = setting("sinusoidal", "positional encoding", ("sinusoidal", "learned"))
+    logdet: str = setting(
+        "roulette", "log-determinant used for training", ("exact", "roulette", "series")
+    )
+    n_power_iterations: int = setting(
+        1, "power iterations per step for spectral normalisation (with spectral_norm power)"
+    )
+    spectral_norm: str = setting(
+        "exact", "spectral norm of the MLP layers in training", ("exact", "power")
+    )
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        check_range("coeff", self.coeff, 0.0, 1.0)
+        for name in ("features", "max_len", "n_blocks", "hidden", "heads", "n_power_iterations"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.features is not None and self.heads is not None and self.features % self.heads:
+            raise ConfigError(
+                f"heads must divide features={self.features}, got heads={self.heads}"
+            )
+
+    @property
+    def resolved_heads(self) -> int:
+        """``heads``, or :func:`default_heads` of ``features`` when left automatic."""
+        if self.features is None:
+            raise ConfigError("features must be set to resolve the number of heads")
+        return default_heads(self.features) if self.heads is None else self.heads
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """Return a validated copy with ``changes`` applied.
+
+        Raises:
+            ConfigError: an unknown key or an invalid value.
+        """
+        check_keys(type(self), changes)
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """All settings as a plain, JSON-serialisable dict (``None`` for automatic values)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        """Build a configuration from a (possibly partial) dict of settings.
+
+        Raises:
+            ConfigError: an unknown key or an invalid value.
+        """
+        check_keys(cls, values)
+        return cls(**values)
