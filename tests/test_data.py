@@ -543,8 +543,9 @@ def test_not_an_npz_raises(tmp_path: Path) -> None:
 
 
 BAD_TS = {
-    "nan": ("@dimensions 1\n@classLabel false\n@data\n1,2,NaN\n1,2\n", "NaN or Inf"),
-    "missing": ("@dimensions 1\n@classLabel false\n@data\n1,?,3\n", "could not parse"),
+    "inf": ("@dimensions 1\n@classLabel false\n@data\n1,2,inf\n1,2\n", "Inf values"),
+    "all_missing": ("@dimensions 2\n@classLabel false\n@data\n1,?:NaN,2\n", "every frame"),
+    "not_a_number": ("@dimensions 1\n@classLabel false\n@data\n1,a,3\n", "could not parse"),
     "unequal_dims": ("@classLabel false\n@data\n1,2,3:1,2\n", "different lengths"),
     "dims_change": ("@classLabel false\n@data\n1,2:3,4\n1,2\n", "dimensions"),
     "header_dims": ("@dimensions 3\n@classLabel false\n@data\n1,2:3,4\n", "declares 3"),
