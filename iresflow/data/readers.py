@@ -193,7 +193,8 @@ def observed_frames(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Mark frames with a missing (NaN) value as unobserved and zero them.
 
     A frame is missing when *any* of its ``D`` values is NaN: the model's mask is per frame, so a
-    partly observed frame cannot be kept, and its observed values are dropped with it.
+    partly observed frame cannot be kept, and its observed values are dropped with it. Missing
+    frames are then treated like padding (conventions: ``docs/math.md#masks``).
 
     Args:
         x: Padded sequences, shape ``(B, N, D)``, NaN at missing values.
