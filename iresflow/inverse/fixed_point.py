@@ -238,25 +238,25 @@ def _iterate(
             )
         g_x = g_x.reshape(x.shape)
         image = y_a - g_x
-        # The residual of x itself (the point returned when the sample stops), equal to the
-        # step |T(x) - x| up to rounding.
-        step = (x + g_x - y_a).abs().amax(1)
+        # Max-abs residual of x itself, the point returned when the sample stops (equal to the
+        # step |T(x) - x| up to rounding).
+        x_residual = (x + g_x - y_a).abs().amax(1)
         evaluations += 1
-        done = step < tol_a  # False for NaN
+        done = x_residual < tol_a  # False for NaN
         current = x
         if solver == "anderson":
-            slow = _plain_is_slow(step, previous, tol_a)
+            slow = _plain_is_slow(x_residual, previous, tol_a)
             if mixer is None and bool(slow.any()):
                 mixer = AndersonMixer(x.shape[0], x.shape[1], memory, x)
-            x = image if mixer is None else mixer.step(x, image, step, engage=slow)
+            x = image if mixer is None else mixer.step(x, image, x_residual, engage=slow)
         else:
             x = image
-        previous = step
+        previous = x_residual
 
-        running = ~done & torch.isfinite(step)
+        running = ~done & torch.isfinite(x_residual)
         if k == max_iter or not bool(running.all()):
             iterations[active] = k
-            residual[active] = step
+            residual[active] = x_residual
             converged[active] = done
             out[active] = current
             if not bool(running.any()):
