@@ -54,7 +54,8 @@ def iresflow_step(data: torch.Tensor) -> tuple[Callable[[], None], int]:
     """A train step of the iresflow flow (nflows ``Flow`` around ``ResidualTransform`` s)."""
     blocks = [
         ResidualTransform(
-            LipschitzMLP((FEATURES, HIDDEN, HIDDEN, FEATURES), coeff=COEFF),
+            # power iteration, as in the normflows flow compared against
+            LipschitzMLP((FEATURES, HIDDEN, HIDDEN, FEATURES), coeff=COEFF, sigma="power"),
             logdet=RouletteLogDet(
                 "geometric",
                 p=0.5,

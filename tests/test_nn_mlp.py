@@ -8,6 +8,7 @@ from torch.func import jacrev, vmap
 
 from iresflow.nn.activations import LipSwish
 from iresflow.nn.base import LipschitzBranch
+from iresflow.nn.diagnostics import empirical_lipschitz
 from iresflow.nn.linear import InfNormLinear, SpectralLinear
 from iresflow.nn.mlp import LipschitzMLP
 
@@ -21,8 +22,9 @@ def operator_norm(jac: torch.Tensor, norm: str) -> torch.Tensor:
     return jac.abs().sum(-1).amax(-1)
 
 
-def make_mlp(device, dtype, norm="2", coeff=0.9) -> LipschitzMLP:
-    mlp = LipschitzMLP((D, 8, 8, D), coeff=coeff, norm=norm).to(device=device, dtype=dtype)
+def make_mlp(device, dtype, norm="2", coeff=0.9, sigma="exact") -> LipschitzMLP:
+    mlp = LipschitzMLP((D, 8, 8, D), coeff=coeff, norm=norm, sigma=sigma)
+    mlp = mlp.to(device=device, dtype=dtype)
     with torch.no_grad():  # push every layer past its constraint so the bound is attained
         for layer in mlp.net:
             if isinstance(layer, SpectralLinear | InfNormLinear):
@@ -142,7 +144,7 @@ def test_every_parameter_gets_a_gradient(device, dtype, training):
 @pytest.mark.parametrize("norm", ["2", "inf"])
 @pytest.mark.parametrize("training", [False, True])
 def test_under_vmap_jacrev(device, dtype, norm, training):
-    mlp = make_mlp(device, dtype, norm).train(training)
+    mlp = make_mlp(device, dtype, norm, sigma="power").train(training)
     x = torch.randn(2, 4, D, device=device, dtype=dtype)
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool, device=device)
     oracle = token_jacobians(mlp, x.reshape(-1, D))
@@ -166,7 +168,7 @@ def test_under_vmap_jacrev(device, dtype, norm, training):
 
 
 def test_train_and_eval_agree_when_converged(device, dtype):
-    mlp = make_mlp(device, dtype)  # u, v start at the exact singular pairs
+    mlp = make_mlp(device, dtype, sigma="power")  # u, v start at the exact singular pairs
     x = torch.randn(2, 4, D, device=device, dtype=dtype)
     torch.testing.assert_close(mlp.train()(x), mlp.eval()(x))
 
@@ -222,3 +224,34 @@ def test_bad_forward_inputs():
         mlp(x, torch.zeros(2, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"\(B, N, D\)"):
         mlp(torch.randn(2, D), mask)
+
+
+def test_default_branch_keeps_its_certificate_after_a_large_weight_change(device, dtype):
+    # Audit defect 9: every layer gets a weight whose top singular pair is not the tracked one
+    # (which stays a fixed point of the power iteration); output direction of one layer = input
+    # direction of the next, so the expansion compounds. The default branch must stay below
+    # its certificate coeff^3 in the training forward that follows.
+    mlp = LipschitzMLP((D, 8, 8, D)).to(device=device, dtype=dtype).train()  # default settings
+    layers = [m for m in mlp.net if isinstance(m, SpectralLinear)]
+    gen = torch.Generator().manual_seed(0)
+    direction = torch.randn(D, generator=gen, dtype=dtype).to(device)
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            u, v = layer.u, layer.v
+            b = direction - (direction @ v) * v
+            if i + 1 < len(layers):  # orthogonal to this layer's u and the next layer's v
+                basis = torch.linalg.qr(torch.stack([u, layers[i + 1].v], dim=1))[0]
+                a = torch.randn(u.shape[0], generator=gen, dtype=dtype).to(device)
+                a = a - basis @ (basis.T @ a)
+            else:
+                a = torch.randn(u.shape[0], generator=gen, dtype=dtype).to(device)
+                a = a - (a @ u) * u
+            a, b = a / a.norm(), b / b.norm()
+            layer.weight.copy_(0.5 * torch.outer(u, v) + 3.0 * torch.outer(a, b))
+            direction = a
+    x = torch.randn(16, D, device=device, dtype=dtype)
+    mlp(x)  # the training forward right after the change
+    certificate = 0.97**3
+    found = empirical_lipschitz(mlp, x, "2", steps=40, generator=gen).value
+    assert found <= certificate * (1 + 1e-9)
+    assert mlp.lipschitz_constant() <= certificate * (1 + 1e-9)

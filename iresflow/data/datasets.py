@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,7 +36,13 @@ from iresflow.data.preprocessing import (
     interpolate_gaps,
     uniform_dequantize,
 )
-from iresflow.data.readers import pad_sequences, read_npz, read_ts, read_weekly_csv
+from iresflow.data.readers import (
+    observed_frames,
+    pad_sequences,
+    read_npz,
+    read_ts,
+    read_weekly_csv,
+)
 
 __all__ = ["SequenceDataset", "SequenceSplit", "available_datasets", "load_dataset"]
 
@@ -46,8 +53,12 @@ _UNITS = ("nats/frame", "bits/dim")
 DIGITS_ALPHA = 0.05
 #: Number of pixel levels of the scikit-learn digits (values 0..16).
 DIGITS_LEVELS = 17
-#: Fraction of the digits and of user data held out for the test split.
+#: Fraction of the digits and of user data held out for the test split (user data given without
+#: a test file).
 TEST_FRACTION = 0.1
+#: A split of user data with fewer sequences than this triggers a ``UserWarning``: its NLL is a
+#: noisy estimate (and a training split this small is easily overfitted).
+MIN_SPLIT_SEQUENCES = 30
 #: Window length (weeks of differences), stride and test fraction of ``co2_windows``.
 CO2_WINDOW = 52
 CO2_STRIDE = 4
@@ -61,8 +72,10 @@ class SequenceSplit:
     """One split of a dataset, in model space.
 
     Attributes:
-        x: Preprocessed sequences, shape ``(B, N, D)``, float32, zero at padding.
-        mask: Padding mask ``(B, N)``, bool, ``True`` for real frames.
+        x: Preprocessed sequences, shape ``(B, N, D)``, float32, zero at padded and missing
+            frames.
+        mask: Boolean ``(B, N)``, ``True`` for real (observed) frames: a prefix of each row,
+            except for user data with missing frames.
         log_jacobian: Per-sequence :math:`\\log|\\det \\partial x / \\partial r|` of the
             preprocessing from the raw data :math:`r`, shape ``(B,)``, float64, so that
             :math:`\\log p_{\\mathrm{raw}}(r) = \\log p_{\\mathrm{model}}(x) +` ``log_jacobian``.
@@ -242,6 +255,9 @@ class SequenceDataset:
     def sample_lengths(self, num: int, generator: torch.Generator | None = None) -> Tensor:
         """Draw sequence lengths from the empirical length distribution of the training split.
 
+        The length of a training sequence is one past its last real frame (its time extent, which
+        counts the missing frames inside it for user data with gaps).
+
         Args:
             num: Number of lengths to draw (positive).
             generator: Optional ``torch.Generator``; the result lives on its device.
@@ -258,7 +274,9 @@ class SequenceDataset:
         if isinstance(num, bool) or not isinstance(num, int) or num < 1:
             raise ValueError(f"num must be a positive int, got {num!r}")
         device = generator.device if generator is not None else torch.device("cpu")
-        lengths = self.train.mask.sum(dim=1).to(device)
+        mask = self.train.mask
+        positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+        lengths = (mask * positions).amax(dim=1).to(device)
         index = torch.randint(len(lengths), (num,), generator=generator, device=device)
         return lengths[index]
 
@@ -314,7 +332,7 @@ def _standardised(
     return _dataset(name, "nats/frame", parts, Standardization.fit(*parts[0]))
 
 
-def _load_japanese_vowels(seed: int, path: Path | None, val_fraction: float) -> SequenceDataset:
+def _load_japanese_vowels(seed: int, val_fraction: float) -> SequenceDataset:
     train_cases = read_ts(_FILES / "JapaneseVowels_TRAIN.ts.gz").series
     test_cases = read_ts(_FILES / "JapaneseVowels_TEST.ts.gz").series
     raw, mask = pad_sequences(train_cases + test_cases)
@@ -336,7 +354,7 @@ def _digit_images() -> Tensor:
     return torch.from_numpy(load_digits().images).to(torch.float64)
 
 
-def _load_digits_rows(seed: int, path: Path | None, val_fraction: float) -> SequenceDataset:
+def _load_digits_rows(seed: int, val_fraction: float) -> SequenceDataset:
     images = _digit_images()  # (1797, 8, 8): 8 rows of 8 pixels, integers 0..16
     generator = torch.Generator().manual_seed(seed)
     raw = uniform_dequantize(images, 1.0, centred=False, generator=generator)
@@ -346,7 +364,7 @@ def _load_digits_rows(seed: int, path: Path | None, val_fraction: float) -> Sequ
     return _dataset("digits_rows", "bits/dim", parts, LogitTransform(DIGITS_LEVELS, DIGITS_ALPHA))
 
 
-def _load_co2_windows(seed: int, path: Path | None, val_fraction: float) -> SequenceDataset:
+def _load_co2_windows(seed: int, val_fraction: float) -> SequenceDataset:
     _, co2 = read_weekly_csv(_FILES / "co2_weekly_mauna_loa.csv")
     generator = torch.Generator().manual_seed(seed)
     filled = interpolate_gaps(co2)
@@ -367,45 +385,70 @@ def _load_co2_windows(seed: int, path: Path | None, val_fraction: float) -> Sequ
     return _dataset("co2_windows", "nats/frame", tuple(parts), standardization)
 
 
-def _user_dataset(
-    name: str, raw: Tensor, mask: Tensor, seed: int, val_fraction: float
-) -> SequenceDataset:
-    generator = torch.Generator().manual_seed(seed)
-    indices = _random_split(raw.shape[0], val_fraction, TEST_FRACTION, generator)
-    return _standardised(name, raw, mask, indices)
-
-
-def _require_path(kind: str, path: Path | None) -> Path:
-    if path is None:
-        raise ValueError(f"load_dataset({kind!r}) needs path= pointing to a .{kind} file")
-    return path
-
-
-def _load_npz(seed: int, path: Path | None, val_fraction: float) -> SequenceDataset:
-    file = _require_path("npz", path)
-    raw, mask = read_npz(file)
-    try:
-        return _user_dataset(file.name, raw, mask, seed, val_fraction)
-    except ValueError as error:
-        raise ValueError(f"{file}: {error}") from None
-
-
-def _load_ts(seed: int, path: Path | None, val_fraction: float) -> SequenceDataset:
-    file = _require_path("ts", path)
+def _read_user_file(kind: str, file: Path) -> tuple[Tensor, Tensor]:
+    """Padded raw sequences ``(B, N, D)`` and the mask of observed frames of a user file."""
+    if kind == "npz":
+        return read_npz(file)
     raw, mask = pad_sequences(read_ts(file).series)
     try:
-        return _user_dataset(file.name, raw, mask, seed, val_fraction)
+        return observed_frames(raw, mask)
     except ValueError as error:
         raise ValueError(f"{file}: {error}") from None
 
 
-_LOADERS: dict[str, Callable[[int, Path | None, float], SequenceDataset]] = {
+def _pad_to(raw: Tensor, mask: Tensor, length: int) -> tuple[Tensor, Tensor]:
+    """Pad sequences ``(B, N, D)`` and mask ``(B, N)`` with unobserved frames to ``length``."""
+    extra = length - raw.shape[1]
+    padded = torch.cat([raw, raw.new_zeros(raw.shape[0], extra, raw.shape[2])], dim=1)
+    return padded, torch.cat([mask, mask.new_zeros(mask.shape[0], extra)], dim=1)
+
+
+def _warn_small_splits(name: str, indices: tuple[Tensor, Tensor, Tensor]) -> None:
+    """``UserWarning`` for every split with fewer than :data:`MIN_SPLIT_SEQUENCES` sequences."""
+    for label, index in zip(("train", "val", "test"), indices, strict=True):
+        if len(index) < MIN_SPLIT_SEQUENCES:
+            warnings.warn(
+                f"{name}: the {label} split has only {len(index)} sequences (fewer than "
+                f"{MIN_SPLIT_SEQUENCES}); its NLL is a noisy estimate",
+                UserWarning,
+                stacklevel=4,  # the caller of load_dataset
+            )
+
+
+def _load_user(
+    kind: str, file: Path, test_file: Path | None, seed: int, val_fraction: float
+) -> SequenceDataset:
+    raw, mask = _read_user_file(kind, file)
+    test = None if test_file is None else _read_user_file(kind, test_file)
+    generator = torch.Generator().manual_seed(seed)
+    try:
+        if test is None:
+            indices = _random_split(raw.shape[0], val_fraction, TEST_FRACTION, generator)
+        else:
+            test_raw, test_mask = test
+            if test_raw.shape[2] != raw.shape[2]:
+                raise ValueError(
+                    f"the test file {test_file} has {test_raw.shape[2]} features per frame, "
+                    f"the training file {raw.shape[2]}"
+                )
+            length = max(raw.shape[1], test_raw.shape[1])
+            parts = (_pad_to(raw, mask, length), _pad_to(test_raw, test_mask, length))
+            n_train_file = raw.shape[0]
+            raw, mask = (torch.cat(pair) for pair in zip(*parts, strict=True))
+            train, val, _ = _random_split(n_train_file, val_fraction, 0.0, generator)
+            indices = (train, val, torch.arange(n_train_file, raw.shape[0]))
+        _warn_small_splits(file.name, indices)
+        return _standardised(file.name, raw, mask, indices)
+    except ValueError as error:
+        raise ValueError(f"{file}: {error}") from None
+
+
+_LOADERS: dict[str, Callable[[int, float], SequenceDataset]] = {
     "japanese_vowels": _load_japanese_vowels,
     "digits_rows": _load_digits_rows,
     "co2_windows": _load_co2_windows,
-    "npz": _load_npz,
-    "ts": _load_ts,
 }
+_USER_KINDS = ("npz", "ts")
 
 
 def available_datasets() -> list[str]:
@@ -418,7 +461,7 @@ def available_datasets() -> list[str]:
         >>> "japanese_vowels" in available_datasets()
         True
     """
-    return list(_LOADERS)
+    return [*_LOADERS, *_USER_KINDS]
 
 
 def load_dataset(
@@ -427,6 +470,7 @@ def load_dataset(
     seed: int = 0,
     path: str | os.PathLike | None = None,
     val_fraction: float = 0.1,
+    test_path: str | os.PathLike | None = None,
 ) -> SequenceDataset:
     """Load a dataset by name, or user sequences from an ``.npz``/``.ts`` file.
 
@@ -439,8 +483,14 @@ def load_dataset(
       ``val_fraction`` validation and 10% test; bits/dim.
     * ``co2_windows``: windows of 52 weekly CO2 differences, chronological split with
       ``val_fraction`` validation and the last 15% test; standardised; nats/frame.
-    * ``npz`` / ``ts``: user file at ``path`` (or pass the path as ``name``); random split with
-      ``val_fraction`` validation and 10% test; standardised; nats/frame.
+    * ``npz`` / ``ts``: user file at ``path`` (or pass the path as ``name``). Without
+      ``test_path``, a random split of all its sequences: ``val_fraction`` of them for
+      validation, 10% for test, the rest for training. With ``test_path`` (e.g. the UEA pair
+      ``*_TRAIN.ts`` / ``*_TEST.ts``), the whole test file is the test split and
+      ``val_fraction`` of the training file's sequences are held out for validation.
+      Standardised with the statistics of the training split's observed frames; nats/frame.
+      Missing frames (a boolean ``mask`` in ``.npz``, ``?``/``NaN`` in ``.ts``) are unobserved.
+      A ``UserWarning`` names every split with fewer than :data:`MIN_SPLIT_SEQUENCES` sequences.
 
     Args:
         name: One of :func:`available_datasets`, or a path ending in ``.npz``, ``.ts`` or
@@ -448,13 +498,14 @@ def load_dataset(
         seed: Seed of the torch generator for splits and dequantisation.
         path: The user file for ``"npz"`` and ``"ts"``.
         val_fraction: Fraction in ``(0, 1)`` held out for validation.
+        test_path: Optional test file of a user dataset, in the format of the training file.
 
     Returns:
         The dataset.
 
     Raises:
-        ValueError: unknown name, missing or superfluous ``path``, bad ``val_fraction``, or a
-            malformed user file (naming the file and the problem).
+        ValueError: unknown name, missing or superfluous ``path``/``test_path``, bad
+            ``val_fraction``, or a malformed user file (naming the file and the problem).
 
     Example:
         >>> ds = load_dataset("japanese_vowels", seed=0)
@@ -469,18 +520,27 @@ def load_dataset(
         raise TypeError(f"val_fraction must be a float, got {type(val_fraction).__name__}")
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
+    for label, value in (("path", path), ("test_path", test_path)):
+        if value is not None and not isinstance(value, str | os.PathLike):
+            raise TypeError(f"{label} must be a str or os.PathLike, got {type(value).__name__}")
     key = name
     lowered = name.lower()
     if lowered.endswith((".npz", ".ts", ".ts.gz")):
         if path is not None:
             raise ValueError(f"give the file either as name or as path, not both ({name!r})")
         key, path = ("npz" if lowered.endswith(".npz") else "ts"), name
+    if key in _USER_KINDS:
+        if path is None:
+            raise ValueError(f"load_dataset({key!r}) needs path= pointing to a .{key} file")
+        file = Path(path).expanduser()
+        test_file = Path(test_path).expanduser() if test_path is not None else None
+        return _load_user(key, file, test_file, seed, float(val_fraction))
     if key not in _LOADERS:
         raise ValueError(
             f"unknown dataset {name!r}; available: {available_datasets()} "
             "(or a path ending in .npz, .ts or .ts.gz)"
         )
-    if key not in ("npz", "ts") and path is not None:
-        raise ValueError(f"path is only used by the 'npz' and 'ts' loaders, not {name!r}")
-    file = Path(path).expanduser() if path is not None else None
-    return _LOADERS[key](seed, file, float(val_fraction))
+    for label, value in (("path", path), ("test_path", test_path)):
+        if value is not None:
+            raise ValueError(f"{label} is only used by the 'npz' and 'ts' loaders, not {name!r}")
+    return _LOADERS[key](seed, float(val_fraction))

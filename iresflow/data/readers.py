@@ -1,8 +1,10 @@
 """Readers for sequence files: sktime ``.ts``, user ``.npz`` and a weekly ``.csv`` series.
 
-Every reader raises ``ValueError`` naming the file and the problem for malformed input, and
-rejects NaN/Inf at real frames. Parsed ``.ts`` and ``.csv`` files are cached in memory (keyed by
-path, modification time and size); the public functions return fresh tensors.
+Every reader raises ``ValueError`` naming the file and the problem for malformed input. Missing
+values are explicit: ``?`` or ``NaN`` in a ``.ts`` file (read as NaN, see :func:`observed_frames`),
+a boolean ``mask`` in an ``.npz`` file, empty values in the ``.csv`` series; Inf is always an
+error. Parsed ``.ts`` and ``.csv`` files are cached in memory (keyed by path, modification time
+and size); the public functions return fresh tensors.
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["TsFile", "pad_sequences", "read_npz", "read_ts", "read_weekly_csv"]
+__all__ = ["TsFile", "observed_frames", "pad_sequences", "read_npz", "read_ts", "read_weekly_csv"]
 
 
 class TsFile(NamedTuple):
     """Contents of a ``.ts`` file.
 
     Attributes:
-        series: One float64 tensor of shape ``(n_i, D)`` per case (frames by dimensions).
+        series: One float64 tensor of shape ``(n_i, D)`` per case (frames by dimensions), NaN
+            where the file has a missing value (``?`` or ``NaN``).
         labels: One class label per case, or ``None`` if the file declares no labels.
     """
 
@@ -50,11 +53,12 @@ def _open_text(path: str) -> TextIO:
 
 def _parse_values(text: str, path: str, where: str) -> list[float]:
     try:
-        values = [float(v) for v in text.split(",")]
+        # '?' is the sktime/UEA missing value; float() reads "NaN" itself.
+        values = [float("nan") if v.strip() == "?" else float(v) for v in text.split(",")]
     except ValueError:
         raise ValueError(
             f"{path}: {where}: could not parse {text[:40]!r} as comma-separated numbers "
-            "(missing values '?' and timestamps are not supported)"
+            "(missing values are '?' or NaN; timestamps are not supported)"
         ) from None
     return values
 
@@ -101,8 +105,12 @@ def _parse_ts(
                     f"{[len(d) for d in dims]}"
                 )
             case = torch.tensor(dims, dtype=torch.float64).T.contiguous()
-            if not bool(torch.isfinite(case).all()):
-                raise ValueError(f"{path}: line {line_no}: NaN or Inf values")
+            if bool(torch.isinf(case).any()):
+                raise ValueError(f"{path}: line {line_no}: Inf values")
+            if bool(torch.isnan(case).any(dim=1).all()):
+                raise ValueError(
+                    f"{path}: line {line_no}: every frame of the case has a missing value"
+                )
             if cases and case.shape[1] != cases[0].shape[1]:
                 raise ValueError(
                     f"{path}: line {line_no}: {case.shape[1]} dimensions, earlier cases have "
@@ -127,7 +135,9 @@ def read_ts(path: str | os.PathLike) -> TsFile:
     The format: comment lines start with ``#``; header lines start with ``@`` (``@dimensions``,
     ``@classLabel``, ...) and end with ``@data``; then one line per case, its dimensions separated
     by ``:``, each a comma-separated series, followed by ``:label`` when the header declares
-    ``@classLabel true`` (or ``@targetLabel true``). A ``.gz`` suffix is decompressed.
+    ``@classLabel true`` (or ``@targetLabel true``). A ``.gz`` suffix is decompressed. Missing
+    values, ``?`` or ``NaN``, are returned as NaN (:func:`observed_frames` turns them into a
+    mask); every case needs at least one frame without a missing value.
 
     Args:
         path: Path to a ``.ts`` or ``.ts.gz`` file.
@@ -137,7 +147,8 @@ def read_ts(path: str | os.PathLike) -> TsFile:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: malformed file (naming the file and line), missing or non-finite values.
+        ValueError: malformed file (naming the file and line), Inf values, or a case with a
+            missing value in every frame.
 
     Example:
         >>> from pathlib import Path
@@ -178,24 +189,73 @@ def pad_sequences(series: list[Tensor]) -> tuple[Tensor, Tensor]:
     return x, mask
 
 
-def read_npz(path: str | os.PathLike) -> tuple[Tensor, Tensor]:
-    """Read a user ``.npz`` file of padded sequences.
+def observed_frames(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Mark frames with a missing (NaN) value as unobserved and zero them.
 
-    The archive holds ``x``, a real array of shape ``(B, N, D)``, and optionally ``lengths``, an
-    integer array of shape ``(B,)`` with ``1 <= lengths <= N`` (frame ``n`` of sequence ``b`` is
-    real iff ``n < lengths[b]``; without it every frame is real). Real frames must be finite;
-    values at padded frames are ignored and replaced by zeros. Other keys are ignored.
+    A frame is missing when *any* of its ``D`` values is NaN: the model's mask is per frame, so a
+    partly observed frame cannot be kept, and its observed values are dropped with it. Missing
+    frames are then treated like padding (conventions: ``docs/math.md#masks``).
+
+    Args:
+        x: Padded sequences, shape ``(B, N, D)``, NaN at missing values.
+        mask: Boolean ``(B, N)``, ``True`` for real (not padded) frames.
+
+    Returns:
+        ``x`` with zeros at every unobserved frame and the mask ``(B, N)`` of the frames that are
+        real and complete.
+
+    Raises:
+        ValueError: a sequence without any complete real frame.
+
+    Example:
+        >>> nan = float("nan")
+        >>> x = torch.tensor([[[1.0, 2.0], [nan, 3.0], [4.0, 5.0]]])
+        >>> x, mask = observed_frames(x, torch.ones(1, 3, dtype=torch.bool))
+        >>> mask.tolist(), x[0, 1].tolist()
+        ([[True, False, True]], [0.0, 0.0])
+    """
+    observed = mask & ~torch.isnan(x).any(dim=-1)
+    empty = _empty_rows(observed)
+    if empty:
+        raise ValueError(
+            f"sequence(s) {empty} have no frame without missing values (every sequence needs "
+            "at least one observed frame)"
+        )
+    return torch.where(observed.unsqueeze(-1), x, 0.0), observed
+
+
+def _empty_rows(mask: Tensor) -> list[int]:
+    """Indices (at most 10) of the rows of a ``(B, N)`` mask without a ``True``."""
+    return (~mask.any(dim=1)).nonzero().flatten()[:10].tolist()
+
+
+def read_npz(path: str | os.PathLike) -> tuple[Tensor, Tensor]:
+    """Read a user ``.npz`` file of padded sequences, possibly with missing frames.
+
+    The archive holds ``x``, a real array of shape ``(B, N, D)``, and optionally
+
+    * ``lengths``, an integer array of shape ``(B,)`` with ``1 <= lengths <= N``: frame ``n`` of
+      sequence ``b`` is real iff ``n < lengths[b]`` (padding at the end);
+    * ``mask``, a boolean array of shape ``(B, N)``, ``True`` for an observed frame: any pattern
+      of missing frames (gaps), alone or together with ``lengths`` (then a frame counts iff both
+      say so).
+
+    Without either every frame is observed. Every sequence needs at least one observed frame,
+    observed frames must be finite, and values at padded or missing frames are ignored (they may
+    be NaN) and replaced by zeros. Other keys are ignored.
 
     Args:
         path: Path to the ``.npz`` file.
 
     Returns:
-        ``x`` of shape ``(B, N, D)``, float64, zero at padding, and the mask ``(B, N)``, bool.
+        ``x`` of shape ``(B, N, D)``, float64, zero at padded and missing frames, and the mask
+        ``(B, N)``, bool, ``True`` for observed frames.
 
     Raises:
         FileNotFoundError: the file does not exist.
         ValueError: not an ``.npz`` archive, missing ``x``, ragged/object arrays, wrong rank or
-            dtype, empty arrays, bad ``lengths``, NaN/Inf at real frames.
+            dtype, empty arrays, bad ``lengths`` or ``mask``, a sequence without an observed
+            frame, NaN/Inf at observed frames.
 
     Example:
         >>> import tempfile, numpy as np
@@ -217,6 +277,7 @@ def read_npz(path: str | os.PathLike) -> tuple[Tensor, Tensor]:
             raise ValueError(f"{file}: missing array 'x' (found keys {sorted(archive.files)})")
         x_np = _load_member(archive, "x", file)
         lengths_np = _load_member(archive, "lengths", file) if "lengths" in archive.files else None
+        mask_np = _load_member(archive, "mask", file) if "mask" in archive.files else None
     if x_np.dtype.kind not in "fiu":
         raise ValueError(f"{file}: 'x' must hold real numbers, got dtype {x_np.dtype}")
     if x_np.ndim != 3:
@@ -228,9 +289,8 @@ def read_npz(path: str | os.PathLike) -> tuple[Tensor, Tensor]:
         raise ValueError(f"{file}: 'x' is empty (shape {x_np.shape})")
     x = torch.from_numpy(x_np.astype(np.float64))
     batch, length = x.shape[:2]
-    if lengths_np is None:
-        mask = torch.ones(batch, length, dtype=torch.bool)
-    else:
+    mask = torch.ones(batch, length, dtype=torch.bool)
+    if lengths_np is not None:
         if lengths_np.dtype.kind not in "iu" or lengths_np.shape != (batch,):
             raise ValueError(
                 f"{file}: 'lengths' must be an integer array of shape ({batch},), got dtype "
@@ -243,8 +303,24 @@ def read_npz(path: str | os.PathLike) -> tuple[Tensor, Tensor]:
                 f"[{int(lengths.min())}, {int(lengths.max())}]"
             )
         mask = torch.arange(length) < lengths.unsqueeze(1)
+    if mask_np is not None:
+        if mask_np.dtype != np.bool_ or mask_np.shape != (batch, length):
+            raise ValueError(
+                f"{file}: 'mask' must be a boolean array of shape ({batch}, {length}) (True = "
+                f"observed frame), got dtype {mask_np.dtype} and shape {mask_np.shape}"
+            )
+        mask = mask & torch.from_numpy(mask_np)
+    empty = _empty_rows(mask)
+    if empty:
+        raise ValueError(
+            f"{file}: sequence(s) {empty} have no observed frame ('mask' and 'lengths' "
+            "leave every sequence at least one)"
+        )
     if not bool(torch.isfinite(x[mask]).all()):
-        raise ValueError(f"{file}: 'x' contains NaN or Inf values at real frames")
+        raise ValueError(
+            f"{file}: 'x' contains NaN or Inf values at observed frames (mark missing frames "
+            "False in a boolean 'mask' array)"
+        )
     return torch.where(mask.unsqueeze(-1), x, 0.0), mask
 
 

@@ -6,10 +6,16 @@ unique fixed point; the plain iteration :math:`x^{k+1} = T_y(x^k)` from :math:`x
 geometrically, with :math:`\|x^k - x^*\| \le \frac{L^k}{1 - L}\|x^1 - x^0\|` (Banach). The
 accelerated solver applies Anderson mixing to the same map (:mod:`iresflow.inverse.anderson`).
 
-Stopping rule: a sample stops once the max-abs step :math:`\|T_y(x^k) - x^k\|_\infty` falls
-below a true tolerance. (The official residual-flows rule compares a *squared* difference with
-:math:`10^{-5}`, i.e. it stops at steps of about :math:`3 \cdot 10^{-3}`.) Samples are solved
-independently: a converged sample is frozen and ``g`` is evaluated only on the active ones.
+Stopping rule: a sample stops once the max-abs residual of its current iterate,
+:math:`\|x^k + g(x^k) - y\|_\infty` (which is also the step :math:`\|T_y(x^k) - x^k\|_\infty`),
+falls below a true tolerance, and the solver returns that iterate :math:`x^k`, so the reported
+residual is the residual of the returned solution. (Returning the unverified next iterate
+:math:`T_y(x^k)` instead would report the residual of another point: when ``g`` contracts in the
+2-norm of the whole sequence, as the spectral and LipschitzNorm certificates do, the max-abs
+residual of :math:`T_y(x^k)` can exceed that of :math:`x^k` by up to :math:`L\sqrt{ND}`. The
+official residual-flows rule compares a *squared* difference with :math:`10^{-5}`, i.e. it stops
+at steps of about :math:`3 \cdot 10^{-3}`.) Samples are solved independently: a converged sample
+is frozen and ``g`` is evaluated only on the active ones.
 
 The solver runs under :func:`torch.no_grad`: the inverse serves sampling and evaluation, and its
 output carries no gradient.
@@ -36,8 +42,8 @@ __all__ = [
     "fixed_point_inverse",
 ]
 
-# Unit-scale max-abs step tolerance per dtype. float64: at L = 0.97 the a-posteriori bound
-# L / (1 - L) * tol = 3.2e-10 keeps inverse(forward(x)) == x to 1e-9; the others sit about ten
+# Unit-scale max-abs residual tolerance per dtype. float64: at L = 0.97 the a-posteriori bound
+# tol / (1 - L) = 3.3e-10 keeps inverse(forward(x)) == x to 1e-9; the others sit about ten
 # units in the last place above rounding noise at unit scale.
 _UNIT_TOLERANCE = {
     torch.float64: 1e-11,
@@ -53,10 +59,11 @@ _PLAIN_BUDGET = 12
 
 
 class InversionError(RuntimeError):
-    """The fixed-point iteration did not reach its tolerance for every sample.
+    r"""The fixed-point iteration did not reach its tolerance for every sample.
 
     Attributes:
-        residual: Final max-abs step per sample, shape ``(B,)`` (NaN or Inf if it diverged).
+        residual: Max-abs residual :math:`\|x + g(x) - y\|_\infty` of the returned ``x`` per
+            sample, shape ``(B,)`` (NaN or Inf if the iteration diverged).
         iterations: Evaluations of ``g`` spent per sample, shape ``(B,)``, ``int64``.
     """
 
@@ -76,19 +83,24 @@ class InverseStats:
 
     Attributes:
         iterations: Evaluations of ``g`` per sample until it stopped, shape ``(B,)``, ``int64``.
-        residual: Final max-abs step :math:`\|T_y(x^k) - x^k\|_\infty` per sample, ``(B,)``.
-        converged: Whether the sample reached its tolerance, ``(B,)``, ``bool``.
+        residual: Max-abs residual :math:`\|x + g(x) - y\|_\infty` of the returned solution
+            ``x`` per sample, ``(B,)`` (computed from ``g`` at that very ``x``; NaN or Inf if the
+            iteration diverged).
+        converged: Whether ``residual < tolerance``, ``(B,)``, ``bool``.
         evaluations: Number of calls of ``g`` (each on the sub-batch of active samples).
+        tolerance: The per-sample tolerance the residual was compared with, ``(B,)``: ``tol``, or
+            :func:`default_tolerance` (relative to :math:`\|y_b\|_\infty` when that exceeds 1).
     """
 
     iterations: Tensor
     residual: Tensor
     converged: Tensor
     evaluations: int
+    tolerance: Tensor
 
 
 def default_tolerance(y: Tensor) -> Tensor:
-    r"""Per-sample default tolerance on the max-abs step.
+    r"""Per-sample default tolerance on the max-abs residual.
 
     :math:`\tau_b = \tau_{\rm dtype}\max(1, \|y_b\|_\infty)` with :math:`\tau_{\rm dtype}` =
     ``1e-11`` (float64), ``1e-6`` (float32), ``1e-2`` (float16), ``1e-1`` (bfloat16): an absolute
@@ -130,12 +142,13 @@ def fixed_point_inverse(
     :class:`~iresflow.inverse.anderson.AndersonMixer`). The accelerated solver starts with plain
     steps and switches a sample to Anderson mixing once its last contraction ratio predicts more
     than 12 further plain steps: mixing costs work per step and pays off only for slowly
-    contracting samples. A sample stops as soon as its max-abs
-    step :math:`\|T_y(x^k) - x^k\|_\infty` is below its tolerance and then returns
-    :math:`T_y(x^k)`, which satisfies :math:`\|T_y(x^k) - x^*\| \le \frac{L}{1-L}
-    \|T_y(x^k) - x^k\|` in the norm of the certificate :math:`L` of ``g``. Stopped samples are
-    frozen: ``g`` is called only on the rows still active, so it must act on every sample
-    independently and accept any sub-batch.
+    contracting samples. A sample stops as soon as the max-abs residual
+    :math:`r_k = \|x^k + g(x^k) - y\|_\infty` of its current iterate is below its tolerance and
+    then returns that :math:`x^k`; ``stats.residual`` is :math:`r_k` and ``stats.converged``
+    means :math:`r_k` < tolerance. The error satisfies :math:`\|x^k - x^*\| \le
+    \|x^k + g(x^k) - y\| / (1 - L)` in the norm of the certificate :math:`L` of ``g``. Stopped
+    samples are frozen: ``g`` is called only on the rows still active, so it must act on every
+    sample independently and accept any sub-batch.
 
     Runs under :func:`torch.no_grad`; the result carries no gradient. Host synchronisations
     (one per iteration) are deliberate: this is an evaluation routine, not a training forward.
@@ -147,7 +160,7 @@ def fixed_point_inverse(
         y: Right-hand sides, shape ``(B, ...)``, finite, floating point.
         args: Extra per-sample tensors (leading dimension ``B``), e.g. a padding mask,
             passed to ``g`` sliced alongside ``x``.
-        tol: Absolute tolerance on the per-sample max-abs step; ``None`` uses
+        tol: Absolute tolerance on the per-sample max-abs residual; ``None`` uses
             :func:`default_tolerance`.
         max_iter: Maximum number of evaluations of ``g`` per sample.
         solver: ``"plain"`` fixed-point iteration or ``"anderson"`` acceleration (several
@@ -155,8 +168,8 @@ def fixed_point_inverse(
             ``benchmarks/inverse.py``).
         memory: Anderson depth (number of previous iterates mixed with the current one).
         on_failure: ``"raise"`` an :class:`InversionError` or ``"warn"`` with an
-            :class:`InversionWarning` and return the last iterate when some sample did not
-            converge.
+            :class:`InversionWarning` and return the last evaluated iterate (the one whose
+            residual is reported) when some sample did not converge.
         x0: Optional starting point, same shape as ``y`` (default ``y``).
 
     Returns:
@@ -181,7 +194,7 @@ def fixed_point_inverse(
         message = (
             f"fixed-point inverse did not converge for {failed} of {y.shape[0]} samples "
             f"({diverged} with non-finite iterates; the others reached max_iter={max_iter}, "
-            f"largest final max-abs step {float(stats.residual.nan_to_num(0.0).max()):.3e}); "
+            f"largest final max-abs residual {float(stats.residual.nan_to_num(0.0).max()):.3e}); "
             "the branch may not be contractive, or tol/max_iter are too strict"
         )
         if on_failure == "raise":
@@ -223,25 +236,29 @@ def _iterate(
                 f"g must return the shape of its input {(x.shape[0], *event)}, "
                 f"got {tuple(g_x.shape)}"
             )
-        image = y_a - g_x.reshape(x.shape)
-        step = (image - x).abs().amax(1)
+        g_x = g_x.reshape(x.shape)
+        image = y_a - g_x
+        # Max-abs residual of x itself, the point returned when the sample stops (equal to the
+        # step |T(x) - x| up to rounding).
+        x_residual = (x + g_x - y_a).abs().amax(1)
         evaluations += 1
-        done = step < tol_a  # False for NaN
+        done = x_residual < tol_a  # False for NaN
+        current = x
         if solver == "anderson":
-            slow = _plain_is_slow(step, previous, tol_a)
+            slow = _plain_is_slow(x_residual, previous, tol_a)
             if mixer is None and bool(slow.any()):
                 mixer = AndersonMixer(x.shape[0], x.shape[1], memory, x)
-            x = image if mixer is None else mixer.step(x, image, step, engage=slow)
+            x = image if mixer is None else mixer.step(x, image, x_residual, engage=slow)
         else:
             x = image
-        previous = step
+        previous = x_residual
 
-        running = ~done & torch.isfinite(step)
+        running = ~done & torch.isfinite(x_residual)
         if k == max_iter or not bool(running.all()):
             iterations[active] = k
-            residual[active] = step
+            residual[active] = x_residual
             converged[active] = done
-            out[active] = image
+            out[active] = current
             if not bool(running.any()):
                 break
             active, x, y_a, tol_a = active[running], x[running], y_a[running], tol_a[running]
@@ -251,7 +268,11 @@ def _iterate(
                 mixer.keep(running)
 
     stats = InverseStats(
-        iterations=iterations, residual=residual, converged=converged, evaluations=evaluations
+        iterations=iterations,
+        residual=residual,
+        converged=converged,
+        evaluations=evaluations,
+        tolerance=tolerance,
     )
     return out.view_as(y), stats
 

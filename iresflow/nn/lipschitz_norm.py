@@ -71,16 +71,31 @@ def lipschitz_norm_scale(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() < 2:
             raise ValueError(f"{name} must be a tensor of shape (..., N, d)")
-    q_norms, k_norms, v_norms = (torch.linalg.vector_norm(t, dim=-1) for t in (q, k, v))
+    q_norms, k_norms, v_norms = (_vector_norm(t) for t in (q, k, v))
     if mask is not None:
         q_norms, k_norms, v_norms = (t.masked_fill(~mask, 0.0) for t in (q_norms, k_norms, v_norms))
-    u = torch.linalg.vector_norm(q_norms, dim=-1)
+    u = _vector_norm(q_norms)
     kv = k_norms.amax(dim=-1)
     w = v_norms.amax(dim=-1)
     denom = torch.maximum(torch.maximum(u * kv, u * w), kv * w)
     positive = denom > 0
     scale = torch.where(positive, alpha / torch.where(positive, denom, 1.0), 0.0)
     return scale[..., None, None]
+
+
+def _vector_norm(t: Tensor) -> Tensor:
+    r"""Euclidean norm over the last dimension, twice differentiable at 0 (``(..., d) -> (...)``).
+
+    ``torch.linalg.vector_norm`` has the subgradient 0 at a zero vector, but its second
+    derivative there is NaN (a 0/0 in the backward of its backward), and masking the norm
+    afterwards does not remove the NaN from the graph. Zero rows are therefore replaced by ones
+    before the norm and their result by 0 (the double-``where`` pattern): the value and first
+    derivative equal ``vector_norm``'s everywhere (0 at a zero row) and every derivative at a
+    zero row is 0, so training through a zero token (padding or data) stays finite.
+    """
+    zero = (t == 0).all(dim=-1, keepdim=True)
+    norms = torch.linalg.vector_norm(torch.where(zero, 1.0, t), dim=-1)
+    return torch.where(zero.squeeze(-1), 0.0, norms)
 
 
 def chi2_to_uniform(probs: Tensor) -> Tensor:
@@ -303,12 +318,12 @@ class LinearScoreAttention(nn.Module):
             :math:`g`, shape ``(B, m, N)``.
         """
         adjacency = self._check(x, adjacency)
-        norms = torch.linalg.vector_norm(x, dim=-1)[:, None, :]  # (B, 1, N)
+        norms = _vector_norm(x)[:, None, :]  # (B, 1, N)
         if adjacency is not None:
             norms = norms.masked_fill(~adjacency, 0.0)
         v = norms.amax(dim=-1, keepdim=True)  # (B, m or 1, 1)
         v = torch.where(v > 0, v, 1.0)  # all-zero neighbourhood: scores 0 (uniform)
-        u = torch.linalg.vector_norm(self.query)
+        u = _vector_norm(self.query.flatten())
         return self.alpha * (self.query @ x.transpose(1, 2)) / (u * v)
 
     def forward(self, x: Tensor, adjacency: Tensor | None = None) -> Tensor:

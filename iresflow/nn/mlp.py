@@ -54,7 +54,10 @@ class LipschitzMLP(LipschitzBranch):
             :class:`~iresflow.nn.linear.SpectralLinear` (unused for ``norm="inf"``).
         norm: ``"2"`` (spectral normalisation) or ``"inf"`` (max-row-sum normalisation).
         sigma: How :class:`~iresflow.nn.linear.SpectralLinear` gets the spectral norm in
-            training mode: ``"power"`` (power iteration) or ``"exact"`` (SVD).
+            training mode: ``"exact"`` (SVD, the default: the certificate :math:`c^L` holds in
+            every forward) or ``"power"`` (power iteration: cheaper for wide layers, but after a
+            large weight change the estimate lags and the branch can exceed :math:`c^L`, so a
+            standalone block may stop being invertible in training mode).
 
     Example:
         >>> mlp = LipschitzMLP((3, 16, 3), coeff=0.9)
@@ -73,7 +76,7 @@ class LipschitzMLP(LipschitzBranch):
         coeff: float = 0.97,
         n_power_iterations: int = 1,
         norm: Literal["2", "inf"] = "2",
-        sigma: Literal["power", "exact"] = "power",
+        sigma: Literal["power", "exact"] = "exact",
     ) -> None:
         super().__init__()
         if isinstance(dims, str) or not isinstance(dims, Sequence):
