@@ -156,7 +156,7 @@ class SpectralConv1d(nn.Module):
         snapshot = weight.detach().clone()
         work = snapshot.to(torch.promote_types(snapshot.dtype, torch.float32))
         left, values, right_h = torch.linalg.svd(_spectrum(work, self.period))
-        m = values[:, 0].argmax()
+        m = int(values[:, 0].argmax())  # a Python int keeps the phases in the work dtype
         taps = torch.arange(self.kernel_size, device=weight.device, dtype=work.dtype)
         phase = torch.polar(torch.ones_like(taps), -2 * math.pi * m * taps / self.period)
         complex_dtype = torch.promote_types(snapshot.dtype, torch.complex64)
@@ -226,8 +226,8 @@ class TemporalConvBranch(LipschitzBranch):
     on :math:`\mathrm{vec}(X)` for every sequence of length :math:`\le` ``max_len``
     (docs/math.md#temporal-conv). The sequence analogue of the convolutional branches of
     Residual Flows: every output frame sees :math:`3(k - 1)` neighbouring frames. With a mask,
-    padded frames are set to zero before every convolution and at the output, so they never
-    influence real outputs (also inside a sequence: a padded frame acts as a zero frame).
+    padded frames are set to zero before every convolution and at the output (at every layer,
+    also inside a sequence), so they never influence real outputs.
 
     Input validation runs outside ``torch.func`` transforms (the caller of a transform
     validates the batch); the length check ``N <= max_len`` always runs.
