@@ -183,9 +183,10 @@ def test_inverse_round_trip_with_padding(device):
     torch.testing.assert_close(logdet_inv, -logdet)
 
 
-def test_gradients_reach_every_parameter(device):
+@pytest.mark.parametrize("logdet", ["exact", "roulette"])
+def test_gradients_reach_every_parameter(device, logdet):
     branch = _branch(device, max_len=4)
-    block = ResidualTransform(branch, logdet="exact")
+    block = ResidualTransform(branch, logdet=logdet)
     x, mask = padded_batch(device)
     y, logdet = block(x, mask=mask)
     (y.square().sum() + logdet.sum()).backward()
