@@ -9,6 +9,7 @@ from iresflow.nn.attention import (
 )
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.bounds import l2_attention_bound, lipschitz_bound, phi_inv
+from iresflow.nn.conv import SpectralConv1d, TemporalConvBranch, circular_conv_norm
 from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
 from iresflow.nn.linear import InfNormLinear, SpectralLinear
 from iresflow.nn.lipschitz_norm import LinearScoreAttention
@@ -24,7 +25,10 @@ __all__ = [
     "LipSwish",
     "LipschitzBranch",
     "LipschitzMLP",
+    "SpectralConv1d",
     "SpectralLinear",
+    "TemporalConvBranch",
+    "circular_conv_norm",
     "empirical_lipschitz",
     "jacobian_norm",
     "l2_attention_bound",

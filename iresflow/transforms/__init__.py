@@ -1,7 +1,16 @@
 """Invertible transforms (nflows ``Transform`` subclasses with padding-mask support)."""
 
-from iresflow.transforms.actnorm import ActNorm
+from iresflow.transforms.actnorm import ActNorm, DataInitializedTransform
 from iresflow.transforms.base import SequenceCompositeTransform, SequenceTransform
 from iresflow.transforms.residual import ResidualTransform
+from iresflow.transforms.temporal import AutoregressiveLinear, FeatureMixing
 
-__all__ = ["ActNorm", "ResidualTransform", "SequenceCompositeTransform", "SequenceTransform"]
+__all__ = [
+    "ActNorm",
+    "AutoregressiveLinear",
+    "DataInitializedTransform",
+    "FeatureMixing",
+    "ResidualTransform",
+    "SequenceCompositeTransform",
+    "SequenceTransform",
+]

@@ -2,19 +2,76 @@ r"""Activation normalisation for sequences (MATH.md G9; Kingma & Dhariwal, 2018)
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 from torch import Tensor, nn
 
 from iresflow._validation import check_int, check_mask, check_sequence
 from iresflow.transforms.base import SequenceTransform
 
-__all__ = ["ActNorm"]
+__all__ = ["ActNorm", "DataInitializedTransform"]
 
 #: Variance floor of the data-dependent initialisation (MATH.md G9).
 MIN_INIT_VARIANCE = 0.2
 
 
-class ActNorm(SequenceTransform):
+class DataInitializedTransform(SequenceTransform):
+    r"""A sequence transform whose parameters are set from the first batch it maps to noise.
+
+    The shared initialisation mechanism of :class:`ActNorm` and
+    :class:`~iresflow.transforms.temporal.AutoregressiveLinear`: the first forward (data to
+    noise) in training mode calls :meth:`_initialize` on that batch under ``torch.no_grad``, or
+    :meth:`initialize` does so explicitly. This is the one in-forward state change of the
+    library. It is recorded in the boolean buffer ``initialized``, which is part of the
+    ``state_dict`` so that a loaded model is not re-initialised, and mirrored in a host-side
+    flag so that a forward never synchronises with the device. In evaluation mode, or in
+    ``inverse``, no initialisation happens.
+
+    Subclasses call :meth:`_initialize_if_needed` at the start of ``forward`` and implement
+    :meth:`_initialize`.
+    """
+
+    initialized: Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("initialized", torch.tensor(False))
+        # Host-side mirror of the buffer, so that forward never synchronises with the device.
+        self._initialized = False
+        self.register_load_state_dict_post_hook(_sync_initialized)
+
+    def initialize(self, inputs: Tensor, mask: Tensor | None = None) -> None:
+        """Set the parameters from ``inputs`` now (whatever the mode) and mark them initialised.
+
+        Args:
+            inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
+            mask: Optional boolean padding mask ``(B, N)`` (only with ``(B, N, D)`` inputs).
+        """
+        inputs, mask = self._check(inputs, mask)
+        self._run_initialization(inputs, mask)
+
+    def _initialize_if_needed(self, inputs: Tensor, mask: Tensor | None) -> None:
+        """Initialise from this (validated) batch if in training mode and not yet initialised."""
+        if self.training and not self._initialized:
+            self._run_initialization(inputs, mask)
+
+    def _run_initialization(self, inputs: Tensor, mask: Tensor | None) -> None:
+        with torch.no_grad():
+            self._initialize(inputs, mask)
+            self.initialized.fill_(True)
+        self._initialized = True
+
+    @abstractmethod
+    def _check(self, inputs: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """Validate ``inputs`` and ``mask`` as ``forward`` does; return them."""
+
+    @abstractmethod
+    def _initialize(self, inputs: Tensor, mask: Tensor | None) -> None:
+        """Set the parameters from the real tokens of a validated batch (runs without grad)."""
+
+
+class ActNorm(DataInitializedTransform):
     r"""Per-feature affine map shared over positions, with data-dependent initialisation.
 
     For every real token :math:`x_i \in \mathbb R^D` of a sequence (MATH.md G9),
@@ -27,13 +84,11 @@ class ActNorm(SequenceTransform):
     ``False``) are returned unchanged and do not enter the log-determinant. A ``(B, D)`` batch of
     vectors is treated as sequences of length 1.
 
-    Initialisation: the first forward (data to noise) in training mode sets, from the real tokens
-    of that batch only, :math:`b = -\mathrm{mean}` and
+    Initialisation (:class:`DataInitializedTransform`): the first forward (data to noise) in
+    training mode sets, from the real tokens of that batch only, :math:`b = -\mathrm{mean}` and
     :math:`s = -\tfrac12 \log \max(\mathrm{var}, 0.2)` per feature (biased variance), so that the
-    outputs have zero mean and unit variance unless the variance floor applies. This is the one
-    in-forward state change of the library; it runs under ``torch.no_grad`` and is recorded in the
-    boolean buffer ``initialized``, which is part of the ``state_dict`` so that a loaded model is
-    not re-initialised. In evaluation mode, or in :meth:`inverse`, no initialisation happens.
+    outputs have zero mean and unit variance unless the variance floor applies. In evaluation
+    mode, or in :meth:`inverse`, no initialisation happens.
 
     Args:
         features: Feature size ``D``.
@@ -53,10 +108,6 @@ class ActNorm(SequenceTransform):
         self.features = check_int(features, "features", 1)
         self.shift = nn.Parameter(torch.zeros(self.features))
         self.log_scale = nn.Parameter(torch.zeros(self.features))
-        self.register_buffer("initialized", torch.tensor(False))
-        # Host-side mirror of the buffer, so that forward never synchronises with the device.
-        self._initialized = False
-        self.register_load_state_dict_post_hook(_sync_initialized)
 
     def forward(
         self, inputs: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None
@@ -73,10 +124,9 @@ class ActNorm(SequenceTransform):
             and the log-determinant per sequence, shape ``(B,)``.
         """
         inputs, mask = self._check(inputs, mask)
-        if self.training and not self._initialized:
-            self._initialize(inputs, mask)
+        self._initialize_if_needed(inputs, mask)
         outputs = (inputs + self.shift) * torch.exp(self.log_scale)
-        return self._finish(inputs, outputs, mask, self.log_scale.sum())
+        return _tokenwise_result(inputs, outputs, mask, self.log_scale.sum())
 
     def inverse(
         self, inputs: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None
@@ -94,35 +144,46 @@ class ActNorm(SequenceTransform):
         """
         inputs, mask = self._check(inputs, mask)
         outputs = inputs * torch.exp(-self.log_scale) - self.shift
-        return self._finish(inputs, outputs, mask, -self.log_scale.sum())
+        return _tokenwise_result(inputs, outputs, mask, -self.log_scale.sum())
 
     def _check(self, inputs: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
         inputs = check_sequence(inputs, "inputs", features=self.features, like=self.shift)
         return inputs, check_mask(mask, inputs)
 
-    @staticmethod
-    def _finish(
-        inputs: Tensor, outputs: Tensor, mask: Tensor | None, logdet_per_token: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        batch = inputs.shape[0]
-        if mask is None:
-            tokens = inputs.shape[1] if inputs.dim() == 3 else 1
-            return outputs, logdet_per_token.expand(batch) * tokens
-        outputs = torch.where(mask.unsqueeze(-1), outputs, inputs)
-        return outputs, mask.sum(dim=1).to(outputs.dtype) * logdet_per_token
-
-    @torch.no_grad()
     def _initialize(self, inputs: Tensor, mask: Tensor | None) -> None:
         frames = inputs.reshape(-1, self.features) if mask is None else inputs[mask]
         mean = frames.mean(dim=0)
         variance = (frames - mean).square().mean(dim=0)
         self.shift.copy_(-mean)
         self.log_scale.copy_(-0.5 * torch.log(variance.clamp_min(MIN_INIT_VARIANCE)))
-        self.initialized.fill_(True)
-        self._initialized = True
 
     def extra_repr(self) -> str:
         return f"features={self.features}"
+
+
+def _tokenwise_result(
+    inputs: Tensor, outputs: Tensor, mask: Tensor | None, logdet_per_token: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Outputs and log-determinant of a map with the same Jacobian determinant at every token.
+
+    Padded tokens take their input back; the log-determinant is the number of real tokens
+    times ``logdet_per_token``.
+
+    Args:
+        inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)`` (one token each).
+        outputs: The map applied to every token, shape of ``inputs``.
+        mask: Optional boolean padding mask ``(B, N)``.
+        logdet_per_token: 0-dim log-determinant of the map on one token.
+
+    Returns:
+        ``(outputs, logabsdet)`` of shapes ``inputs.shape`` and ``(B,)``.
+    """
+    batch = inputs.shape[0]
+    if mask is None:
+        tokens = inputs.shape[1] if inputs.dim() == 3 else 1
+        return outputs, logdet_per_token.expand(batch) * tokens
+    outputs = torch.where(mask.unsqueeze(-1), outputs, inputs)
+    return outputs, mask.sum(dim=1).to(outputs.dtype) * logdet_per_token
 
 
 def _sync_initialized(module: nn.Module, incompatible_keys: object) -> None:

@@ -1,0 +1,340 @@
+r"""Temporal convolution branch with a certified 2-norm bound on the whole conv operator.
+
+A 1-D convolution with taps :math:`W_0, \dots, W_{k-1}` (``out x in`` each, odd :math:`k`,
+:math:`r = (k - 1) / 2`) and "same" zero padding maps a sequence of length :math:`N` to
+
+.. math:: y_t = \sum_{j=0}^{k-1} W_j x_{t + j - r}, \qquad x_s = 0 \text{ for } s \notin [0, N).
+
+For :math:`N \le` ``max_len`` this linear operator is a compression (a block of rows and
+columns) of the circular convolution of period :math:`P = \text{max\_len} + k - 1` applied to
+the sequence embedded with zeros: no index wraps around onto a real frame. A block-circulant
+matrix is block-diagonalised by the discrete Fourier transform, so (docs/math.md#temporal-conv)
+
+.. math:: \|\mathrm{conv}\|_2 \le \|\mathrm{circ}_P(W)\|_2
+    = \max_{m = 0, \dots, P-1} \sigma_{\max}\big(\hat W(2\pi m / P)\big), \qquad
+    \hat W(\omega) = \sum_{j} W_j e^{-i \omega j},
+
+one FFT of the taps over :math:`P` points and a batch of small SVDs (real taps: the spectrum is
+conjugate-symmetric, so :math:`m \le P / 2` suffices). This bounds the whole operator, not each
+tap separately, and is exact for the circular operator.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from iresflow._validation import check_int, check_mask, check_sequence
+from iresflow.nn.activations import LipSwish
+from iresflow.nn.base import LipschitzBranch
+from iresflow.nn.linear import _check_coefficient, _under_functorch_transform
+
+__all__ = ["SpectralConv1d", "TemporalConvBranch", "circular_conv_norm"]
+
+
+def circular_conv_norm(weight: Tensor, period: int) -> Tensor:
+    r"""Exact 2-norm of the circular convolution of period ``period`` with taps ``weight``.
+
+    :math:`\max_m \sigma_{\max}(\hat W(2\pi m / P))` with
+    :math:`\hat W(\omega) = \sum_j W_j e^{-i\omega j}` (docs/math.md#temporal-conv). It bounds
+    the zero-padded convolution of every length :math:`N \le P - k + 1`. Differentiable w.r.t.
+    ``weight`` (through the singular values).
+
+    Args:
+        weight: Taps in :func:`torch.nn.functional.conv1d` layout, shape ``(out, in, k)``.
+        period: Period :math:`P \ge k`.
+
+    Returns:
+        0-dim tensor.
+
+    Example:
+        >>> taps = torch.tensor([[[1.0, 1.0]]])  # y_t = x_t + x_{t+1}: gain 2 at frequency 0
+        >>> circular_conv_norm(taps, 4)
+        tensor(2.)
+    """
+    if not isinstance(weight, Tensor) or not weight.is_floating_point() or weight.dim() != 3:
+        raise TypeError(
+            f"weight must be a floating-point tensor of shape (out, in, k), got "
+            f"{tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}"
+        )
+    check_int(period, "period", weight.shape[-1])
+    return torch.linalg.matrix_norm(_spectrum(weight, period), ord=2).amax()
+
+
+def _spectrum(weight: Tensor, period: int) -> Tensor:
+    r""":math:`\hat W(2\pi m / P)` for :math:`0 \le m \le P/2`, shape ``(M, out, in)``."""
+    return torch.fft.rfft(weight, n=period, dim=-1).permute(2, 0, 1)
+
+
+class SpectralConv1d(nn.Module):
+    r"""1-D convolution over time whose whole operator has 2-norm at most ``coeff``.
+
+    The effective taps are :math:`\tilde W = W / \max(1, \|\mathrm{circ}_P(W)\|_2 / c)` with the
+    exact circular-embedding norm of :func:`circular_conv_norm` for :math:`P =` ``max_len`` +
+    ``kernel_size`` - 1, recomputed from the parameters in every forward (training and
+    evaluation), so :math:`\|\mathrm{conv}_{\tilde W}\|_2 \le c` holds to rounding on every
+    sequence of length :math:`\le` ``max_len``. As for
+    :class:`~iresflow.nn.linear.SpectralLinear` with ``sigma="exact"``, the frequency
+    :math:`\omega^*` and the top singular pair :math:`(u, v)` of :math:`\hat W(\omega^*)` are
+    cached for the current weight *values* (the SVDs are redone only when the weight changes),
+    and the norm is rebuilt with its gradient as :math:`\mathrm{Re}\,u^H \hat W(\omega^*) v`, the
+    exact value with the exact gradient of the maximum. Inside a ``torch.func`` transform that
+    wraps the weight, the norm is computed directly, without the cache.
+
+    Inputs are channels-first like :class:`torch.nn.Conv1d`; "same" zero padding keeps the
+    length.
+
+    Args:
+        in_channels: Input channels ``C_in``.
+        out_channels: Output channels ``C_out``.
+        kernel_size: Odd number of taps ``k``.
+        coeff: Bound :math:`c \in (0, 1]` on the operator 2-norm.
+        max_len: Longest sequence the bound must hold for.
+        bias: Whether to learn an additive bias.
+
+    Example:
+        >>> conv = SpectralConv1d(2, 3, kernel_size=3, coeff=0.9, max_len=6)
+        >>> conv(torch.randn(4, 2, 6)).shape
+        torch.Size([4, 3, 6])
+        >>> bool(conv.lipschitz_constant() <= 0.9 + 1e-6)
+        True
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        coeff: float,
+        *,
+        max_len: int,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        self.in_channels = check_int(in_channels, "in_channels", 1)
+        self.out_channels = check_int(out_channels, "out_channels", 1)
+        self.kernel_size = _check_kernel_size(kernel_size)
+        self.coeff = _check_coefficient(coeff)
+        self.max_len = check_int(max_len, "max_len", 1)
+        self.period = self.max_len + self.kernel_size - 1
+        self.weight = nn.Parameter(torch.empty(out_channels, in_channels, kernel_size))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_channels))
+        else:
+            self.register_parameter("bias", None)
+        self._cache: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise ``weight`` and ``bias`` exactly as :class:`torch.nn.Conv1d` does."""
+        nn.Conv1d.reset_parameters(self)  # type: ignore[arg-type]  # uses only weight and bias
+
+    def operator_norm(self) -> Tensor:
+        r"""Exact :math:`\|\mathrm{circ}_P(W)\|_2` of the raw taps (0-dim, differentiable)."""
+        weight = self.weight
+        if torch._C._functorch.is_functorch_wrapped_tensor(weight):
+            return circular_conv_norm(weight, self.period)
+        cache = self._cache
+        if (
+            cache is None
+            or cache[0].dtype != weight.dtype
+            or cache[0].device != weight.device
+            or not torch.equal(cache[0], weight.detach())
+        ):
+            cache = self._top_singular_pair(weight)
+            self._cache = cache
+        _, phase, u, v = cache
+        response = (weight.to(phase.dtype) * phase).sum(dim=-1)  # W_hat(omega*), (out, in)
+        return torch.real(torch.vdot(u, response @ v))
+
+    @torch.no_grad()
+    def _top_singular_pair(self, weight: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Snapshot of ``weight``, the phases ``exp(-i omega* j)`` and the top singular pair."""
+        snapshot = weight.detach().clone()
+        work = snapshot.to(torch.promote_types(snapshot.dtype, torch.float32))
+        left, values, right_h = torch.linalg.svd(_spectrum(work, self.period))
+        m = int(values[:, 0].argmax())  # a Python int keeps the phases in the work dtype
+        taps = torch.arange(self.kernel_size, device=weight.device, dtype=work.dtype)
+        phase = torch.polar(torch.ones_like(taps), -2 * math.pi * m * taps / self.period)
+        complex_dtype = torch.promote_types(snapshot.dtype, torch.complex64)
+        return (
+            snapshot,
+            phase.to(complex_dtype),
+            left[m, :, 0].to(complex_dtype),
+            right_h[m, 0].conj().to(complex_dtype),
+        )
+
+    def _scale(self) -> Tensor:
+        return torch.clamp(self.operator_norm() / self.coeff, min=1.0)
+
+    def weight_normalized(self) -> Tensor:
+        r"""The effective taps :math:`\tilde W`, shape ``(out, in, k)``, differentiable."""
+        return self.weight / self._scale()
+
+    def lipschitz_constant(self) -> Tensor:
+        r"""Certified 2-norm of the layer on lengths up to ``max_len``, :math:`\min(\|W\|, c)`.
+
+        Returns:
+            0-dim tensor, differentiable w.r.t. ``weight``.
+        """
+        return self.operator_norm() / self._scale()
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Convolve over the last (time) dimension with "same" zero padding.
+
+        Args:
+            x: Input ``(B, C_in, N)`` with ``N <= max_len``.
+
+        Returns:
+            Output ``(B, C_out, N)``.
+
+        Raises:
+            ValueError: wrong shape or ``N > max_len``.
+        """
+        if x.dim() != 3 or x.shape[1] != self.in_channels:
+            raise ValueError(f"x must have shape (B, {self.in_channels}, N), got {tuple(x.shape)}")
+        if x.shape[-1] > self.max_len:
+            raise ValueError(
+                f"x has length {x.shape[-1]} > max_len={self.max_len}, for which the "
+                f"certified bound does not hold"
+            )
+        return F.conv1d(x, self.weight_normalized(), self.bias, padding=self.kernel_size // 2)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_channels={self.in_channels}, out_channels={self.out_channels}, "
+            f"kernel_size={self.kernel_size}, coeff={self.coeff}, max_len={self.max_len}, "
+            f"bias={self.bias is not None}"
+        )
+
+
+class TemporalConvBranch(LipschitzBranch):
+    r"""Residual branch of 1-D convolutions over time, contractive in the 2-norm.
+
+    .. math:: g = \mathrm{conv}_3 \circ \mathrm{LipSwish} \circ \mathrm{conv}_2 \circ
+        \mathrm{LipSwish} \circ \mathrm{conv}_1
+
+    with channels ``D -> hidden -> hidden -> D``, each a :class:`SpectralConv1d` whose whole
+    operator has 2-norm at most :math:`c^{1/3}`, so (LipSwish is 1-Lipschitz, masking a
+    projection)
+
+    .. math:: \mathrm{lip}_2(g) \le \prod_{l=1}^{3} \|\mathrm{conv}_l\|_2 \le c < 1
+
+    on :math:`\mathrm{vec}(X)` for every sequence of length :math:`\le` ``max_len``
+    (docs/math.md#temporal-conv). The sequence analogue of the convolutional branches of
+    Residual Flows: every output frame sees :math:`3(k - 1)` neighbouring frames. With a mask,
+    padded frames are set to zero before every convolution and at the output (at every layer,
+    also inside a sequence), so they never influence real outputs.
+
+    Input validation runs outside ``torch.func`` transforms (the caller of a transform
+    validates the batch); the length check ``N <= max_len`` always runs.
+
+    Args:
+        features: Token dimension ``D``.
+        hidden: Hidden channels.
+        kernel_size: Odd kernel size ``k`` of every convolution.
+        coeff: Certified Lipschitz constant :math:`c \in (0, 1)` of the branch.
+        max_len: Longest sequence the certificate must hold for; longer inputs are rejected.
+
+    Example:
+        >>> branch = TemporalConvBranch(2, 8, kernel_size=3, coeff=0.9, max_len=10)
+        >>> branch(torch.randn(4, 10, 2)).shape
+        torch.Size([4, 10, 2])
+        >>> bool(branch.lipschitz_constant() <= 0.9 + 1e-6)
+        True
+    """
+
+    position_wise = False
+    norm = "2"
+
+    def __init__(
+        self,
+        features: int,
+        hidden: int,
+        kernel_size: int = 3,
+        coeff: float = 0.9,
+        *,
+        max_len: int,
+    ) -> None:
+        super().__init__()
+        self.features = check_int(features, "features", 1)
+        check_int(hidden, "hidden", 1)
+        self.coeff = _check_coefficient(coeff, strict=True)
+        self.max_len = check_int(max_len, "max_len", 1)
+        per_layer = self.coeff ** (1 / 3)
+        dims = (features, hidden, hidden, features)
+        layers: list[nn.Module] = []
+        for i, (c_in, c_out) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+            if i > 0:
+                layers.append(LipSwish())
+            layers.append(SpectralConv1d(c_in, c_out, kernel_size, per_layer, max_len=max_len))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Evaluate the branch.
+
+        Args:
+            x: Sequences ``(B, N, D)`` with ``N <= max_len``.
+            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real frames.
+
+        Returns:
+            ``g(x)``, shape ``(B, N, D)``, exactly zero at padded frames.
+
+        Raises:
+            TypeError: ``x`` is not a floating-point tensor of the parameters' dtype and device,
+                or ``mask`` is not boolean.
+            ValueError: wrong shape, ``N > max_len``, NaN/Inf, or an all-padding sequence.
+        """
+        if not _under_functorch_transform():
+            check_sequence(x, "x", features=self.features, allow_2d=False, like=self.net[0].weight)
+            mask = check_mask(mask, x)
+        if x.shape[1] > self.max_len:
+            raise ValueError(
+                f"x has length {x.shape[1]} > max_len={self.max_len}, for which the certified "
+                f"bound does not hold"
+            )
+        keep = None if mask is None else mask.unsqueeze(1)  # (B, 1, N)
+        h = x.transpose(1, 2)
+        for layer in self.net:
+            if keep is not None and isinstance(layer, SpectralConv1d):
+                h = torch.where(keep, h, 0.0)
+            h = layer(h)
+        if keep is not None:
+            h = torch.where(keep, h, 0.0)
+        return h.transpose(1, 2)
+
+    def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
+        """Certified 2-norm Lipschitz bound: the product of the three layer bounds (``<= coeff``).
+
+        Args:
+            seq_len: Optional sequence length; must not exceed ``max_len`` (the bound is the same
+                for every length up to it).
+
+        Returns:
+            0-dim tensor, differentiable w.r.t. the weights.
+
+        Raises:
+            ValueError: ``seq_len > max_len``.
+        """
+        if seq_len is not None and check_int(seq_len, "seq_len", 1) > self.max_len:
+            raise ValueError(
+                f"seq_len={seq_len} exceeds max_len={self.max_len}; the bound does not hold"
+            )
+        constants = [
+            layer.lipschitz_constant() for layer in self.net if isinstance(layer, SpectralConv1d)
+        ]
+        return torch.stack(constants).prod()
+
+    def extra_repr(self) -> str:
+        return f"coeff={self.coeff}, max_len={self.max_len}"
+
+
+def _check_kernel_size(kernel_size: object) -> int:
+    """Validate an odd positive kernel size (odd for symmetric "same" padding)."""
+    k = check_int(kernel_size, "kernel_size", 1)
+    if k % 2 == 0:
+        raise ValueError(f"kernel_size must be odd, got {k}")
+    return k
