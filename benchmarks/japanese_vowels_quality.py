@@ -47,7 +47,8 @@ from iresflow.data.datasets import SequenceDataset
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.config import TrainConfig
 from iresflow.train.evaluate import evaluate_run, load_run
-from iresflow.train.loop import load_data, train
+from iresflow.train.factories import load_data
+from iresflow.train.loop import train
 
 #: Recommended settings for JapaneseVowels (CPU, a few minutes of training).
 RECOMMENDED = {
