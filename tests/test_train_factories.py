@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from iresflow.data.datasets import load_dataset
+from iresflow.models.config import default_heads
+from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.config import ConfigError, TrainConfig
-from iresflow.train.factories import build_model, load_data
+from iresflow.train.factories import (
+    build_model,
+    load_data,
+    model_from_config,
+    resolve_model_config,
+)
 from tests.tiny_runs import TINY
 
 
@@ -31,3 +38,19 @@ def test_load_data_limits_and_model_settings() -> None:
         build_model(config.replace(max_len=10), dataset)
     with pytest.raises(ConfigError, match="unknown dataset"):
         load_data(config.replace(data="no_such_data"))
+
+
+def test_resolve_model_config_completes_settings_from_the_data() -> None:
+    config = TrainConfig(**TINY)
+    dataset = load_data(config)
+    resolved = resolve_model_config(config, dataset)
+    assert resolved == config.model.replace(
+        features=dataset.features, max_len=dataset.max_len, heads=default_heads(dataset.features)
+    )
+    assert resolve_model_config(config.replace(max_len=40, heads=2), dataset).max_len == 40
+    model = model_from_config(resolved)
+    reference = ResidualFlowTransformer(**resolved.to_dict())
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    assert build_model(config, dataset).state_dict().keys() == reference.state_dict().keys()
+    with pytest.raises(ConfigError, match="features must be set"):
+        model_from_config(config.model)
