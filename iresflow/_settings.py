@@ -12,6 +12,7 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import field
 from typing import Any
 
@@ -54,13 +55,18 @@ def validate_fields(record: Any) -> None:
             raise ConfigError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
 
 
-def check_keys(cls: type, values: dict[str, Any]) -> None:
-    """Reject keys that are not fields of the dataclass ``cls``.
+def check_keys(cls: type, values: dict[str, Any], extra: Iterable[str] = ()) -> None:
+    """Reject keys that are neither fields of the dataclass ``cls`` nor in ``extra``.
+
+    Args:
+        cls: The settings record.
+        values: Settings by name.
+        extra: Further accepted names (settings a record takes on behalf of an embedded one).
 
     Raises:
         ConfigError: naming the first unknown key and the known ones.
     """
-    known = {f.name for f in dataclasses.fields(cls)}
+    known = {f.name for f in dataclasses.fields(cls)} | set(extra)
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown option {unknown[0]!r} (known: {', '.join(sorted(known))})")

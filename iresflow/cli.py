@@ -24,11 +24,13 @@ import torch
 from iresflow.inverse.fixed_point import InversionError
 from iresflow.train.checkpoint import CheckpointError
 from iresflow.train.config import ConfigError, TrainConfig
+from iresflow.train.epoch import TrainingDivergedError
 from iresflow.train.evaluate import evaluate_run, load_run, sample_run, write_plots
-from iresflow.train.loop import RunPaths, TrainingDivergedError, train
+from iresflow.train.loop import train
+from iresflow.train.paths import RunPaths
 from iresflow.train.plots import plot_traces
 
-__all__ = ["CLIError", "main"]
+__all__ = ["CLIError", "build_parser", "main", "parse_train_config"]
 
 _USER_FILE_SUFFIXES = (".npz", ".ts", ".ts.gz")
 
@@ -108,9 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quiet", action="store_true", help="no progress bar or per-epoch lines"
     )
     settings = train_parser.add_argument_group("settings (override --config)")
-    hints = typing.get_type_hints(TrainConfig)
-    for field in dataclasses.fields(TrainConfig):
-        _add_setting(settings, field, hints[field.name])
+    for field, hint in TrainConfig.settings():
+        _add_setting(settings, field, hint)
 
     evaluate_parser = commands.add_parser(
         "evaluate", help="NLL of a trained run on a split",
@@ -164,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_setting(group: Any, field: dataclasses.Field, hint: Any) -> None:
-    """A ``--flag`` for one :class:`TrainConfig` field; absent flags leave the field alone."""
+    """A ``--flag`` for one :class:`TrainConfig` setting; absent flags leave it alone."""
     flag = "--" + field.name.replace("_", "-")
     options: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS}
     if hint is bool:
@@ -211,10 +212,31 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: the run's)")
 
 
-def _train(args: argparse.Namespace) -> int:
+def parse_train_config(argv: Sequence[str]) -> TrainConfig:
+    """The settings an ``iresflow train`` command line describes, without training.
+
+    Args:
+        argv: The arguments after ``iresflow train``.
+
+    Returns:
+        The :class:`TrainConfig` of ``--config`` (or of the run folder, with ``--resume``) with
+        the flags applied.
+
+    Raises:
+        CLIError: a malformed command line.
+        ConfigError: an unreadable file or an invalid setting.
+
+    Example:
+        >>> parse_train_config(["--n-blocks", "2", "--lr", "0.01"]).model.n_blocks
+        2
+    """
+    return _train_config(build_parser().parse_args(["train", *argv]))
+
+
+def _train_config(args: argparse.Namespace) -> TrainConfig:
     overrides = {
         field.name: getattr(args, field.name)
-        for field in dataclasses.fields(TrainConfig)
+        for field, _ in TrainConfig.settings()
         if hasattr(args, field.name)
     }
     if args.resume:
@@ -228,7 +250,11 @@ def _train(args: argparse.Namespace) -> int:
         data = overrides.get("data", base.data)
         if data.lower().endswith(_USER_FILE_SUFFIXES):  # a run must find its file from anywhere
             overrides["data"] = str(Path(data).expanduser().resolve())
-    config = base.replace(**overrides)
+    return base.replace(**overrides)
+
+
+def _train(args: argparse.Namespace) -> int:
+    config = _train_config(args)
     out = args.out
     if out is None:
         name = Path(config.data).name.split(".")[0]

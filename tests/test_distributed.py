@@ -11,7 +11,8 @@ import torch
 from iresflow.train.checkpoint import load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.distributed import World, shard
-from iresflow.train.loop import RunPaths, train
+from iresflow.train.loop import train
+from iresflow.train.paths import RunPaths
 
 # 13 sequences in batches of 6: the last global batch has one sequence, so rank 1 sits it out.
 TINY = TrainConfig(

@@ -1,1 +1,16 @@
-"""iresflow.train."""
+"""Training, checkpoints, evaluation and figures of runs, one job per module.
+
+- :mod:`~iresflow.train.config`: :class:`~iresflow.train.config.TrainConfig`, the settings of a
+  run (its model settings are a :class:`~iresflow.models.config.ModelConfig`).
+- :mod:`~iresflow.train.paths`: the run folder and its preparation.
+- :mod:`~iresflow.train.factories`: the device, the data and the model of a configuration.
+- :mod:`~iresflow.train.epoch`: the optimisation state, a training epoch, validation.
+- :mod:`~iresflow.train.averaging`: the moving average of the weights.
+- :mod:`~iresflow.train.likelihood`: log-densities of whole splits, the inverse check.
+- :mod:`~iresflow.train.loop`: :func:`~iresflow.train.loop.train`, the orchestration of a run.
+- :mod:`~iresflow.train.metrics`: metrics tables, TensorBoard events, progress lines.
+- :mod:`~iresflow.train.checkpoint`: atomic, code-free checkpoint files.
+- :mod:`~iresflow.train.distributed`: data-parallel processes.
+- :mod:`~iresflow.train.evaluate`: reloading a run, its test NLL, samples and figures.
+- :mod:`~iresflow.train.plots`: the figures.
+"""

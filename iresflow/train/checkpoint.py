@@ -6,9 +6,12 @@ moves it into place with :func:`os.replace`, so an interrupted or failed write n
 previous checkpoint. :func:`load_checkpoint` reads it with ``torch.load(..., weights_only=True)``,
 which refuses any pickled object other than plain data: opening a checkpoint never runs code.
 
-A training checkpoint (written by :mod:`iresflow.train.loop`) holds the keys ``format``,
-``config`` (the :class:`~iresflow.train.config.TrainConfig` as a dict), ``model_config`` (the
-model's constructor arguments), ``model``, ``ema`` (or ``None``), ``optimizer``, ``scheduler``,
+A training checkpoint (:meth:`iresflow.train.epoch.TrainingSession.state`, written by
+:mod:`iresflow.train.loop`) holds the keys ``format`` (2), ``config`` (the
+:class:`~iresflow.train.config.TrainConfig` as a flat dict), ``model_config`` (the run's
+:class:`~iresflow.models.config.ModelConfig` completed from the data, as a dict), ``model``,
+``ema`` (the ``state_dict`` of the :class:`torch.optim.swa_utils.AveragedModel` of the weights,
+or ``None``; format 1 stored the averages by parameter name), ``optimizer``, ``scheduler``,
 ``rng`` (every random state as a tensor: torch's global CPU generator, the CUDA generator of the
 training device, the minibatch-order and the log-determinant generators; iresflow draws no
 numbers from Python's ``random`` or NumPy), ``epoch``, ``best_epoch``, ``best_metric``,

@@ -1,7 +1,13 @@
-"""Training configuration: one flat, typed record, read from and written to TOML.
+"""Training configuration: one typed record, read from and written to flat TOML.
 
-A run is fully described by a :class:`TrainConfig`. The ``iresflow train`` command builds it from
-an optional TOML file (flat ``key = value`` pairs, the keys are the field names below) and then
+A run is fully described by a :class:`TrainConfig`. Its model settings are a
+:class:`~iresflow.models.config.ModelConfig` (the single definition of every model default); the
+data, optimisation and evaluation settings are its own fields. Both kinds are spelled alike
+everywhere: flat ``key = value`` pairs in TOML (``n_blocks = 8``, ``lr = 0.006``), flat keywords in
+Python (``TrainConfig(n_blocks=2, lr=1e-3)``, ``config.hidden``) and flags on the command line
+(``--n-blocks 2``). ``features`` is not a setting of a run: it comes from the data.
+
+The ``iresflow train`` command builds the configuration from an optional TOML file and then
 applies its command-line flags, which take precedence. The configuration is written back into the
 run folder as ``config.toml`` and stored inside every checkpoint.
 
@@ -17,46 +23,57 @@ import json
 import math
 import re
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEVICE_PATTERN", "RESUMABLE_FIELDS", "ConfigError", "TrainConfig", "read_toml"]
+from iresflow._settings import ConfigError, check_keys, check_range, setting, validate_fields
+from iresflow.models.config import ModelConfig
+
+__all__ = [
+    "DEVICE_PATTERN",
+    "MODEL_SETTINGS",
+    "RESUMABLE_FIELDS",
+    "ConfigError",
+    "TrainConfig",
+    "read_toml",
+]
 
 # Settings that may change when a run is resumed; every other one must match the checkpoint.
 RESUMABLE_FIELDS = frozenset(
     {"epochs", "patience", "device", "tensorboard", "max_eval", "on_nan"}
 )
 
+#: The model settings of a run: every :class:`~iresflow.models.config.ModelConfig` field but
+#: ``features``, which comes from the data.
+MODEL_SETTINGS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "features")
+
 #: Accepted spellings of the ``device`` setting.
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
-class ConfigError(ValueError):
-    """An invalid, unknown or unreadable training setting."""
-
-
-def _opt(
-    default: Any, help: str, choices: tuple[str, ...] | None = None, unset: str | None = None
-) -> Any:
-    """A field with its help text, its admissible values and the meaning of ``None``."""
-    return field(default=default, metadata={"help": help, "choices": choices, "unset": unset})
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TrainConfig:
     """Every setting of a training run: data, model, optimisation, evaluation.
 
     Instances are immutable and validated on construction; :meth:`replace` returns a validated
-    copy with some fields changed (this is how command-line flags override a file).
+    copy with some settings changed (this is how command-line flags override a file). The model
+    settings (:data:`MODEL_SETTINGS`) are given, read and written as flat keys like the others;
+    they live in :attr:`model`.
+
+    Args:
+        model: Model settings to start from (default: ``ModelConfig()``); its ``features`` must
+            be ``None``.
+        **settings: Any field below and any of :data:`MODEL_SETTINGS` (applied over ``model``).
 
     Raises:
-        ConfigError: a value has the wrong type or lies outside its range.
+        ConfigError: an unknown setting, or a value of the wrong type or outside its range.
 
     Example:
         >>> config = TrainConfig(epochs=2, hidden=8)
+        >>> config.hidden, config.model == ModelConfig(hidden=8)
+        (8, True)
         >>> TrainConfig.from_toml_string(config.to_toml()) == config
         True
         >>> config.replace(lr=1e-2).lr
@@ -64,86 +81,81 @@ class TrainConfig:
     """
 
     # data
-    data: str = _opt("japanese_vowels", "dataset name or path to a .npz/.ts file")
-    val_fraction: float = _opt(0.1, "fraction of the training sequences held out for validation")
-    max_train: int | None = _opt(
+    data: str = setting("japanese_vowels", "dataset name or path to a .npz/.ts file")
+    val_fraction: float = setting(
+        0.1, "fraction of the training sequences held out for validation"
+    )
+    max_train: int | None = setting(
         None, "use at most this many training sequences (smoke tests)", unset="all"
     )
-    max_eval: int | None = _opt(
+    max_eval: int | None = setting(
         None, "use at most this many validation and test sequences", unset="all"
     )
-    # model
-    n_blocks: int = _opt(8, "number of residual Transformer blocks")
-    hidden: int = _opt(64, "hidden width of the feed-forward branches")
-    heads: int | None = _opt(
-        None, "attention heads, dividing the number of features",
-        unset="the largest of 4, 3, 2, 1 that divides it",
-    )
-    coeff: float = _opt(0.9, "Lipschitz coefficient of every residual branch, in (0, 1)")
-    attention: str = _opt("l2", "attention branch", ("l2", "lipschitznorm", "none"))
-    positional: str = _opt("sinusoidal", "positional encoding", ("sinusoidal", "learned"))
-    max_len: int | None = _opt(
-        None, "longest sequence the model accepts", unset="the data's longest sequence"
-    )
-    n_power_iterations: int = _opt(
-        1, "power iterations per step for spectral normalisation (with --spectral-norm power)"
-    )
-    spectral_norm: str = _opt(
-        "exact", "spectral norm of the MLP layers in training", ("exact", "power")
-    )
-    logdet: str = _opt("roulette", "log-determinant used for training", ("exact", "roulette"))
+    # model: the defaults, help texts and checks are ModelConfig's
+    model: ModelConfig = field(default_factory=ModelConfig)
     # optimisation
-    optimizer: str = _opt("adam", "optimiser", ("adam", "adamw"))
-    lr: float = _opt(6e-3, "learning rate")
-    weight_decay: float = _opt(0.0, "weight decay")
-    batch_size: int = _opt(8, "sequences per minibatch")
-    epochs: int = _opt(60, "maximum number of epochs")
-    scheduler: str = _opt(
+    optimizer: str = setting("adam", "optimiser", ("adam", "adamw"))
+    lr: float = setting(6e-3, "learning rate")
+    weight_decay: float = setting(0.0, "weight decay")
+    batch_size: int = setting(8, "sequences per minibatch")
+    epochs: int = setting(60, "maximum number of epochs")
+    scheduler: str = setting(
         "cosine", "learning-rate schedule (plateau: halve on a stalled val NLL)",
         ("plateau", "cosine", "none"),
     )
-    patience: int = _opt(10, "stop after this many epochs without a better val NLL (0: never)")
-    ema: float = _opt(0.0, "decay of an exponential moving average of the weights (0: off)")
-    clip: float = _opt(10.0, "clip the gradient norm to this value (0: off)")
-    on_nan: str = _opt(
+    patience: int = setting(
+        10, "stop after this many epochs without a better val NLL (0: never)"
+    )
+    ema: float = setting(0.0, "decay of an exponential moving average of the weights (0: off)")
+    clip: float = setting(10.0, "clip the gradient norm to this value (0: off)")
+    on_nan: str = setting(
         "stop",
         "on a non-finite loss, gradient or validation NLL, or an inverse that stops converging: "
         "stop with a message, or skip (the step, or the epoch as a best candidate) with a warning",
         ("stop", "skip"),
     )
-    nproc: int = _opt(
+    nproc: int = setting(
         1, "processes for data-parallel training (DDP: gloo on the CPU, nccl with one GPU each)"
     )
-    seed: int = _opt(0, "seed of the data split, the initialisation and every random stream")
-    device: str = _opt("auto", "cpu, cuda, cuda:N or auto")
+    seed: int = setting(0, "seed of the data split, the initialisation and every random stream")
+    device: str = setting("auto", "cpu, cuda, cuda:N or auto")
     # evaluation
-    eval_method: str = _opt(
+    eval_method: str = setting(
         "roulette", "log-determinant for validation and test", ("exact", "roulette")
     )
-    eval_n_samples: int = _opt(
+    eval_n_samples: int = setting(
         4, "roulette estimates per sequence when eval_method is roulette (>= 2: standard error)"
     )
-    tensorboard: bool = _opt(False, "also write TensorBoard event files")
+    tensorboard: bool = setting(False, "also write TensorBoard event files")
 
-    def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
+    def __init__(self, model: ModelConfig | None = None, **settings: Any) -> None:
+        check_keys(type(self), settings, extra=MODEL_SETTINGS)
+        model_settings = {k: settings.pop(k) for k in MODEL_SETTINGS if k in settings}
+        if model is None:
+            model = ModelConfig()
+        elif not isinstance(model, ModelConfig):
+            raise ConfigError(f"model must be a ModelConfig, got {type(model).__name__}")
+        object.__setattr__(self, "model", model.replace(**model_settings))
         for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
-            choices = f.metadata["choices"]
-            if choices is not None and getattr(self, f.name) not in choices:
-                raise ConfigError(
-                    f"{f.name} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}"
-                )
-        _check_range("val_fraction", self.val_fraction, 0.0, 1.0)
-        _check_range("coeff", self.coeff, 0.0, 1.0)
-        _check_range("lr", self.lr, 0.0, math.inf)
+            if f.name != "model":
+                object.__setattr__(self, f.name, settings.get(f.name, f.default))
+        self._validate()
+
+    def _validate(self) -> None:
+        validate_fields(self)
+        if self.model.features is not None:
+            raise ConfigError(
+                f"model.features must be left unset (it comes from the data), got "
+                f"{self.model.features}"
+            )
+        check_range("val_fraction", self.val_fraction, 0.0, 1.0)
+        check_range("lr", self.lr, 0.0, math.inf)
         if not 0.0 <= self.ema < 1.0:
             raise ConfigError(f"ema must lie in [0, 1) (0: off), got {self.ema}")
         for name in ("weight_decay", "clip"):
             if not 0.0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
-        for name in ("n_blocks", "hidden", "batch_size", "epochs", "n_power_iterations",
-                     "eval_n_samples", "heads", "max_len", "max_train", "max_eval", "nproc"):
+        for name in ("batch_size", "epochs", "eval_n_samples", "max_train", "max_eval", "nproc"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
@@ -154,27 +166,61 @@ class TrainConfig:
         if not self.data:
             raise ConfigError("data must name a dataset or a file")
 
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are not attributes: the model settings read like the others.
+        if name in MODEL_SETTINGS:
+            return getattr(self.model, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @classmethod
+    def settings(cls) -> list[tuple[dataclasses.Field, Any]]:
+        """Every flat setting with its type hint, in the order of :meth:`to_dict`.
+
+        The model settings are the fields of :class:`~iresflow.models.config.ModelConfig`
+        themselves (default, help text, choices), so the command line derives its flags from
+        one definition.
+
+        Example:
+            >>> [f.name for f, _ in TrainConfig.settings()][3:6]
+            ['max_eval', 'max_len', 'n_blocks']
+        """
+        model_hints = typing.get_type_hints(ModelConfig)
+        model_fields = [
+            (f, model_hints[f.name]) for f in dataclasses.fields(ModelConfig)
+            if f.name in MODEL_SETTINGS
+        ]
+        hints = typing.get_type_hints(cls)
+        result: list[tuple[dataclasses.Field, Any]] = []
+        for f in dataclasses.fields(cls):
+            result.extend(model_fields if f.name == "model" else [(f, hints[f.name])])
+        return result
+
     def replace(self, **changes: Any) -> TrainConfig:
-        """Return a validated copy with ``changes`` applied.
+        """Return a validated copy with ``changes`` (flat settings, or ``model``) applied.
 
         Raises:
             ConfigError: an unknown key or an invalid value.
         """
-        _check_keys(changes)
-        return dataclasses.replace(self, **changes)
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return type(self)(**{**values, **changes})
 
     def to_dict(self) -> dict[str, Any]:
-        """All settings as a plain dict (``None`` for automatic values)."""
-        return dataclasses.asdict(self)
+        """All settings as a flat, plain dict (``None`` for automatic values)."""
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "model":
+                values.update({k: getattr(self.model, k) for k in MODEL_SETTINGS})
+            else:
+                values[f.name] = getattr(self, f.name)
+        return values
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        """Build a configuration from a (possibly partial) dict of settings.
+        """Build a configuration from a (possibly partial) flat dict of settings.
 
         Raises:
             ConfigError: an unknown key or an invalid value.
         """
-        _check_keys(values)
         return cls(**values)
 
     def to_toml(self) -> str:
@@ -230,10 +276,9 @@ class TrainConfig:
 
     def incompatible_fields(self, other: TrainConfig) -> list[str]:
         """Names of the settings, outside :data:`RESUMABLE_FIELDS`, in which two configs differ."""
+        mine, theirs = self.to_dict(), other.to_dict()
         return [
-            f.name
-            for f in dataclasses.fields(self)
-            if f.name not in RESUMABLE_FIELDS and getattr(self, f.name) != getattr(other, f.name)
+            name for name in mine if name not in RESUMABLE_FIELDS and mine[name] != theirs[name]
         ]
 
 
@@ -260,30 +305,3 @@ def read_toml(text: str, source: str = "<string>") -> dict[str, Any]:
         return toml.loads(text)
     except toml.TOMLDecodeError as error:
         raise ConfigError(f"{source}: invalid TOML: {error}") from None
-
-
-def _check_keys(values: dict[str, Any]) -> None:
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"unknown option {unknown[0]!r} (known: {', '.join(sorted(known))})")
-
-
-def _coerce(name: str, value: Any, hint: Any) -> Any:
-    """Check ``value`` against a field's type; integers are accepted for float fields."""
-    if isinstance(hint, types.UnionType):
-        if value is None:
-            return None
-        (hint,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if hint is float and isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{name} must be finite, got {value}")
-    if not isinstance(value, hint) or (hint is not bool and isinstance(value, bool)):
-        raise ConfigError(f"{name} must be of type {hint.__name__}, got {value!r}")
-    return value
-
-
-def _check_range(name: str, value: float, low: float, high: float) -> None:
-    if not low < value < high:
-        raise ConfigError(f"{name} must lie in ({low:g}, {high:g}), got {value}")

@@ -1,0 +1,348 @@
+r"""One training run between epochs: the optimisation state, a training epoch, validation.
+
+Every epoch visits the training sequences once, in an order drawn from a seeded
+:class:`torch.Generator`, and minimises the negative log-likelihood per unit of the batch,
+
+.. math:: \mathcal L = -\frac{\sum_b \log p_\theta(x_b)}{\sum_b u_b},
+
+with :math:`u_b` the frames (or dimensions, for ``bits/dim`` data) of sequence :math:`b`; the
+log-density comes from the model's training log-determinant (the unbiased Russian-roulette
+estimator by default, with the Neumann-series gradient). After each epoch the validation NLL is
+computed in the dataset's unit with the evaluation log-determinant, the invertibility of the model
+is checked on a few validation sequences, and the learning-rate schedule advances.
+
+Numerical health: a step whose loss or gradient norm is not finite never reaches the optimiser;
+a non-finite validation NLL or an inverse that stops converging is detected after the epoch.
+With ``on_nan = "stop"`` (default) training ends with :class:`TrainingDivergedError`; with
+``"skip"`` a warning line goes to stderr and the step is skipped (the epoch's ``skipped_steps``
+counts them). An epoch becomes ``best`` only with a finite validation NLL, a converging inverse
+and finite weights.
+
+Exact resume: :meth:`TrainingSession.state` holds the model, the optimiser, the schedule, the
+moving average of the weights, every random state (torch's global CPU and CUDA generators, the
+shuffling generator, the log-determinant's generator) and the metric history, so a session
+restored from it continues with the same losses as an uninterrupted one with the same seed.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from iresflow.data.datasets import SequenceDataset, SequenceSplit
+from iresflow.logdet.roulette import RouletteLogDet
+from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.train.averaging import averaged_parameters, load_average, moving_average
+from iresflow.train.config import TrainConfig
+from iresflow.train.distributed import World, all_gather_objects, broadcast_object, shard
+from iresflow.train.factories import resolve_model_config
+from iresflow.train.likelihood import inverse_check, split_log_prob, trimmed_batch
+from iresflow.transforms.actnorm import ActNorm
+
+__all__ = ["CHECKPOINT_FORMAT", "TrainingDivergedError", "TrainingSession"]
+
+#: Version of the checkpoint layout of :meth:`TrainingSession.state` (2: the moving average is
+#: the ``state_dict`` of a :class:`torch.optim.swa_utils.AveragedModel`).
+CHECKPOINT_FORMAT = 2
+#: ReduceLROnPlateau settings of ``scheduler = "plateau"``.
+PLATEAU_FACTOR = 0.5
+PLATEAU_PATIENCE = 2
+#: Final learning rate of ``scheduler = "cosine"``, relative to ``lr``.
+COSINE_FLOOR = 0.01
+
+
+class TrainingDivergedError(RuntimeError):
+    """The training loss, a gradient or the validation NLL became non-finite, or the inverse
+    stopped converging (with ``on_nan = "stop"``)."""
+
+
+class TrainingSession:
+    """The mutable state of one training run between epochs, and the epochs themselves.
+
+    Args:
+        config: All settings of the run.
+        dataset: Its data (:func:`~iresflow.train.factories.load_data`).
+        model: Its flow (:func:`~iresflow.train.factories.build_model`), on ``device``.
+        device: The training device.
+        world: This process's place in the process group (data-parallel runs).
+
+    Attributes:
+        epoch: Epochs completed.
+        best_epoch: Epoch of the lowest validation NLL so far (0: none yet).
+        best_metric: That NLL (``inf`` before the first candidate).
+        bad_epochs: Epochs since the last improvement.
+        history: One metrics dict per completed epoch.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        dataset: SequenceDataset,
+        model: ResidualFlowTransformer,
+        device: torch.device,
+        world: World,
+    ) -> None:
+        self.config, self.dataset, self.model, self.device = config, dataset, model, device
+        self.world = world
+        self.model_config = resolve_model_config(config, dataset)
+        self.replica: nn.Module = _LogProb(model)
+        if world.size > 1:
+            self.replica = nn.parallel.DistributedDataParallel(
+                self.replica, device_ids=[device] if device.type == "cuda" else None
+            )
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        optimizer_type = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+        self.optimizer = optimizer_type(
+            self.parameters, lr=config.lr, weight_decay=config.weight_decay
+        )
+        self.scheduler: Any = None
+        if config.scheduler == "plateau":
+            self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
+                self.optimizer, factor=PLATEAU_FACTOR, patience=PLATEAU_PATIENCE
+            )
+        elif config.scheduler == "cosine":
+            self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
+                self.optimizer, T_max=config.epochs, eta_min=config.lr * COSINE_FLOOR
+            )
+        self.average = moving_average(model, config.ema) if config.ema > 0 else None
+        self.shuffle = torch.Generator().manual_seed(config.seed)
+        self.estimator_generator = torch.Generator(device).manual_seed(
+            config.seed + 1 + world.rank
+        )
+        for estimator in _roulette_estimators(model):
+            estimator.generator = self.estimator_generator
+        self.epoch = 0
+        self.best_epoch = 0
+        self.best_metric = math.inf
+        self.bad_epochs = 0
+        self.history: list[dict[str, float]] = []
+
+    # -- checkpoint state -------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Everything a checkpoint holds (a collective call in data-parallel runs).
+
+        The layout is described in :mod:`iresflow.train.checkpoint`.
+        """
+        rng: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "shuffle": self.shuffle.get_state(),
+            "estimator": self.estimator_generator.get_state(),
+        }
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        ranks = all_gather_objects({k: v.cpu() for k, v in rng.items()})
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "config": self.config.to_dict(),
+            "model_config": self.model_config.to_dict(),
+            "model": self.model.state_dict(),
+            "ema": self.average.state_dict() if self.average is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "rng": rng,
+            "epoch": self.epoch,
+            "best_epoch": self.best_epoch,
+            "best_metric": self.best_metric,
+            "bad_epochs": self.bad_epochs,
+            "history": self.history,
+            "nproc": self.world.size,
+            "rng_ranks": ranks if self.world.size > 1 else None,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state` of the same settings."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+            if isinstance(self.scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):
+                self.scheduler.T_max = self.config.epochs  # a longer run keeps annealing
+        if self.average is not None:
+            load_average(self.average, state["ema"])
+        rng = state["rng"] if self.world.size == 1 else state["rng_ranks"][self.world.rank]
+        torch.set_rng_state(rng["torch"])
+        self.shuffle.set_state(rng["shuffle"])
+        self.estimator_generator.set_state(rng["estimator"])
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        self.epoch = state["epoch"]
+        self.best_epoch = state["best_epoch"]
+        self.best_metric = state["best_metric"]
+        self.bad_epochs = state["bad_epochs"]
+        self.history = list(state["history"])
+
+    # -- epochs -----------------------------------------------------------------------------
+    def train_epoch(self, bar: tqdm) -> dict[str, float]:
+        """One pass over the training sequences; returns the epoch's training metrics.
+
+        Raises:
+            TrainingDivergedError: every step was non-finite, or one was with ``on_nan = stop``.
+        """
+        start = time.perf_counter()
+        train = self.dataset.train
+        order = torch.randperm(len(train), generator=self.shuffle)
+        log_prob = torch.zeros(len(train), dtype=torch.float64)
+        kept = torch.ones(len(train), dtype=torch.bool)
+        grad_norms = []
+        self.model.train()
+        world = self.world
+        for step, index in enumerate(order.split(self.config.batch_size), start=1):
+            if world.size > 1 and step == 1 and self.epoch == 1:
+                _initialize_data_dependent(self, *trimmed_batch(train, index, self.device))
+            part, weight = shard(index, world)
+            x, mask = trimmed_batch(train, part, self.device)
+            batch_log_prob = self.replica(x, mask)
+            # Global-batch normalisation; times W to undo DDP's gradient average.
+            units = float(self.dataset.units(train.mask[index]).sum())
+            loss = -batch_log_prob.sum() * (weight * world.size) / units
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            norm = nn.utils.clip_grad_norm_(self.parameters, self.config.clip or math.inf)
+            bar.update()
+            # One host sync per step, after the backward pass: a non-finite loss or gradient
+            # must never reach the optimiser, the moving average or a checkpoint.
+            finite = torch.isfinite(loss.detach()) & torch.isfinite(norm)
+            if world.size > 1:  # every rank skips the same steps
+                finite = finite.to(torch.int32)
+                torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+            if not bool(finite):
+                self.unhealthy(f"non-finite loss or gradient at epoch {self.epoch}, step {step}")
+                self.optimizer.zero_grad(set_to_none=True)
+                kept[index] = False
+                continue
+            grad_norms.append(norm)
+            self.optimizer.step()
+            if self.average is not None:
+                self.average.update_parameters(self.model)
+            if weight > 0:
+                log_prob[part] = batch_log_prob.detach().double().cpu()
+            if not bar.disable and bar.n % 10 == 1:
+                bar.set_postfix(loss=f"{float(loss):.4g}")
+        if not grad_norms:
+            raise TrainingDivergedError(
+                f"training diverged at epoch {self.epoch}: every step had a non-finite loss or "
+                "gradient; try a smaller lr or a gradient clip"
+            )
+        norms = torch.stack(grad_norms)
+        if world.size > 1:  # each rank holds the log-densities of its shards
+            torch.distributed.all_reduce(log_prob)
+        trained = SequenceSplit(train.x[kept], train.mask[kept], train.log_jacobian[kept])
+        return {
+            "epoch": self.epoch,
+            "train_nll": self.dataset.nll(log_prob[kept], trained),
+            "skipped_steps": float(len(order.split(self.config.batch_size)) - len(grad_norms)),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": float(norms.mean()),
+            "grad_norm_max": float(norms.max()),
+            "train_seconds": time.perf_counter() - start,
+        }
+
+    def validate(self) -> dict[str, float]:
+        """Validation NLL (with the averaged weights, if kept) and the inverse check.
+
+        Raises:
+            TrainingDivergedError: a non-finite NLL or a diverging inverse with ``on_nan = stop``.
+        """
+        config, val = self.config, self.dataset.val
+        with averaged_parameters(self.model, self.average):
+            log_prob, stderr = split_log_prob(
+                self.model, val, method=config.eval_method, n_samples=config.eval_n_samples,
+                batch_size=config.batch_size,
+            )
+            finite = bool(torch.isfinite(log_prob).all())
+            row = {"val_nll": self.dataset.nll(log_prob, val) if finite else math.nan}
+            if stderr is not None and finite:
+                row["val_nll_stderr"] = self.dataset.nll_stderr(stderr, val)
+            row.update(inverse_check(self.model, val))
+        if not math.isfinite(row["val_nll"]):
+            self.unhealthy(f"non-finite validation NLL at epoch {self.epoch}")
+        if not math.isfinite(row["reconstruction_error"]):
+            self.unhealthy(
+                f"the inverse stopped converging at epoch {self.epoch} (residual "
+                f"{row['inverse_residual']:.2e} after {row['inverse_iterations']:.0f} iterations)"
+            )
+        return broadcast_object(row)  # every rank takes the same schedule and early stop
+
+    def unhealthy(self, problem: str) -> None:
+        """Stop on a numerical problem, or warn and go on (``on_nan``)."""
+        if self.config.on_nan == "stop":
+            raise TrainingDivergedError(
+                f"{problem}; training stopped (the last checkpoint is intact; try a smaller lr, "
+                "a gradient clip, or on_nan = skip)"
+            )
+        if self.world.main:
+            tqdm.write(f"iresflow: warning: {problem}; skipped", file=sys.stderr)
+
+    def healthy(self) -> bool:
+        """Whether every parameter (and moving average) is finite."""
+        tensors = list(self.model.parameters())
+        if self.average is not None:
+            tensors += list(self.average.parameters())
+        return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+    def advance(self, row: dict[str, float]) -> None:
+        """Early-stopping bookkeeping and the learning-rate schedule.
+
+        An epoch becomes ``best`` only with a finite validation NLL, a converging inverse and
+        finite weights, so a ``best`` checkpoint never holds a broken model.
+        """
+        metric = row["val_nll"]
+        candidate = math.isfinite(metric) and math.isfinite(row["reconstruction_error"])
+        if candidate and metric < self.best_metric and self.healthy():
+            self.best_metric, self.best_epoch, self.bad_epochs = metric, self.epoch, 0
+        else:
+            self.bad_epochs += 1
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            self.scheduler.step(metric if math.isfinite(metric) else math.inf)
+        elif self.scheduler is not None:
+            self.scheduler.step()
+
+
+class _LogProb(nn.Module):
+    """The flow's training log-density as ``forward``, the method DDP wraps."""
+
+    def __init__(self, flow: ResidualFlowTransformer) -> None:
+        super().__init__()
+        self.flow = flow
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        return self.flow.log_prob(x, mask)
+
+
+def _initialize_data_dependent(session: TrainingSession, x: Tensor, mask: Tensor) -> None:
+    """Initialise ActNorm from the whole first global batch on every rank.
+
+    A single process initialises ActNorm in its first forward pass, from the first minibatch; a
+    rank only sees its shard. This forward pass on the global batch initialises it alike on
+    every rank and leaves everything else as it was: buffers (power iterations), random states.
+    """
+    if all(module.initialized for module in session.model.modules()
+           if isinstance(module, ActNorm)):
+        return
+    buffers = {
+        name: value.clone() for name, value in session.model.named_buffers()
+        if not name.endswith("initialized")
+    }
+    estimator = session.estimator_generator.get_state()
+    devices = [session.device] if session.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        session.model.log_prob(x, mask)
+    session.estimator_generator.set_state(estimator)
+    with torch.no_grad():
+        for name, value in session.model.named_buffers():
+            if name in buffers:
+                value.copy_(buffers[name])
+
+
+def _roulette_estimators(model: nn.Module) -> list[RouletteLogDet]:
+    return [
+        module.logdet
+        for module in model.modules()
+        if isinstance(getattr(module, "logdet", None), RouletteLogDet)
+    ]

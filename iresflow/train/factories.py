@@ -1,0 +1,143 @@
+"""What a run is made of: its device, its data and its model, built from a configuration.
+
+:func:`build_model` is the one place a training configuration becomes a model: the model settings
+of the run (:attr:`~iresflow.train.config.TrainConfig.model`) are completed from the data by
+:func:`resolve_model_config` and handed to :func:`model_from_config`, which also rebuilds the
+model of a checkpoint from the resolved settings stored in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
+from iresflow.models.config import ModelConfig
+from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.train.config import DEVICE_PATTERN, ConfigError, TrainConfig
+
+__all__ = [
+    "build_model",
+    "load_data",
+    "model_from_config",
+    "resolve_device",
+    "resolve_model_config",
+]
+
+
+def resolve_device(name: str) -> torch.device:
+    """Turn ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` into an available device.
+
+    Raises:
+        ConfigError: an unknown device, or CUDA requested but not available.
+
+    Example:
+        >>> resolve_device("cpu")
+        device(type='cpu')
+    """
+    if not DEVICE_PATTERN.match(name):
+        raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {name!r}")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def load_data(config: TrainConfig) -> SequenceDataset:
+    """Load the dataset of a configuration, with random subsets of ``max_train``/``max_eval``.
+
+    Raises:
+        ConfigError: unknown dataset, missing or malformed file (the message of
+            :func:`~iresflow.data.datasets.load_dataset`).
+
+    Example:
+        >>> dataset = load_data(TrainConfig(max_train=10, max_eval=5))
+        >>> len(dataset.train), len(dataset.val), len(dataset.test)
+        (10, 5, 5)
+    """
+    try:
+        dataset = load_dataset(config.data, seed=config.seed, val_fraction=config.val_fraction)
+    except (ValueError, OSError, ImportError) as error:
+        raise ConfigError(f"cannot load dataset {config.data!r}: {error}") from None
+
+    generator = torch.Generator().manual_seed(config.seed)
+
+    def subset(split: SequenceSplit, limit: int | None) -> SequenceSplit:
+        # A random subset: the splits of some datasets are ordered (e.g. by speaker).
+        if limit is None or limit >= len(split):
+            return split
+        index = torch.randperm(len(split), generator=generator)[:limit].sort().values
+        return SequenceSplit(split.x[index], split.mask[index], split.log_jacobian[index])
+
+    return dataclasses.replace(
+        dataset,
+        train=subset(dataset.train, config.max_train),
+        val=subset(dataset.val, config.max_eval),
+        test=subset(dataset.test, config.max_eval),
+    )
+
+
+def resolve_model_config(config: TrainConfig, dataset: SequenceDataset) -> ModelConfig:
+    """The run's model settings completed from the data: the model a checkpoint stores.
+
+    ``features`` is the dataset's, ``max_len`` the dataset's longest sequence unless set, and
+    an automatic ``heads`` is fixed to its value for these features.
+
+    Raises:
+        ConfigError: settings the data rule out: ``max_len`` shorter than the longest
+            sequence, or heads that do not divide the number of features.
+
+    Example:
+        >>> config = TrainConfig(n_blocks=1, hidden=8)
+        >>> resolved = resolve_model_config(config, load_data(config))
+        >>> resolved.features, resolved.max_len, resolved.heads, resolved.hidden
+        (12, 29, 4, 8)
+    """
+    model = config.model
+    if model.max_len is not None and model.max_len < dataset.max_len:
+        raise ConfigError(
+            f"max_len={model.max_len} is shorter than the longest sequence of {dataset.name} "
+            f"({dataset.max_len})"
+        )
+    try:
+        model = model.replace(
+            features=dataset.features,
+            max_len=dataset.max_len if model.max_len is None else model.max_len,
+        )
+    except ConfigError as error:
+        raise ConfigError(f"incompatible model settings for {dataset.name}: {error}") from None
+    return model.replace(heads=model.resolved_heads)
+
+
+def model_from_config(config: ModelConfig) -> ResidualFlowTransformer:
+    """Construct an (untrained) flow from complete model settings.
+
+    Raises:
+        ConfigError: ``features`` or ``max_len`` left unset.
+
+    Example:
+        >>> model = model_from_config(ModelConfig(features=3, max_len=6, n_blocks=1, hidden=4))
+        >>> sum(p.numel() for p in model.parameters()) > 0
+        True
+    """
+    for name in ("features", "max_len"):
+        if getattr(config, name) is None:
+            raise ConfigError(f"{name} must be set to build a model")
+    return ResidualFlowTransformer(**config.to_dict())
+
+
+def build_model(config: TrainConfig, dataset: SequenceDataset) -> ResidualFlowTransformer:
+    """Construct the (untrained) flow of a configuration for a dataset.
+
+    Raises:
+        ConfigError: settings the data rule out (:func:`resolve_model_config`).
+
+    Example:
+        >>> config = TrainConfig(n_blocks=1, hidden=8)
+        >>> isinstance(build_model(config, load_data(config)), ResidualFlowTransformer)
+        True
+    """
+    return model_from_config(resolve_model_config(config, dataset))

@@ -1,0 +1,127 @@
+"""Whole splits through a flow: log-densities in batches and a check of the inverse.
+
+Used after every training epoch (validation) and by the evaluation of a finished run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from iresflow.data.datasets import SequenceSplit
+from iresflow.inverse.fixed_point import InversionError
+from iresflow.models.transformer import ResidualFlowTransformer
+
+__all__ = ["INVERSE_CHECK_SEQUENCES", "inverse_check", "split_log_prob", "trimmed_batch"]
+
+#: Sequences reconstructed by :func:`inverse_check`.
+INVERSE_CHECK_SEQUENCES = 8
+
+
+def trimmed_batch(
+    split: SequenceSplit, index: Tensor, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """The sequences ``index`` of a split, trimmed to the longest of them, on ``device``.
+
+    Trailing padding is dropped (a density never depends on padding), so attention and exact
+    Jacobians cost what the real frames need.
+
+    Args:
+        split: Sequences ``(B, N, D)`` with their mask ``(B, N)``.
+        index: Indices of the sequences to take, shape ``(b,)``.
+        device: Where the batch goes.
+
+    Returns:
+        ``(x, mask)`` of shapes ``(b, n, D)`` and ``(b, n)``, ``n`` the longest length taken.
+
+    Example:
+        >>> mask = torch.tensor([[True, True, False], [True, False, False]])
+        >>> split = SequenceSplit(mask.unsqueeze(-1).float(), mask, torch.zeros(2))
+        >>> x, m = trimmed_batch(split, torch.tensor([1]), torch.device("cpu"))
+        >>> x.shape, m.tolist()
+        (torch.Size([1, 1, 1]), [[True]])
+    """
+    mask = split.mask[index]
+    longest = int(mask.sum(dim=1).max())
+    return split.x[index, :longest].to(device), mask[:, :longest].to(device)
+
+
+def split_log_prob(
+    model: ResidualFlowTransformer,
+    split: SequenceSplit,
+    *,
+    method: str,
+    n_samples: int = 1,
+    batch_size: int = 64,
+) -> tuple[Tensor, Tensor | None]:
+    """Per-sequence log-densities of a whole split, in batches; leaves the model in eval mode.
+
+    Args:
+        model: The flow (its device is used).
+        split: Sequences ``(B, N, D)`` with their mask.
+        method: ``"exact"`` or ``"roulette"``.
+        n_samples: Roulette estimates averaged per sequence (ignored by the exact method).
+        batch_size: Sequences per forward pass.
+
+    Returns:
+        ``(log_prob, stderr)``, each of shape ``(B,)`` on the CPU in float64; ``stderr`` (the
+        standard error of the roulette average) is ``None`` for the exact method and for a
+        single roulette sample.
+    """
+    device = next(model.parameters()).device
+    model.eval()
+    values, errors = [], []
+    with torch.no_grad():  # the estimators enable gradients where they need them
+        for index in torch.arange(len(split)).split(batch_size):
+            x, mask = trimmed_batch(split, index, device)
+            if method == "exact":
+                value = model.log_prob(x, mask, method="exact")
+            elif n_samples == 1:
+                value = model.log_prob(x, mask, method="roulette")
+            else:
+                value, error = model.log_prob(
+                    x, mask, method="roulette", n_samples=n_samples, return_stderr=True
+                )
+                errors.append(error)
+            values.append(value)
+    log_prob = torch.cat(values).double().cpu()
+    stderr = torch.cat(errors).double().cpu() if errors else None
+    return log_prob, stderr
+
+
+def inverse_check(model: ResidualFlowTransformer, split: SequenceSplit) -> dict[str, float]:
+    """Map the first :data:`INVERSE_CHECK_SEQUENCES` sequences to noise and back.
+
+    A fixed-point inverse that stops converging is reported, not raised (training goes on and
+    decides with its ``on_nan`` setting). Leaves the model in eval mode.
+
+    Args:
+        model: The flow (its device is used).
+        split: Sequences ``(B, N, D)`` with their mask.
+
+    Returns:
+        ``{"inverse_iterations", "inverse_residual", "reconstruction_error"}``: the solver's
+        largest iteration count and residual, and the largest absolute error over the real
+        frames (``inf`` when the inverse did not converge).
+    """
+    device = next(model.parameters()).device
+    x, mask = trimmed_batch(split, torch.arange(min(INVERSE_CHECK_SEQUENCES, len(split))), device)
+    model.eval()
+    with torch.no_grad():
+        z = model.transform_to_noise(x, mask)
+        try:
+            x_back = model.inverse(z, mask)
+        except InversionError as error:
+            return {
+                "inverse_iterations": float(error.iterations.max()),
+                "inverse_residual": float(error.residual.max()),
+                "reconstruction_error": math.inf,
+            }
+    diagnostics = model.inverse_diagnostics()
+    return {
+        "inverse_iterations": float(diagnostics["max_iterations"]),
+        "inverse_residual": float(diagnostics["max_residual"]),
+        "reconstruction_error": float((x_back - x)[mask].abs().max()),
+    }

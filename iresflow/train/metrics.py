@@ -1,0 +1,67 @@
+"""Writing the metrics of a run: JSONL and CSV tables, TensorBoard events, progress lines."""
+
+from __future__ import annotations
+
+import csv
+import json
+from typing import Any
+
+from iresflow.train.config import ConfigError
+from iresflow.train.paths import RunPaths
+
+__all__ = ["epoch_summary", "tensorboard_writer", "write_metrics"]
+
+
+def write_metrics(paths: RunPaths, history: list[dict[str, float]]) -> None:
+    """Rewrite ``metrics.jsonl`` and ``metrics.csv`` from the history (one row per epoch).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> paths = RunPaths(pathlib.Path(tempfile.mkdtemp()))
+        >>> write_metrics(paths, [{"epoch": 1, "val_nll": 2.5}])
+        >>> paths.metrics_csv.read_text().splitlines()
+        ['epoch,val_nll', '1,2.5']
+    """
+    with paths.metrics_jsonl.open("w", encoding="utf-8") as file:
+        for row in history:
+            file.write(json.dumps(row) + "\n")
+    with paths.metrics_csv.open("w", encoding="utf-8", newline="") as file:
+        if history:
+            writer = csv.DictWriter(file, fieldnames=list(history[0]))
+            writer.writeheader()
+            writer.writerows(history)
+
+
+def tensorboard_writer(paths: RunPaths, epoch: int) -> Any:
+    """A TensorBoard ``SummaryWriter`` into ``paths.tensorboard`` that continues after ``epoch``.
+
+    Events of later epochs left by an interrupted run are purged.
+
+    Raises:
+        ConfigError: the tensorboard package is not installed.
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError("tensorboard = true needs the tensorboard package") from None
+    return SummaryWriter(log_dir=str(paths.tensorboard), purge_step=epoch + 1)
+
+
+def epoch_summary(row: dict[str, float], epochs: int) -> str:
+    """The one-line progress report of an epoch's metrics.
+
+    Example:
+        >>> row = {"epoch": 1, "train_nll": 2.0, "val_nll": 1.5, "lr": 1e-3,
+        ...        "inverse_iterations": 7, "inverse_residual": 1e-9,
+        ...        "reconstruction_error": 1e-8, "train_seconds": 0.5}
+        >>> epoch_summary(row, 10)
+        'epoch 1/10  train 2.0000  val 1.5000  lr 1.00e-03  inverse 7 it, residual 1.0e-09, error 1.0e-08  (0.5 s)'
+    """  # noqa: E501
+    text = f"epoch {row['epoch']}/{epochs}  train {row['train_nll']:.4f}  val {row['val_nll']:.4f}"
+    if "val_nll_stderr" in row:
+        text += f" ± {row['val_nll_stderr']:.4f}"
+    return (
+        f"{text}  lr {row['lr']:.2e}  inverse {row['inverse_iterations']:.0f} it, "
+        f"residual {row['inverse_residual']:.1e}, error {row['reconstruction_error']:.1e}  "
+        f"({row['train_seconds']:.1f} s)"
+    )

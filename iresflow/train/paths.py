@@ -1,0 +1,131 @@
+"""The run folder: where a run keeps its settings, checkpoints, metrics and figures."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from iresflow.train.checkpoint import load_checkpoint
+from iresflow.train.config import ConfigError, TrainConfig
+
+__all__ = ["RunPaths", "prepare_run_folder"]
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """The files of a run folder.
+
+    Attributes:
+        root: The run folder.
+
+    Example:
+        >>> RunPaths(Path("runs/vowels")).best.as_posix()
+        'runs/vowels/checkpoints/best.pt'
+    """
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        """``config.toml``: the settings of the run."""
+        return self.root / "config.toml"
+
+    @property
+    def checkpoints(self) -> Path:
+        """``checkpoints/``: ``last.pt`` and ``best.pt``."""
+        return self.root / "checkpoints"
+
+    @property
+    def last(self) -> Path:
+        """The checkpoint written after every epoch."""
+        return self.checkpoints / "last.pt"
+
+    @property
+    def best(self) -> Path:
+        """The checkpoint of the epoch with the lowest validation NLL."""
+        return self.checkpoints / "best.pt"
+
+    @property
+    def metrics_jsonl(self) -> Path:
+        """One JSON object per epoch."""
+        return self.root / "metrics.jsonl"
+
+    @property
+    def metrics_csv(self) -> Path:
+        """The same metrics as a CSV table."""
+        return self.root / "metrics.csv"
+
+    @property
+    def evaluation(self) -> Path:
+        """``evaluation.json``: results of ``iresflow evaluate``."""
+        return self.root / "evaluation.json"
+
+    @property
+    def plots(self) -> Path:
+        """``plots/``: PNG figures."""
+        return self.root / "plots"
+
+    @property
+    def tensorboard(self) -> Path:
+        """``tensorboard/``: event files, when enabled."""
+        return self.root / "tensorboard"
+
+    def is_run(self) -> bool:
+        """Whether the folder holds a run (a config or checkpoint)."""
+        return self.config.is_file() or self.checkpoints.is_dir()
+
+
+def prepare_run_folder(
+    paths: RunPaths, config: TrainConfig, *, resume: bool, overwrite: bool
+) -> dict[str, Any] | None:
+    """Check or create the run folder; return the checkpoint state to resume from.
+
+    Args:
+        paths: The run folder.
+        config: The settings of the run to start or continue.
+        resume: Continue from ``paths.last``; only the settings in
+            :data:`~iresflow.train.config.RESUMABLE_FIELDS` may differ from the checkpoint's.
+        overwrite: Delete an existing run in the folder first.
+
+    Returns:
+        The state of ``paths.last`` when resuming, else ``None`` (the folder then exists and is
+        empty).
+
+    Raises:
+        ConfigError: ``resume`` and ``overwrite`` together, changed settings, a non-empty folder
+            without ``overwrite``, or a folder to overwrite that does not hold a run.
+        CheckpointError: the checkpoint to resume from is missing or unreadable.
+
+    Example:
+        >>> import tempfile
+        >>> paths = RunPaths(Path(tempfile.mkdtemp()) / "run")
+        >>> prepare_run_folder(paths, TrainConfig(), resume=False, overwrite=False) is None
+        True
+        >>> paths.root.is_dir()
+        True
+    """
+    if resume and overwrite:
+        raise ConfigError("resume and overwrite exclude each other")
+    if resume:
+        state = load_checkpoint(paths.last)
+        saved = TrainConfig.from_dict(state["config"])
+        changed = saved.incompatible_fields(config)
+        if changed:
+            raise ConfigError(
+                f"cannot resume {paths.root} with different settings: {', '.join(changed)} "
+                "(only epochs, patience, device, tensorboard, max_eval and on_nan may change)"
+            )
+        return state
+    if paths.root.exists() and any(paths.root.iterdir()):
+        if not overwrite:
+            raise ConfigError(
+                f"run folder {paths.root} is not empty; use resume to continue it or "
+                "overwrite to start again"
+            )
+        if not paths.is_run():
+            raise ConfigError(f"refusing to overwrite {paths.root}: it does not hold a run")
+        shutil.rmtree(paths.root)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    return None
