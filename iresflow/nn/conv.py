@@ -119,7 +119,8 @@ class SpectralConv1d(nn.Module):
         self.kernel_size = _check_kernel_size(kernel_size)
         self.coeff = _check_coefficient(coeff)
         self.max_len = check_int(max_len, "max_len", 1)
-        self.period = self.max_len + self.kernel_size - 1
+        # A single tap has no frequency dependence: its norm is the matrix norm (period 1).
+        self.period = self.max_len + self.kernel_size - 1 if self.kernel_size > 1 else 1
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels, kernel_size))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_channels))
@@ -217,15 +218,17 @@ class TemporalConvBranch(LipschitzBranch):
     .. math:: g = \mathrm{conv}_3 \circ \mathrm{LipSwish} \circ \mathrm{conv}_2 \circ
         \mathrm{LipSwish} \circ \mathrm{conv}_1
 
-    with channels ``D -> hidden -> hidden -> D``, each a :class:`SpectralConv1d` whose whole
-    operator has 2-norm at most :math:`c^{1/3}`, so (LipSwish is 1-Lipschitz, masking a
+    with channels ``D -> hidden -> hidden -> D`` and kernel sizes ``(k, 1, k)`` (the layout of
+    the convolutional branches of Residual Flows: the middle layer mixes channels per frame),
+    each a :class:`SpectralConv1d` whose whole operator has 2-norm at most :math:`c^{1/3}`, so (LipSwish is 1-Lipschitz, masking a
     projection)
 
     .. math:: \mathrm{lip}_2(g) \le \prod_{l=1}^{3} \|\mathrm{conv}_l\|_2 \le c < 1
 
     on :math:`\mathrm{vec}(X)` for every sequence of length :math:`\le` ``max_len``
     (docs/math.md#temporal-conv). The sequence analogue of the convolutional branches of
-    Residual Flows: every output frame sees :math:`3(k - 1)` neighbouring frames. With a mask,
+    Residual Flows: every output frame sees the :math:`k - 1` frames on either side of it
+    (:attr:`receptive_radius`). With a mask,
     padded frames are set to zero before every convolution and at the output (at every layer,
     also inside a sequence), so they never influence real outputs.
 
@@ -235,7 +238,7 @@ class TemporalConvBranch(LipschitzBranch):
     Args:
         features: Token dimension ``D``.
         hidden: Hidden channels.
-        kernel_size: Odd kernel size ``k`` of every convolution.
+        kernel_size: Odd kernel size ``k`` of the first and last convolutions.
         coeff: Certified Lipschitz constant :math:`c \in (0, 1)` of the branch.
         max_len: Longest sequence the certificate must hold for; longer inputs are rejected.
 
@@ -270,8 +273,11 @@ class TemporalConvBranch(LipschitzBranch):
         for i, (c_in, c_out) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
             if i > 0:
                 layers.append(LipSwish())
-            layers.append(SpectralConv1d(c_in, c_out, kernel_size, per_layer, max_len=max_len))
+            k = 1 if i == 1 else kernel_size
+            layers.append(SpectralConv1d(c_in, c_out, k, per_layer, max_len=max_len))
         self.net = nn.Sequential(*layers)
+        #: Output frame ``t`` depends on input frames ``t - radius .. t + radius`` only.
+        self.receptive_radius = kernel_size - 1
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """Evaluate the branch.
