@@ -1,5 +1,7 @@
-"""Ready-made flows: the sequence residual-flow Transformer."""
+"""Ready-made flows: the generic masked sequence flow and the residual-flow Transformer."""
 
+from iresflow.models.config import ModelConfig
+from iresflow.models.flow import SequenceFlow, StandardNormalSequence
 from iresflow.models.transformer import ResidualFlowTransformer
 
-__all__ = ["ResidualFlowTransformer"]
+__all__ = ["ModelConfig", "ResidualFlowTransformer", "SequenceFlow", "StandardNormalSequence"]

@@ -46,6 +46,7 @@ __all__ = [
     "ContractiveLipschitzNormAttention",
     "DotProductMultiheadAttention",
     "L2MultiheadAttention",
+    "lipschitz_bound",
 ]
 
 
@@ -66,7 +67,7 @@ class L2MultiheadAttention(nn.Module):
     :math:`P^h Q^h (W^{Q,h\top} W^{V,h}) / \sqrt{d_h} = P^h X (A_h W^{V,h})`, whose value map
     :math:`A_h W^{V,h}` (:math:`D \times d_h`) is formed through the :math:`d_h \times d_h` product
     without :math:`A_h`; cost :math:`O(N^2 D + N D^2)`. Its Lipschitz bounds are
-    :func:`iresflow.nn.bounds.lipschitz_bound`.
+    :func:`lipschitz_bound`.
 
     Args:
         dim: Token dimension ``D``.
@@ -350,6 +351,31 @@ class ContractiveLipschitzNormAttention(_ContractiveAttention):
             a.alpha, seq_len, a.w_query, a.w_key, a.w_value, a.heads
         )  # (..., H)
         return multihead_bound(heads, a.w_out)
+
+
+def lipschitz_bound(
+    attn: L2MultiheadAttention,
+    seq_len: int | Tensor,
+    p: Literal["inf", "2"] | float = "inf",
+) -> Tensor:
+    r"""Kim's Theorem 3.2 bound for the current weights of an L2-MHA module (MATH.md C).
+
+    Args:
+        attn: An :class:`~iresflow.nn.attention.L2MultiheadAttention`.
+        seq_len: Sequence length ``N >= 1`` (int), or a tensor of per-sequence lengths.
+        p: ``"inf"`` or ``"2"`` (see :func:`l2_attention_bound`).
+
+    Returns:
+        The bound :math:`B_p(\theta, N)`, 0-dim (int ``seq_len``) or of ``seq_len``'s shape.
+
+    Example:
+        >>> attn = L2MultiheadAttention(dim=4, heads=2)
+        >>> lipschitz_bound(attn, torch.tensor([3, 16]), p="inf").shape  # per-sequence lengths
+        torch.Size([2])
+    """
+    if not isinstance(attn, L2MultiheadAttention):
+        raise TypeError(f"attn must be an L2MultiheadAttention, got {type(attn).__name__}")
+    return l2_attention_bound(attn.w_query, attn.w_value, attn.w_out, attn.heads, seq_len, p)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:

@@ -155,7 +155,7 @@ def check_guarantees(model: ResidualFlowTransformer, source: str | os.PathLike) 
         CheckpointError: a non-finite tensor or a certified bound ``>= 1``.
 
     Example:
-        >>> model = ResidualFlowTransformer(2, n_blocks=1, hidden=4, max_len=4)
+        >>> model = ResidualFlowTransformer(features=2, n_blocks=1, hidden=4, max_len=4)
         >>> check_guarantees(model, "fresh model")
     """
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):

@@ -47,7 +47,6 @@ from tqdm.auto import tqdm
 
 from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
 from iresflow.inverse.fixed_point import InversionError
-from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from iresflow.train.config import DEVICE_PATTERN, ConfigError, TrainConfig
@@ -59,7 +58,6 @@ from iresflow.train.distributed import (
     shard,
     spawn,
 )
-from iresflow.transforms.actnorm import ActNorm
 
 __all__ = [
     "ExponentialMovingAverage",
@@ -307,7 +305,7 @@ def build_model(config: TrainConfig, dataset: SequenceDataset) -> ResidualFlowTr
 
     Example:
         >>> config = TrainConfig(n_blocks=1, hidden=8)
-        >>> build_model(config, load_data(config)).config["max_len"]
+        >>> build_model(config, load_data(config)).config.max_len
         29
     """
     if config.max_len is not None and config.max_len < dataset.max_len:
@@ -317,7 +315,7 @@ def build_model(config: TrainConfig, dataset: SequenceDataset) -> ResidualFlowTr
         )
     try:
         return ResidualFlowTransformer(
-            dataset.features,
+            features=dataset.features,
             n_blocks=config.n_blocks,
             hidden=config.hidden,
             heads=config.heads,
@@ -489,8 +487,7 @@ class _Session:
         self.estimator_generator = torch.Generator(device).manual_seed(
             config.seed + 1 + world.rank
         )
-        for estimator in _roulette_estimators(model):
-            estimator.generator = self.estimator_generator
+        model.set_generator(self.estimator_generator)
         self.epoch = 0
         self.best_epoch = 0
         self.best_metric = math.inf
@@ -510,7 +507,7 @@ class _Session:
         return {
             "format": CHECKPOINT_FORMAT,
             "config": self.config.to_dict(),
-            "model_config": dict(self.model.config),
+            "model_config": self.model.config.to_dict(),
             "model": self.model.state_dict(),
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "optimizer": self.optimizer.state_dict(),
@@ -605,7 +602,8 @@ class _Session:
         world = self.world
         for step, index in enumerate(order.split(self.config.batch_size), start=1):
             if world.size > 1 and step == 1 and self.epoch == 1:
-                _initialize_data_dependent(self, *_batch(train, index, self.device))
+                # ActNorm from the whole first global batch on every rank, not from a shard.
+                self.model.initialize(*_batch(train, index, self.device))
             part, weight = shard(index, world)
             x, mask = _batch(train, part, self.device)
             batch_log_prob = self.replica(x, mask)
@@ -719,39 +717,6 @@ class _LogProb(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         return self.flow.log_prob(x, mask)
-
-
-def _initialize_data_dependent(session: _Session, x: Tensor, mask: Tensor) -> None:
-    """Initialise ActNorm from the whole first global batch on every rank.
-
-    A single process initialises ActNorm in its first forward pass, from the first minibatch; a
-    rank only sees its shard. This forward pass on the global batch initialises it alike on
-    every rank and leaves everything else as it was: buffers (power iterations), random states.
-    """
-    if all(module.initialized for module in session.model.modules()
-           if isinstance(module, ActNorm)):
-        return
-    buffers = {
-        name: value.clone() for name, value in session.model.named_buffers()
-        if not name.endswith("initialized")
-    }
-    estimator = session.estimator_generator.get_state()
-    devices = [session.device] if session.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        session.model.log_prob(x, mask)
-    session.estimator_generator.set_state(estimator)
-    with torch.no_grad():
-        for name, value in session.model.named_buffers():
-            if name in buffers:
-                value.copy_(buffers[name])
-
-
-def _roulette_estimators(model: nn.Module) -> list[RouletteLogDet]:
-    return [
-        module.logdet
-        for module in model.modules()
-        if isinstance(getattr(module, "logdet", None), RouletteLogDet)
-    ]
 
 
 def _inverse_check(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from iresflow._validation import check_int, check_mask, check_sequence
+from iresflow._validation import check_int
 from iresflow.transforms.base import SequenceTransform
 
 __all__ = ["ActNorm"]
@@ -35,6 +35,10 @@ class ActNorm(SequenceTransform):
     boolean buffer ``initialized``, which is part of the ``state_dict`` so that a loaded model is
     not re-initialised. In evaluation mode, or in :meth:`inverse`, no initialisation happens.
 
+    ``forward``/``inverse`` are those of :class:`~iresflow.transforms.base.SequenceTransform`
+    (``inputs (B, N, D)`` or ``(B, D)``, optional ``mask (B, N)``, ``logdet``); the context is
+    ignored.
+
     Args:
         features: Feature size ``D``.
 
@@ -58,57 +62,43 @@ class ActNorm(SequenceTransform):
         self._initialized = False
         self.register_load_state_dict_post_hook(_sync_initialized)
 
-    def forward(
-        self, inputs: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        r"""Map data to noise, :math:`y = (x + b)\odot e^{s}` on real tokens.
+    @property
+    def is_initialized(self) -> bool:
+        """Whether the data-dependent initialisation has happened (read without a host sync)."""
+        return self._initialized
 
-        Args:
-            inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
-            context: Ignored (unconditional transform).
-            mask: Optional boolean padding mask ``(B, N)`` (only with ``(B, N, D)`` inputs).
-
-        Returns:
-            ``outputs`` with the shape of ``inputs`` (equal to ``inputs`` at padded positions)
-            and the log-determinant per sequence, shape ``(B,)``.
-        """
-        inputs, mask = self._check(inputs, mask)
+    def _forward(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: object
+    ) -> tuple[Tensor, Tensor | None]:
+        r"""Data to noise, :math:`y = (x + b)\odot e^{s}` on real tokens (initialises first)."""
         if self.training and not self._initialized:
             self._initialize(inputs, mask)
         outputs = (inputs + self.shift) * torch.exp(self.log_scale)
-        return self._finish(inputs, outputs, mask, self.log_scale.sum())
+        return self._finish(inputs, outputs, mask, self.log_scale.sum(), logdet)
 
-    def inverse(
-        self, inputs: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        r"""Map noise to data, :math:`x = y \odot e^{-s} - b` on real tokens.
-
-        Args:
-            inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
-            context: Ignored (unconditional transform).
-            mask: Optional boolean padding mask ``(B, N)`` (only with ``(B, N, D)`` inputs).
-
-        Returns:
-            ``outputs`` with the shape of ``inputs`` (equal to ``inputs`` at padded positions)
-            and the log-determinant of the inverse map per sequence, shape ``(B,)``.
-        """
-        inputs, mask = self._check(inputs, mask)
+    def _inverse(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: object
+    ) -> tuple[Tensor, Tensor | None]:
+        r"""Noise to data, :math:`x = y \odot e^{-s} - b` on real tokens."""
         outputs = inputs * torch.exp(-self.log_scale) - self.shift
-        return self._finish(inputs, outputs, mask, -self.log_scale.sum())
-
-    def _check(self, inputs: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        inputs = check_sequence(inputs, "inputs", features=self.features, like=self.shift)
-        return inputs, check_mask(mask, inputs)
+        return self._finish(inputs, outputs, mask, -self.log_scale.sum(), logdet)
 
     @staticmethod
     def _finish(
-        inputs: Tensor, outputs: Tensor, mask: Tensor | None, logdet_per_token: Tensor
-    ) -> tuple[Tensor, Tensor]:
+        inputs: Tensor,
+        outputs: Tensor,
+        mask: Tensor | None,
+        logdet_per_token: Tensor,
+        logdet: object,
+    ) -> tuple[Tensor, Tensor | None]:
         batch = inputs.shape[0]
+        if mask is not None:
+            outputs = torch.where(mask.unsqueeze(-1), outputs, inputs)
+        if logdet is False:
+            return outputs, None
         if mask is None:
             tokens = inputs.shape[1] if inputs.dim() == 3 else 1
             return outputs, logdet_per_token.expand(batch) * tokens
-        outputs = torch.where(mask.unsqueeze(-1), outputs, inputs)
         return outputs, mask.sum(dim=1).to(outputs.dtype) * logdet_per_token
 
     @torch.no_grad()
