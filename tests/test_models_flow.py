@@ -7,10 +7,7 @@ hot path of a training step.
 
 from __future__ import annotations
 
-import collections
 import math
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,11 +23,7 @@ from iresflow.nn.mlp import LipschitzMLP
 from iresflow.transforms.actnorm import ActNorm
 from iresflow.transforms.base import SequenceCompositeTransform
 from iresflow.transforms.residual import ResidualTransform
-from tests.oracles import MixingBranch, jacobian_logdet
-
-PACKAGE = Path(iresflow.__file__).resolve().parent
-#: Tensor methods that read a value on the host (a device synchronisation on accelerators).
-HOST_READS = ("__bool__", "item", "tolist", "__int__", "__float__", "__index__")
+from tests.oracles import MixingBranch, count_host_reads, jacobian_logdet
 
 
 def _mask(lengths: list[int], n: int, device: torch.device) -> torch.Tensor:
@@ -191,32 +184,6 @@ def test_jacrev_of_transform_to_noise_matches_autograd_jacobian(device):
     assert bool(reference.abs().sum() > 0)
 
 
-def _host_reads(fn) -> collections.Counter:
-    """Count host reads of tensor values made from iresflow code while ``fn`` runs."""
-    counts: collections.Counter = collections.Counter()
-    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
-
-    def counting(name):
-        original = originals[name]
-
-        def read(self, *args, **kwargs):
-            frames = [f for f in traceback.extract_stack()[:-1]
-                      if Path(f.filename).resolve().is_relative_to(PACKAGE)]
-            if frames:
-                counts[f"{name} at {Path(frames[-1].filename).name}:{frames[-1].lineno}"] += 1
-            return original(self, *args, **kwargs)
-        return read
-
-    try:
-        for name in HOST_READS:
-            setattr(torch.Tensor, name, counting(name))
-        fn()
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-    return counts
-
-
 def test_a_default_training_step_reads_the_host_at_most_four_times():
     data = load_dataset("japanese_vowels")
     config = ModelConfig(features=data.features, max_len=data.max_len)
@@ -231,10 +198,10 @@ def test_a_default_training_step_reads_the_host_at_most_four_times():
         optimiser.step()
 
     for _ in range(2):  # the first step initialises ActNorm; the second is a plain step
-        counts = _host_reads(step)
+        counts = count_host_reads(step)
         assert sum(counts.values()) <= 4, counts
     # The counter sees reads from iresflow code: the entry-point check is one of them.
-    assert _host_reads(lambda: model.transform_to_noise(x, mask))
+    assert count_host_reads(lambda: model.transform_to_noise(x, mask))
 
 
 def test_value_checks_can_be_switched_off(device, dtype):
@@ -245,6 +212,6 @@ def test_value_checks_can_be_switched_off(device, dtype):
     with pytest.raises(ValueError, match="NaN"):
         model.log_prob(bad)
     with iresflow.value_checks(False):
-        assert not _host_reads(lambda: model.transform_to_noise(x))
+        assert not count_host_reads(lambda: model.transform_to_noise(x))
         value = model.log_prob(bad)
     assert bool(value[0].isnan()) and bool(value[1:].isfinite().all())
