@@ -150,6 +150,7 @@ def inverse_diagnostics(steps: Sequence[tuple[str, ResidualTransform]]) -> dict[
     }
 
 
+@torch.no_grad()
 def lipschitz_report(
     steps: Sequence[tuple[str, ResidualTransform]], x: Tensor
 ) -> list[dict[str, Any]]:
