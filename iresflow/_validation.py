@@ -34,6 +34,7 @@ __all__ = [
     "check_int",
     "check_mask",
     "check_sequence",
+    "under_functorch_transform",
     "value_checks",
     "values_checked",
 ]
@@ -68,6 +69,11 @@ def value_checks(enabled: bool) -> Iterator[None]:
         _VALUE_CHECKS.reset(token)
 
 
+def under_functorch_transform() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ...) is active."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def values_checked(x: Tensor) -> bool:
     """Whether the values of ``x`` are inspected now.
 
@@ -80,11 +86,7 @@ def values_checked(x: Tensor) -> bool:
     Returns:
         Whether a value check of ``x`` should run.
     """
-    return (
-        _VALUE_CHECKS.get()
-        and not x.is_meta
-        and torch._C._functorch.peek_interpreter_stack() is None
-    )
+    return _VALUE_CHECKS.get() and not x.is_meta and not under_functorch_transform()
 
 
 def check_inputs(

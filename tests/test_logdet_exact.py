@@ -1,4 +1,4 @@
-"""ExactLogDet and the shared estimator interface (MATH.md G1, check H10)."""
+"""ExactLogDet and the shared estimator interface (docs/math.md#change-of-variables)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ResidualTransform (MATH.md D, G1, G8; check H9)."""
+"""ResidualTransform (docs/math.md#change-of-variables, docs/math.md#fixed-point-inverse)."""
 
 from __future__ import annotations
 
