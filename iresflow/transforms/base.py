@@ -248,8 +248,8 @@ class SequenceCompositeTransform(SequenceTransform):
         Example:
             >>> from nflows.transforms import IdentityTransform
             >>> chain = SequenceCompositeTransform([IdentityTransform()], names=["id"])
-            >>> [name for name, _ in chain.named_steps()]
-            ['id']
+            >>> next(chain.named_steps())[0]
+            'id'
         """
         return zip(self.step_names, self.steps, strict=True)
 
