@@ -16,7 +16,8 @@ import iresflow
 from iresflow.data.datasets import load_dataset
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.models.config import ModelConfig
-from iresflow.models.flow import SequenceFlow, StandardNormalSequence
+from iresflow.models.distributions import StandardNormalSequence
+from iresflow.models.flow import SequenceFlow
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.nn.linear import SpectralLinear
 from iresflow.nn.mlp import LipschitzMLP
@@ -77,26 +78,6 @@ def test_methods_call_the_chain(device, dtype):
     assert [name for name, _ in flow.residual_steps()] == ["mlp", "mixing"]
     assert [name for name, _ in flow.transform.named_steps()] == ["actnorm", "mlp", "mixing"]
     assert flow.estimators() == [step.logdet for _, step in flow.residual_steps()]
-
-
-def test_standard_normal_base_matches_torch_distributions(device, dtype):
-    base = StandardNormalSequence(3)
-    z = torch.randn(2, 4, 3, device=device, dtype=dtype)
-    mask = _mask([4, 2], 4, device)
-    expected = (torch.distributions.Normal(0.0, 1.0).log_prob(z).sum(-1) * mask).sum(-1)
-    torch.testing.assert_close(base.log_prob(z, mask), expected)
-    samples = base.sample(mask, torch.Generator(device).manual_seed(1), 0.5, dtype=dtype)
-    again = base.sample(mask, torch.Generator(device).manual_seed(1), 0.5, dtype=dtype)
-    assert torch.equal(samples, again) and samples.dtype == dtype
-    assert bool((samples[~mask] == 0).all())
-    big = base.sample(torch.ones(4000, 1, dtype=torch.bool, device=device),
-                      torch.Generator(device).manual_seed(2), 0.5, dtype=torch.float64)
-    # The standard deviation of the sample std of n normals is about sigma / sqrt(2 n).
-    assert abs(float(big.std()) - 0.5) < 4 * 0.5 / math.sqrt(2 * big.numel())
-    with pytest.raises(TypeError, match="mask"):
-        base.sample(torch.ones(2, 3, device=device))
-    with pytest.raises(ValueError, match="temperature"):
-        base.sample(mask, temperature=-1.0)
 
 
 def test_flow_rejects_bad_construction():

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from iresflow._validation import check_int
-from iresflow.transforms.base import SequenceTransform
+from iresflow.transforms.base import LogDetRequest, SequenceTransform
 
 __all__ = ["ActNorm"]
 
@@ -68,7 +68,7 @@ class ActNorm(SequenceTransform):
         return self._initialized
 
     def _forward(
-        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: object
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
     ) -> tuple[Tensor, Tensor | None]:
         r"""Data to noise, :math:`y = (x + b)\odot e^{s}` on real tokens (initialises first)."""
         if self.training and not self._initialized:
@@ -77,7 +77,7 @@ class ActNorm(SequenceTransform):
         return self._finish(inputs, outputs, mask, self.log_scale.sum(), logdet)
 
     def _inverse(
-        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: object
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
     ) -> tuple[Tensor, Tensor | None]:
         r"""Noise to data, :math:`x = y \odot e^{-s} - b` on real tokens."""
         outputs = inputs * torch.exp(-self.log_scale) - self.shift
@@ -89,7 +89,7 @@ class ActNorm(SequenceTransform):
         outputs: Tensor,
         mask: Tensor | None,
         logdet_per_token: Tensor,
-        logdet: object,
+        logdet: LogDetRequest,
     ) -> tuple[Tensor, Tensor | None]:
         batch = inputs.shape[0]
         if mask is not None:
