@@ -150,9 +150,10 @@ def test_initialize_sets_actnorm_from_the_whole_batch_and_nothing_else(device, d
     assert any(not torch.equal(v, before[k]) for k, v in spectral.named_buffers())
 
 
-def test_jacrev_of_transform_to_noise_matches_autograd_jacobian(device):
+@pytest.mark.parametrize("attention", ["l2", "lipschitznorm", "none"])
+def test_jacrev_of_transform_to_noise_matches_autograd_jacobian(device, attention):
     dtype = torch.float64
-    model = _model(device, dtype, n_blocks=1, positional="learned").eval()
+    model = _model(device, dtype, positional="learned", attention=attention).eval()
     x = torch.randn(2, 4, 2, device=device, dtype=dtype)
     mask = _mask([4, 3], 4, device)
 
