@@ -44,9 +44,10 @@ from benchmarks.baselines.nflows_models import FrameFlow, frame_maf
 from benchmarks.baselines.training import fit_model, split_log_prob
 from benchmarks.gaussian_baseline import gaussian_frame_baseline
 from iresflow.data.datasets import SequenceDataset
+from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.config import TrainConfig
 from iresflow.train.evaluate import evaluate_run, load_run
-from iresflow.train.factories import load_data, model_from_config
+from iresflow.train.factories import load_data
 from iresflow.train.loop import train
 
 #: Recommended settings for JapaneseVowels (CPU, a few minutes of training).
@@ -66,7 +67,7 @@ QUICK = {"n_blocks": 2, "hidden": 32, "batch_size": 32, "epochs": 3, "max_eval":
 
 def parameter_count(config: TrainConfig, features: int, max_len: int) -> int:
     """Trainable parameters of the model a configuration builds."""
-    model = model_from_config(config.model.replace(features=features, max_len=max_len))
+    model = ResidualFlowTransformer(config.model.replace(features=features, max_len=max_len))
     return sum(p.numel() for p in model.parameters())
 
 

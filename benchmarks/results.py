@@ -107,8 +107,8 @@ def _iresflow(attention: str) -> Callable[[SequenceDataset, int], nn.Module]:
     def build(ds: SequenceDataset, width: int) -> nn.Module:
         from iresflow.models.transformer import ResidualFlowTransformer
 
-        return ResidualFlowTransformer(ds.features, attention=attention, max_len=ds.max_len,
-                                       **IRESFLOW_ARCH)
+        return ResidualFlowTransformer(features=ds.features, attention=attention,
+                                       max_len=ds.max_len, **IRESFLOW_ARCH)
     return build
 
 

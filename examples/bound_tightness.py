@@ -3,7 +3,7 @@ r"""How tight is Kim's :math:`\infty`-norm bound on L2 self-attention? (Kim Fig.
 L2-MHA with :math:`H = D = 1` and every weight fixed to 1 is the map
 :math:`F(x)_i = \sum_j P_{ij} x_j` with :math:`P_{ij} = \mathrm{softmax}_j(-(x_i - x_j)^2)` on
 :math:`x \in \mathbb R^N`. Its Theorem 3.2 bound is :math:`4\varphi^{-1}(N-1) + 1`
-(:func:`iresflow.nn.bounds.lipschitz_bound`). A lower bound on :math:`\mathrm{lip}_\infty(F)` is
+(:func:`iresflow.nn.attention.lipschitz_bound`). A lower bound on :math:`\mathrm{lip}_\infty(F)` is
 :math:`\|J_F(x)\|_\infty` at any :math:`x`; we maximise it with Adam (learning rate 0.1) from ``K``
 random starts :math:`x_j \sim U[-c, c]`, :math:`c \sim U[0, 10]` per start (Kim App. H), and keep
 the best value seen.
@@ -42,8 +42,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from iresflow.nn.attention import L2MultiheadAttention
-from iresflow.nn.bounds import lipschitz_bound, phi_inv
+from iresflow.nn.attention import L2MultiheadAttention, lipschitz_bound
+from iresflow.nn.bounds import phi_inv
 from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
 
 NAME = "bound_tightness"

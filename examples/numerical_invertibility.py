@@ -36,8 +36,11 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from iresflow.inverse.fixed_point import InversionWarning, fixed_point_inverse
-from iresflow.nn.attention import DotProductMultiheadAttention, L2MultiheadAttention
-from iresflow.nn.bounds import lipschitz_bound
+from iresflow.nn.attention import (
+    DotProductMultiheadAttention,
+    L2MultiheadAttention,
+    lipschitz_bound,
+)
 
 NAME = "numerical_invertibility"
 DTYPE = torch.float32

@@ -4,11 +4,14 @@ Subpackages: :mod:`iresflow.nn` (Lipschitz branches), :mod:`iresflow.transforms`
 nflows transforms), :mod:`iresflow.logdet` (log-determinant engine), :mod:`iresflow.inverse`
 (fixed-point inverse engine), :mod:`iresflow.models` (ready-made flows), :mod:`iresflow.data`
 (offline datasets) and :mod:`iresflow.train` (training, checkpoints, evaluation).
+:func:`value_checks` switches the NaN/Inf and padding-mask value checks of every entry point
+off for a block (see :mod:`iresflow._validation`).
 """
 
+from iresflow._validation import value_checks
 from iresflow.data import load_dataset
 from iresflow.inverse import InversionError, fixed_point_inverse
-from iresflow.models import ResidualFlowTransformer
+from iresflow.models import ModelConfig, ResidualFlowTransformer, SequenceFlow
 from iresflow.transforms import ActNorm, ResidualTransform, SequenceCompositeTransform
 
 __version__ = "0.1.0"
@@ -16,9 +19,12 @@ __version__ = "0.1.0"
 __all__ = [
     "ActNorm",
     "InversionError",
+    "ModelConfig",
     "ResidualFlowTransformer",
     "ResidualTransform",
     "SequenceCompositeTransform",
+    "SequenceFlow",
     "fixed_point_inverse",
     "load_dataset",
+    "value_checks",
 ]

@@ -1,13 +1,26 @@
 """The single input-validation gate of iresflow.
 
-Every public entry point that receives sequences calls :func:`check_sequence` (and, where a
-padding mask is accepted, :func:`check_mask`) before doing any work, so bad input fails early
-with a message naming the argument and the expected shape/dtype.
+Every public entry point that receives sequences validates them once, at the door, before doing
+any work, so bad input fails early with a message naming the argument and the expected
+shape/dtype: :func:`check_inputs` for a batch and its padding mask together (the entry points of
+transforms, estimators and models), :func:`check_sequence` and :func:`check_mask` for the
+building blocks.
+
+Two kinds of checks: *structural* ones (type, rank, shape, dtype, device) read only metadata and
+always run; *value* checks (NaN/Inf, sequences without a real token) read the data and cost a
+host synchronisation. :func:`check_inputs` fuses all value checks of a call into one boolean
+read. Inner layers trust their callers: an entry point runs its internals inside
+``value_checks(False)``, so the branches and estimators it calls skip their value checks (and
+the hot path has no ``bool(tensor)``). Value checks are also skipped under ``torch.func``
+transforms, where values cannot be read, and on ``meta`` tensors, which carry none.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor
@@ -17,10 +30,113 @@ __all__ = [
     "check_finite",
     "check_float",
     "check_generator",
+    "check_inputs",
     "check_int",
     "check_mask",
     "check_sequence",
+    "under_functorch_transform",
+    "value_checks",
+    "values_checked",
 ]
+
+_VALUE_CHECKS: ContextVar[bool] = ContextVar("iresflow_value_checks", default=True)
+
+
+@contextmanager
+def value_checks(enabled: bool) -> Iterator[None]:
+    """Switch the value checks (NaN/Inf, all-padding masks) on or off inside a block.
+
+    The opt-out for callers that validate their data once (e.g. a training loop over a dataset
+    that was checked on loading): inside ``value_checks(False)`` no iresflow entry point reads
+    the values of its inputs, so a call makes no host synchronisation for validation; shapes,
+    dtypes and devices are still checked. Non-finite inputs then propagate to non-finite
+    outputs instead of raising. Entry points use the same switch for the layers they call.
+
+    Args:
+        enabled: Whether value checks run inside the block.
+
+    Example:
+        >>> with value_checks(False):
+        ...     check_sequence(torch.full((1, 2, 3), float("nan"))).shape
+        torch.Size([1, 2, 3])
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    token = _VALUE_CHECKS.set(enabled)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS.reset(token)
+
+
+def under_functorch_transform() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ...) is active."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def values_checked(x: Tensor) -> bool:
+    """Whether the values of ``x`` are inspected now.
+
+    False inside ``value_checks(False)``, under a ``torch.func`` transform (values cannot be
+    read there) and for ``meta`` tensors.
+
+    Args:
+        x: The tensor about to be checked.
+
+    Returns:
+        Whether a value check of ``x`` should run.
+    """
+    return _VALUE_CHECKS.get() and not x.is_meta and not under_functorch_transform()
+
+
+def check_inputs(
+    x: object,
+    mask: object,
+    name: str = "inputs",
+    *,
+    features: int | None = None,
+    allow_2d: bool = True,
+    like: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Validate a batch and its padding mask with one host synchronisation.
+
+    The structural checks of :func:`check_sequence` and :func:`check_mask`, then one fused
+    value check (finite entries, a real token in every sequence) read with a single ``bool``.
+
+    Args:
+        x: Candidate batch, ``(B, N, D)`` (or ``(B, D)`` when ``allow_2d`` and no mask).
+        mask: ``None`` or a boolean padding mask ``(B, N)``, ``True`` for real tokens.
+        name: Name of the data argument in error messages.
+        features: Required feature size ``D``, if known.
+        allow_2d: Whether a ``(B, D)`` batch of vectors is accepted.
+        like: Tensor whose dtype and device ``x`` must share.
+
+    Returns:
+        ``(x, mask)`` with the mask on ``x``'s device.
+
+    Raises:
+        TypeError: wrong types or dtypes, or a dtype/device different from ``like``'s.
+        ValueError: wrong shapes, non-finite values or an all-padding sequence.
+
+    Example:
+        >>> x, mask = check_inputs(torch.zeros(2, 4, 3), torch.ones(2, 4, dtype=torch.bool))
+        >>> x.shape, mask.shape
+        (torch.Size([2, 4, 3]), torch.Size([2, 4]))
+    """
+    token = _VALUE_CHECKS.set(False)
+    try:
+        x = check_sequence(x, name, features=features, allow_2d=allow_2d, like=like)
+        mask = check_mask(mask, x)
+    finally:
+        _VALUE_CHECKS.reset(token)
+    if values_checked(x):
+        bad = torch.isfinite(x).all().logical_not()
+        if mask is not None:
+            bad = torch.stack([bad, mask.any(dim=1).all().logical_not()])
+        if bool(bad.any()):  # the one host synchronisation of the call
+            check_finite(x, name)
+            check_mask(mask, x)
+    return x, mask
 
 
 def check_sequence(
@@ -109,8 +225,9 @@ def check_dtype_device(x: Tensor, like: Tensor, name: str) -> Tensor:
 def check_finite(x: Tensor, name: str) -> Tensor:
     """Raise ``ValueError`` if ``x`` contains NaN or Inf.
 
-    Tensors on the ``meta`` device carry no values and pass unchecked (a later dtype/device
-    check or the computation itself reports them).
+    Skipped where :func:`values_checked` is false: inside ``value_checks(False)``, under
+    ``torch.func`` transforms and for ``meta`` tensors (a later dtype/device check or the
+    computation itself reports those).
 
     Args:
         x: Any tensor.
@@ -123,7 +240,7 @@ def check_finite(x: Tensor, name: str) -> Tensor:
         >>> check_finite(torch.ones(3), "x").sum().item()
         3.0
     """
-    if not x.is_meta and not bool(torch.isfinite(x).all()):
+    if values_checked(x) and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} contains NaN or Inf values")
     return x
 
@@ -132,7 +249,8 @@ def check_mask(mask: object, x: Tensor, name: str = "mask") -> Tensor | None:
     """Validate a boolean padding mask for a ``(B, N, D)`` batch.
 
     The convention throughout iresflow: ``mask[b, n]`` is ``True`` for a real token and ``False``
-    for padding. Every sequence must contain at least one real token.
+    for padding. Every sequence must contain at least one real token (a value check, skipped
+    where :func:`values_checked` is false).
 
     Args:
         mask: ``None`` or a ``torch.bool`` tensor of shape ``(B, N)``.
@@ -165,7 +283,7 @@ def check_mask(mask: object, x: Tensor, name: str = "mask") -> Tensor | None:
         raise ValueError(
             f"{name} must have shape (B, N) = {tuple(x.shape[:2])}, got {tuple(mask.shape)}"
         )
-    if not bool(mask.any(dim=1).all()):
+    if values_checked(mask) and not bool(mask.any(dim=1).all()):
         raise ValueError(f"{name} has a sequence with no real token (all padding)")
     return mask.to(x.device)
 

@@ -7,13 +7,21 @@ Oracles use only plain autograd (``torch.autograd.functional.jacobian``, one sam
 
 from __future__ import annotations
 
+import collections
+import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import spectral_norm
 
+import iresflow
 from iresflow.nn.base import LipschitzBranch
+
+PACKAGE = Path(iresflow.__file__).resolve().parent
+#: Tensor methods that read a value on the host (a device synchronisation on accelerators).
+HOST_READS = ("__bool__", "item", "tolist", "__int__", "__float__", "__index__")
 
 SequenceMap = Callable[[Tensor, "Tensor | None"], Tensor]
 
@@ -285,3 +293,34 @@ class ScaleBranch(LipschitzBranch):
 
     def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
         return self.c.detach().abs()
+
+
+def count_host_reads(fn: Callable[[], object]) -> collections.Counter:
+    """Count the host reads of tensor values made from iresflow code while ``fn`` runs.
+
+    Patches the tensor methods that read a value on the host (a device synchronisation on
+    accelerators) and counts the calls whose Python stack holds a frame of the iresflow package,
+    keyed by method and the innermost such frame.
+    """
+    counts: collections.Counter = collections.Counter()
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counting(name):
+        original = originals[name]
+
+        def read(self, *args, **kwargs):
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if Path(f.filename).resolve().is_relative_to(PACKAGE)]
+            if frames:
+                counts[f"{name} at {Path(frames[-1].filename).name}:{frames[-1].lineno}"] += 1
+            return original(self, *args, **kwargs)
+        return read
+
+    try:
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, counting(name))
+        fn()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return counts

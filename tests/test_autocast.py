@@ -68,7 +68,8 @@ def estimator(name: str):
 
 
 def make_model(device: torch.device, dtype: torch.dtype) -> ResidualFlowTransformer:
-    model = ResidualFlowTransformer(4, n_blocks=1, hidden=8).to(device=device, dtype=dtype)
+    model = ResidualFlowTransformer(features=4, n_blocks=1, hidden=8, max_len=512)
+    model = model.to(device=device, dtype=dtype)
     x, mask = inputs(device, dtype)
     with torch.no_grad():
         model.log_prob(x, mask, method="exact")  # data-dependent ActNorm initialisation

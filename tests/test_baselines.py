@@ -22,7 +22,7 @@ from benchmarks.results import (
     target_check,
 )
 from iresflow.data.datasets import SequenceSplit
-from iresflow.models.transformer import sample_mask
+from iresflow.models.distributions import sample_mask
 from tests.oracles import finite_difference_grad, jacobian, jacobian_logdet
 
 MASK = torch.tensor([[True, True, True], [True, False, False], [True, True, False]])

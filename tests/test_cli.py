@@ -205,8 +205,8 @@ def test_edited_checkpoints_are_renormalised_or_refused(
     shutil.copytree(run, copy)
     best = copy / "checkpoints" / "best.pt"
     state = load_checkpoint(best)
-    mlp = "transform._transforms.3.branch.net.0.weight"
-    for name in (mlp, "transform._transforms.1.branch.branch.attention.w_value"):
+    mlp = "transform.steps.3.branch.net.0.weight"
+    for name in (mlp, "transform.steps.1.branch.branch.attention.w_value"):
         state["model"][name] = state["model"][name] * 100.0  # far beyond the constraint
     torch.save(state, best)
     loaded = load_run(copy, device="cpu")

@@ -101,7 +101,7 @@ def _tiny_model(device: torch.device, dtype: torch.dtype, **kwargs: Any) -> Resi
     """One-block model with a learned positional table of MAX_LEN rows and initialised ActNorm."""
     options = {"n_blocks": 1, "hidden": 4, "heads": HEADS, "max_len": MAX_LEN,
                "positional": "learned"} | kwargs
-    model = ResidualFlowTransformer(FEATURES, **options).to(device=device, dtype=dtype)
+    model = ResidualFlowTransformer(features=FEATURES, **options).to(device=device, dtype=dtype)
     data = torch.randn(6, MAX_LEN, FEATURES, device=device, dtype=dtype) * 1.5 + 0.3
     model.train().log_prob(data, method="exact")
     return model.eval()

@@ -1,4 +1,4 @@
-"""ExactLogDet, the shared estimator interface and make_logdet (MATH.md G1, check H10)."""
+"""ExactLogDet and the shared estimator interface (docs/math.md#change-of-variables)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from oracles import (
     residual_map,
 )
 
-from iresflow.logdet.base import LogDetEstimator, make_logdet
 from iresflow.logdet.exact import ExactLogDet, jacobian_blocks
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.logdet.series import SeriesLogDet
@@ -173,23 +172,6 @@ def test_input_validation(device, estimator):
         estimator(branch, x, torch.ones(2, 4, dtype=torch.bool, device=device))
     with pytest.raises(TypeError, match="torch.bool"):
         estimator(branch, x, torch.ones(2, 3, device=device))
-
-
-def test_make_logdet():
-    assert isinstance(make_logdet("exact"), ExactLogDet)
-    series = make_logdet("series", n_terms=4, probe="gaussian")
-    assert isinstance(series, SeriesLogDet) and series.n_terms == 4 and series.probe == "gaussian"
-    roulette = make_logdet("roulette", distribution="poisson", lam=3.0)
-    assert isinstance(roulette, RouletteLogDet) and roulette.lam == 3.0
-    instance = RouletteLogDet()
-    assert make_logdet(instance) is instance
-    assert isinstance(instance, LogDetEstimator)
-    with pytest.raises(ValueError, match="method must be one of"):
-        make_logdet("brute")
-    with pytest.raises(ValueError, match="cannot be combined"):
-        make_logdet(instance, n_probes=2)
-    with pytest.raises(TypeError, match="method"):
-        make_logdet(3)
 
 
 def test_bad_chunk_size():

@@ -10,7 +10,7 @@ from oracles import MixingBranch, ScaleBranch, TanhMLPBranch
 from scipy import stats
 
 from iresflow.logdet.exact import ExactLogDet
-from iresflow.logdet.roulette import RouletteLogDet
+from iresflow.logdet.roulette import RouletteLogDet, predraw_counts
 
 F64 = torch.float64
 
@@ -216,3 +216,46 @@ def test_dtype_and_device_follow_input(device):
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         RouletteLogDet(**kwargs)
+
+
+@pytest.mark.parametrize("distribution", ["geometric", "poisson"])
+def test_draw_counts_has_the_count_distribution(distribution):
+    estimator = RouletteLogDet(distribution, generator=torch.Generator().manual_seed(1))
+    dist = _count_distribution(estimator)
+    draws = torch.tensor(estimator.draw_counts(4000), dtype=F64)
+    z = (draws.mean() - dist.mean()) / (dist.std() / math.sqrt(len(draws)))
+    assert abs(z) < 4
+    for value in range(0, 4):
+        p = dist.pmf(value)
+        freq = (draws == value).to(F64).mean()
+        assert abs(freq - p) < 4 * math.sqrt(p * (1 - p) / len(draws)) + 1e-12
+
+
+def test_predrawn_counts_are_one_draw_per_generator_consumed_in_call_order(device):
+    shared = torch.Generator(device=device).manual_seed(3)
+    a, b = RouletteLogDet(generator=shared), RouletteLogDet(generator=shared)
+    c = RouletteLogDet("poisson", generator=shared)  # another distribution: its own draw
+    predraw_counts([a, b, c, a])
+    got = [a.sample_count(), b.sample_count(), a.sample_count(), c.sample_count()]
+    twin = torch.Generator(device=device).manual_seed(3)
+    expected = RouletteLogDet(generator=twin).draw_counts(3)
+    assert got[:3] == expected
+    assert got[3] == RouletteLogDet("poisson", generator=twin).draw_counts(1)[0]
+    # The queues are used up: the next count is a fresh draw from the generator.
+    assert a.sample_count() == RouletteLogDet(generator=twin).draw_counts(1)[0]
+    with pytest.raises(TypeError, match="RouletteLogDet"):
+        predraw_counts([a, "roulette"])  # type: ignore[list-item]
+
+
+def test_predrawn_counts_give_the_estimate_of_the_same_counts(device):
+    branch = ScaleBranch(0.5, device=device).train()
+    x, mask = _inputs(device)
+    estimator = RouletteLogDet(generator=torch.Generator(device=device).manual_seed(0))
+    predraw_counts([estimator])
+    with torch.no_grad():
+        _, predrawn = estimator(branch, x, mask)
+    estimator.generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        _, drawn = estimator(branch, x, mask)
+    # Same count, same probes (Rademacher probes times c I: the estimate is deterministic).
+    torch.testing.assert_close(predrawn, drawn, atol=1e-12, rtol=0)

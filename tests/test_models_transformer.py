@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from iresflow.models.transformer import ResidualFlowTransformer, default_heads
+from iresflow.models.config import ConfigError, ModelConfig, default_heads
+from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.nn.positional import (
     LearnedPositionalEncoding,
@@ -26,7 +27,7 @@ def _mask(lengths: list[int], n: int, device: torch.device) -> torch.Tensor:
 def _model(device, dtype, *, features=2, seq_len=3, **kwargs) -> ResidualFlowTransformer:
     """A tiny model with ActNorm initialised on shifted, scaled data, in eval mode."""
     options = {"n_blocks": 1, "hidden": 8, "max_len": 6} | kwargs
-    model = ResidualFlowTransformer(features, **options).to(device=device, dtype=dtype)
+    model = ResidualFlowTransformer(features=features, **options).to(device=device, dtype=dtype)
     data = torch.randn(8, seq_len, features, device=device, dtype=dtype) * 1.7 + 0.3
     model.train().log_prob(data, method="exact")
     return model.eval()
@@ -88,12 +89,12 @@ def test_inverse_of_forward_is_identity(device, dtype, config):
 
 
 def test_chunked_exact_training_initialises_actnorm_from_the_whole_batch(device, dtype):
-    model = ResidualFlowTransformer(2, n_blocks=1, hidden=8, max_len=4).to(device=device,
+    model = ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=4).to(device=device,
                                                                             dtype=dtype)
     x = torch.randn(5, 4, 2, device=device, dtype=dtype) * 3 + 1
     mask = _mask([4, 1, 2, 3, 4], 4, device)
     model.train().log_prob(x, mask, method="exact", chunk_size=1)
-    first = model.transform._transforms[0]
+    first = model.transform.steps[0]
     reference = ActNorm(2).to(device=device, dtype=dtype).train()
     reference(x[mask])
     torch.testing.assert_close(first.shift, reference.shift)
@@ -182,7 +183,7 @@ def test_sample_shapes_masks_and_reproducibility(device, dtype):
 @pytest.mark.parametrize("method", [None, "exact"])
 @pytest.mark.parametrize("config", CONFIGS[1:3], ids=lambda c: "-".join(map(str, c.values())))
 def test_every_parameter_gets_a_gradient(device, dtype, method, config):
-    model = ResidualFlowTransformer(2, hidden=8, max_len=4, **(config | {"n_blocks": 2}))
+    model = ResidualFlowTransformer(features=2, hidden=8, max_len=4, **(config | {"n_blocks": 2}))
     model = model.to(device=device, dtype=dtype)
     x = torch.randn(4, 3, 2, device=device, dtype=dtype)
     mask = _mask([3, 2, 3, 1], 3, device)
@@ -196,7 +197,7 @@ def test_save_load_round_trip(device, dtype):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    config = json.loads(json.dumps(model.config))
+    config = json.loads(json.dumps(model.config.to_dict()))
     rebuilt = ResidualFlowTransformer(**config).to(device=device, dtype=dtype)
     rebuilt.load_state_dict(model.state_dict())
     x = torch.randn(3, 4, 2, device=device, dtype=dtype)
@@ -222,7 +223,7 @@ def test_transform_is_the_flow(device, dtype):
 
 
 def test_exact_and_roulette_agree_within_four_standard_errors(device, dtype):
-    model = ResidualFlowTransformer(2, n_blocks=1, hidden=8, max_len=4).to(device=device,
+    model = ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=4).to(device=device,
                                                                             dtype=dtype)
     data = torch.randn(16, 4, 2, device=device, dtype=dtype) @ torch.tensor(
         [[1.0, 0.8], [0.0, 0.5]], device=device, dtype=dtype)
@@ -255,7 +256,7 @@ def test_lipschitz_report(device, dtype):
         assert 0 < r["estimate"] <= r["certified"] <= 0.8 + slack
     assert report[0]["raw_bound"] > 0 and report[1]["raw_bound"] is None
     # The estimate is the local Jacobian norm of the branch at random inputs: check one by hand.
-    branch = model.transform._transforms[1].branch
+    branch = model.transform.steps[1].branch
     probe = torch.randn(4, 4, 2, generator=torch.Generator(device).manual_seed(0), device=device,
                         dtype=dtype)
     jac = jacobian(lambda t, m: branch(t, m), probe)
@@ -263,7 +264,7 @@ def test_lipschitz_report(device, dtype):
 
 
 def test_lipschitz_report_describes_the_evaluation_mode_model(device, dtype):
-    model = ResidualFlowTransformer(2, n_blocks=1, hidden=8, max_len=4, coeff=0.8,
+    model = ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=4, coeff=0.8,
                                     spectral_norm="power")
     model = model.to(device=device, dtype=dtype).train()
     # Weights far from the power iteration's state: training-mode estimates would exceed 0.8.
@@ -278,20 +279,24 @@ def test_lipschitz_report_describes_the_evaluation_mode_model(device, dtype):
     slack = 1e-9 if dtype == torch.float64 else 1e-6
     assert max(r["certified"] for r in report) <= 0.8 + slack
     with torch.no_grad():  # the training-mode certificate lags behind the weights
-        assert float(model.transform._transforms[3].branch.lipschitz_constant()) > 0.8 + 1e-3
+        assert float(model.transform.steps[3].branch.lipschitz_constant()) > 0.8 + 1e-3
 
 
 def test_config_and_defaults(device, dtype):
-    model = ResidualFlowTransformer(12)
-    assert model.config == {
-        "features": 12, "n_blocks": 4, "hidden": 64, "heads": 4, "coeff": 0.9,
+    model = ResidualFlowTransformer(features=12, n_blocks=4, max_len=512)
+    assert model.config.to_dict() == {
+        "features": 12, "n_blocks": 4, "hidden": 64, "heads": None, "coeff": 0.9,
         "attention": "l2", "positional": "sinusoidal", "max_len": 512, "logdet": "roulette",
         "n_power_iterations": 1, "spectral_norm": "exact",
     }
-    assert ResidualFlowTransformer(**model.config).config == model.config
+    assert model.config.resolved_heads == 4
+    assert model.config == ModelConfig(features=12, n_blocks=4, max_len=512)
+    assert ResidualFlowTransformer(**model.config.to_dict()).config == model.config
+    assert ResidualFlowTransformer(model.config, hidden=8).config == model.config.replace(hidden=8)
     assert [default_heads(d) for d in (1, 2, 3, 4, 5, 6, 12)] == [1, 2, 3, 4, 1, 3, 4]
     assert len(model.lipschitz_report(seq_len=2, n_inputs=1)) == 8
-    assert len(ResidualFlowTransformer(3, n_blocks=3, attention="none").lipschitz_report()) == 3
+    none = ResidualFlowTransformer(features=3, n_blocks=3, attention="none", max_len=16)
+    assert len(none.lipschitz_report()) == 3
 
 
 def test_bad_inputs_raise(device, dtype):
@@ -328,17 +333,23 @@ def test_bad_inputs_raise(device, dtype):
     with pytest.raises(ValueError, match="max_len"):
         model.lipschitz_report(seq_len=7)
     with pytest.raises(ValueError, match="heads"):
-        ResidualFlowTransformer(4, heads=3)
+        ResidualFlowTransformer(features=4, heads=3)
     with pytest.raises(ValueError, match="attention"):
-        ResidualFlowTransformer(4, attention="dot")
+        ResidualFlowTransformer(features=4, attention="dot")
     with pytest.raises(ValueError, match="positional"):
-        ResidualFlowTransformer(4, positional="rotary")
+        ResidualFlowTransformer(features=4, positional="rotary")
     with pytest.raises(ValueError, match="coeff"):
-        ResidualFlowTransformer(4, coeff=1.0)
+        ResidualFlowTransformer(features=4, coeff=1.0)
     with pytest.raises(ValueError, match="logdet"):
-        ResidualFlowTransformer(4, logdet="hutchinson")
-    with pytest.raises(TypeError, match="features"):
-        ResidualFlowTransformer(4.0)
+        ResidualFlowTransformer(features=4, logdet="hutchinson")
+    with pytest.raises(ConfigError, match="features"):
+        ResidualFlowTransformer(features=4.0, max_len=4)
+    with pytest.raises(ConfigError, match="max_len"):
+        ResidualFlowTransformer(features=4)
+    with pytest.raises(ConfigError, match="unknown option"):
+        ResidualFlowTransformer(features=4, max_len=4, blocks=2)
+    with pytest.raises(TypeError, match="config"):
+        ResidualFlowTransformer(4)
 
 
 # ------------------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ from iresflow.models.transformer import ResidualFlowTransformer
 @pytest.mark.parametrize("attention", ["l2", "lipschitznorm"])
 def test_flow_trains_and_samples_on_fixed_length_data(device, dtype, attention):
     n, d = 3, 2
-    model = ResidualFlowTransformer(d, n_blocks=1, hidden=8, max_len=n, attention=attention,
-                                    logdet="exact").to(device=device, dtype=dtype)
+    model = ResidualFlowTransformer(features=d, n_blocks=1, hidden=8, max_len=n,
+                                    attention=attention, logdet="exact")
+    model = model.to(device=device, dtype=dtype)
     flow = Flow(model.transform, StandardNormal([n, d])).to(device=device, dtype=dtype)
     # Correlated, non-standard data: consecutive tokens share a component.
     base = torch.randn(64, n + 1, d, device=device, dtype=dtype)
@@ -54,7 +55,7 @@ def test_flow_trains_and_samples_on_fixed_length_data(device, dtype, attention):
 
 
 def test_inverse_then_forward_is_identity_with_zero_logdet(device, dtype):
-    model = ResidualFlowTransformer(2, n_blocks=2, hidden=8, max_len=4, logdet="exact")
+    model = ResidualFlowTransformer(features=2, n_blocks=2, hidden=8, max_len=4, logdet="exact")
     model = model.to(device=device, dtype=dtype)
     x = torch.randn(5, 4, 2, device=device, dtype=dtype) * 2 + 1
     model.transform(x)  # initialise the ActNorms

@@ -13,8 +13,8 @@ from iresflow.nn.attention import (
     ContractiveLipschitzNormAttention,
     DotProductMultiheadAttention,
     L2MultiheadAttention,
+    lipschitz_bound,
 )
-from iresflow.nn.bounds import lipschitz_bound
 from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
 
 

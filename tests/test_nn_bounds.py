@@ -10,8 +10,8 @@ import torch
 from scipy.special import lambertw
 from torch.func import vmap
 
-from iresflow.nn.attention import L2MultiheadAttention
-from iresflow.nn.bounds import l2_attention_bound, lipschitz_bound, phi, phi_inv
+from iresflow.nn.attention import L2MultiheadAttention, lipschitz_bound
+from iresflow.nn.bounds import l2_attention_bound, phi, phi_inv
 
 # MATH.md C, reference values of phi^{-1}(N - 1).
 TABLE = {

@@ -1,4 +1,4 @@
-"""ResidualTransform and SequenceCompositeTransform (MATH.md D, G1, G8; check H9)."""
+"""ResidualTransform (docs/math.md#change-of-variables, docs/math.md#fixed-point-inverse)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.nn.attention import ContractiveL2MultiheadAttention
 from iresflow.nn.linear import SpectralLinear
 from iresflow.nn.mlp import LipschitzMLP
-from iresflow.transforms.base import SequenceCompositeTransform, SequenceTransform
 from iresflow.transforms.residual import ResidualTransform
 
 F64 = torch.float64
@@ -243,35 +242,6 @@ def test_nflows_composite_inverse_transform_and_flow(device):
     flow = Flow(chain, StandardNormal([D])).to(dtype=F64)
     normal = -0.5 * z.pow(2).sum(1) - D / 2 * math.log(2 * math.pi)
     assert torch.allclose(flow.log_prob(x), normal + logabsdet, atol=1e-10, rtol=0)
-
-
-def test_sequence_composite_passes_the_mask(device):
-    branches = [make_branch(kind, device) for kind in ("attention", "mlp")]
-    blocks = [ResidualTransform(b, logdet="exact") for b in branches]
-    chain = SequenceCompositeTransform(blocks)
-    assert isinstance(chain, SequenceTransform) and isinstance(chain, nft.Transform)
-    x = torch.randn(3, 4, D, device=device, dtype=F64)
-    mask = padding_mask([4, 1, 2], 4, device)
-    z, logabsdet = chain(x, mask=mask)
-    h, first = blocks[0](x, mask=mask)
-    expected_z, second = blocks[1](h, mask=mask)
-    assert torch.allclose(z, expected_z, atol=1e-14, rtol=0)
-    assert torch.allclose(logabsdet, first + second, atol=1e-12, rtol=0)
-    oracle = jacobian_logdet(lambda t, m: chain(t, mask=m)[0], x, mask)
-    assert torch.allclose(logabsdet, oracle, atol=1e-8, rtol=0)
-    x_rec, inverse_logabsdet = chain.inverse(z, mask=mask)
-    assert torch.allclose(x_rec, x, atol=1e-9, rtol=0)
-    assert torch.allclose(inverse_logabsdet, -logabsdet, atol=1e-9, rtol=0)
-
-
-def test_sequence_composite_rejects_bad_members(device):
-    with pytest.raises(TypeError, match="transforms\\[1\\]"):
-        SequenceCompositeTransform([nft.IdentityTransform(), torch.nn.Identity()])
-    chain = SequenceCompositeTransform([nft.IdentityTransform()])
-    x = torch.randn(2, 3, 2, device=device, dtype=F64)
-    assert torch.equal(chain(x)[0], x)
-    with pytest.raises(TypeError, match="SequenceTransform"):
-        chain(x, mask=padding_mask([3, 2], 3, device))
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torchdiffeq import odeint, odeint_adjoint
 
 from iresflow._validation import check_mask, check_sequence
-from iresflow.models.transformer import sample_mask
+from iresflow.models.distributions import sample_mask
 
 __all__ = ["CNF", "AttentionVectorField", "exact_divergence", "hutchinson_divergence"]
 

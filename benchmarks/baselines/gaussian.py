@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from iresflow._validation import check_mask, check_sequence
-from iresflow.models.transformer import sample_mask
+from iresflow.models.distributions import sample_mask
 
 __all__ = ["FrameGaussian", "SequenceGaussian", "fit_gaussian"]
 

@@ -19,7 +19,7 @@ from nflows.flows.realnvp import SimpleRealNVP
 from torch import Tensor, nn
 
 from iresflow._validation import check_mask, check_sequence
-from iresflow.models.transformer import sample_mask
+from iresflow.models.distributions import sample_mask
 
 __all__ = ["FlattenedSequenceFlow", "FrameFlow", "frame_maf", "sequence_maf", "sequence_realnvp"]
 

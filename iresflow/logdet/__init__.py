@@ -1,7 +1,8 @@
 """Log-determinants of residual blocks: exact, truncated series and unbiased Russian roulette."""
 
-from iresflow.logdet.base import LogDetEstimator, make_logdet
+from iresflow.logdet.base import LogDetEstimator
 from iresflow.logdet.exact import ExactLogDet, jacobian_blocks
+from iresflow.logdet.factory import make_logdet
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.logdet.series import SeriesLogDet
 

@@ -6,8 +6,8 @@ Every residual block :math:`F(x) = x + g(x)` of iresflow obtains its log-Jacobia
 
 from a :class:`LogDetEstimator`: exactly (:class:`~iresflow.logdet.exact.ExactLogDet`), by a
 truncated power series (:class:`~iresflow.logdet.series.SeriesLogDet`) or by the unbiased Russian
-roulette estimator (:class:`~iresflow.logdet.roulette.RouletteLogDet`). :func:`make_logdet` builds
-one from its name.
+roulette estimator (:class:`~iresflow.logdet.roulette.RouletteLogDet`).
+:func:`~iresflow.logdet.factory.make_logdet` builds one from its name.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
-from iresflow._validation import check_mask, check_sequence
+from iresflow._validation import check_inputs, value_checks
 from iresflow.nn.base import LipschitzBranch
 
-__all__ = ["LogDetEstimator", "make_logdet"]
+__all__ = ["LogDetEstimator", "check_logdet_dtype"]
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -30,7 +30,9 @@ class LogDetEstimator(ABC):
 
     Calling an estimator validates its inputs (:mod:`iresflow._validation`) and returns the branch
     output together with the log-determinant of :math:`x \mapsto x + g(x)`, carrying an autograd
-    graph suitable for training. Padded positions (``mask`` ``False``) never enter the
+    graph suitable for training. :meth:`estimate` is the same computation without the checks,
+    for callers that validated the batch already (the residual transforms); subclasses
+    implement it. Padded positions (``mask`` ``False``) never enter the
     log-determinant: the branch Jacobian has zero rows and columns there, so
     :math:`\det(I + J_g)` equals the determinant of the real sub-block.
 
@@ -59,63 +61,44 @@ class LogDetEstimator(ABC):
         """
         if not isinstance(branch, LipschitzBranch):
             raise TypeError(f"branch must be a LipschitzBranch, got {type(branch).__name__}")
-        if isinstance(x, Tensor) and x.is_floating_point() and x.dtype not in _DTYPES:
-            raise TypeError(f"x must have dtype torch.float32 or torch.float64, got {x.dtype}")
+        if isinstance(x, Tensor) and x.is_floating_point():
+            check_logdet_dtype(x, "x")
         # Checked here, on the caller's batch, rather than inside the branch on the repeated
         # batches the engines build (whose shapes would appear in the message).
         features = getattr(branch, "features", None)
         like = next(branch.parameters(), None)
-        x = check_sequence(x, "x", features=features, allow_2d=False, like=like)
-        mask = check_mask(mask, x)
-        return self._estimate(branch, x, mask)
+        x, mask = check_inputs(x, mask, "x", features=features, allow_2d=False, like=like)
+        with value_checks(False):
+            return self.estimate(branch, x, mask)
 
     @abstractmethod
-    def _estimate(
+    def estimate(
         self, branch: LipschitzBranch, x: Tensor, mask: Tensor | None
     ) -> tuple[Tensor, Tensor]:
-        """Compute ``(g(x), logdet)`` for validated inputs (see :meth:`__call__`)."""
+        """Compute ``(g(x), logdet)`` for validated inputs (see :meth:`__call__`); no checks.
+
+        Args:
+            branch: The residual branch :math:`g`.
+            x: Sequences ``(B, N, D)``, already validated by the caller.
+            mask: Optional boolean padding mask ``(B, N)`` on ``x``'s device, or ``None``.
+
+        Returns:
+            ``(g(x), logdet)`` with shapes ``(B, N, D)`` and ``(B,)``.
+        """
 
 
-def make_logdet(method: str | LogDetEstimator, **kwargs: object) -> LogDetEstimator:
-    r"""Build a log-determinant estimator from its name.
+def check_logdet_dtype(x: Tensor, name: str) -> None:
+    """Require a float32 or float64 ``x``: the log-determinant engines compute in those only.
 
     Args:
-        method: ``"exact"`` (:class:`~iresflow.logdet.exact.ExactLogDet`), ``"series"``
-            (:class:`~iresflow.logdet.series.SeriesLogDet`), ``"roulette"``
-            (:class:`~iresflow.logdet.roulette.RouletteLogDet`), or an estimator instance,
-            returned unchanged.
-        kwargs: Constructor arguments of the named estimator.
-
-    Returns:
-        The estimator.
+        x: The batch whose log-determinant is wanted.
+        name: Argument name used in the message.
 
     Raises:
-        ValueError: unknown name, or keyword arguments given together with an instance.
-        TypeError: ``method`` is neither a string nor an estimator.
+        TypeError: any other dtype.
 
     Example:
-        >>> make_logdet("series", n_terms=5).n_terms
-        5
+        >>> check_logdet_dtype(torch.zeros(2, 3), "x")
     """
-    from iresflow.logdet.exact import ExactLogDet
-    from iresflow.logdet.roulette import RouletteLogDet
-    from iresflow.logdet.series import SeriesLogDet
-
-    if isinstance(method, LogDetEstimator):
-        if kwargs:
-            raise ValueError(
-                f"keyword arguments {sorted(kwargs)} cannot be combined with an estimator instance"
-            )
-        return method
-    if not isinstance(method, str):
-        raise TypeError(
-            f"method must be a string or a LogDetEstimator, got {type(method).__name__}"
-        )
-    estimators: dict[str, type[LogDetEstimator]] = {
-        "exact": ExactLogDet,
-        "series": SeriesLogDet,
-        "roulette": RouletteLogDet,
-    }
-    if method not in estimators:
-        raise ValueError(f"method must be one of {sorted(estimators)}, got {method!r}")
-    return estimators[method](**kwargs)
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"{name} must have dtype torch.float32 or torch.float64, got {x.dtype}")

@@ -148,8 +148,10 @@ class ExactLogDet(LogDetEstimator):
     means the branch is not contractive and raises ``ValueError``.
 
     Args:
-        chunk_size: Sequences per Jacobian chunk (bounds memory on large evaluation sets);
-            ``None`` processes the whole batch at once.
+        chunk_size: Sequences per Jacobian chunk (bounds the memory of one call); ``None``
+            processes the whole batch at once. A model evaluates its exact log-density in
+            length-sorted chunks of its own (:mod:`iresflow.models.evaluation`) and leaves this
+            at ``None``.
 
     Example:
         >>> import torch
@@ -163,10 +165,10 @@ class ExactLogDet(LogDetEstimator):
         True
     """
 
-    def __init__(self, chunk_size: int | None = 64) -> None:
+    def __init__(self, chunk_size: int | None = None) -> None:
         self.chunk_size = None if chunk_size is None else check_int(chunk_size, "chunk_size", 1)
 
-    def _estimate(
+    def estimate(
         self, branch: LipschitzBranch, x: Tensor, mask: Tensor | None
     ) -> tuple[Tensor, Tensor]:
         out, jac = jacobian_blocks(branch, x, mask, chunk_size=self.chunk_size)

@@ -59,6 +59,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from iresflow._validation import value_checks
 from iresflow.logdet._hutchinson import (
     power_series,
     repeated_input,
@@ -143,7 +144,11 @@ class NeumannLogDetFunction(torch.autograd.Function):
         copies = v.shape[0] // batch
         need_params = ctx.needs_input_grad[7:]
         device_type, autocast_dtype, autocast_enabled = ctx.autocast
-        with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_enabled):
+        # The forward's inputs were validated: the re-evaluation reads no values either.
+        with (
+            torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_enabled),
+            value_checks(False),
+        ):
             if ctx.lin is not None:
                 point = ctx.lin.at(x.repeat(copies, 1, 1), repeated_mask(ctx.mask, copies))
                 grad_x, grads = _fast_backward(point, grad_out, grad_logdet, u, v)

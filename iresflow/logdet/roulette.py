@@ -15,11 +15,16 @@ probability :math:`\mathbb P(N \ge k - m)` and re-weighted by its inverse. Count
 One count is drawn per call and shared by the batch and the probes (the residual-flows
 convention); each sample's estimate is unbiased, and repeated calls give independent draws, from
 which a caller obtains per-sample means and standard errors.
+
+A count is a Python integer (it sets the number of terms), so drawing it reads a tensor on the
+host. :func:`predraw_counts` draws the counts of all calls of one pass through a flow at once,
+one host read per generator instead of one per residual block.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -35,7 +40,7 @@ from iresflow.logdet.base import LogDetEstimator
 from iresflow.logdet.neumann import neumann_logdet
 from iresflow.nn.base import LipschitzBranch
 
-__all__ = ["RouletteLogDet"]
+__all__ = ["RouletteLogDet", "predraw_counts"]
 
 DISTRIBUTIONS = ("geometric", "poisson")
 
@@ -116,6 +121,7 @@ class RouletteLogDet(LogDetEstimator):
         self.neumann_gradient = neumann_gradient
         self.memory_efficient = memory_efficient
         self.generator = check_generator(generator)
+        self._predrawn: list[int] = []
 
     def tail_probability(self, j: int) -> float:
         r""":math:`\mathbb P(N \ge j)` of the count distribution.
@@ -163,21 +169,44 @@ class RouletteLogDet(LogDetEstimator):
         return [1.0 if k <= m else 1.0 / self.tail_probability(k - m) for k in range(n + m + 1)]
 
     def sample_count(self) -> int:
-        """Draw the roulette count :math:`n` from ``generator`` (on its device).
+        """The roulette count :math:`n` of the next call.
+
+        A count queued by :func:`predraw_counts` if there is one, else a fresh draw from
+        ``generator`` (on its device).
 
         Returns:
             A non-negative integer (at least 1 for the geometric distribution).
         """
+        if self._predrawn:
+            return self._predrawn.pop(0)
+        return self.draw_counts(1)[0]
+
+    def draw_counts(self, num: int) -> list[int]:
+        """Draw ``num`` independent counts from ``generator`` (on its device), one host read.
+
+        Args:
+            num: Number of counts, ``>= 1``.
+
+        Returns:
+            ``num`` non-negative integers (at least 1 for the geometric distribution).
+
+        Example:
+            >>> gen = torch.Generator().manual_seed(0)
+            >>> counts = RouletteLogDet(generator=gen).draw_counts(3)
+            >>> len(counts), min(counts) >= 1
+            (3, True)
+        """
+        num = check_int(num, "num", 1)
         device = self.generator.device if self.generator is not None else torch.device("cpu")
         if self.distribution == "geometric":
-            draw = torch.empty((), dtype=torch.float64, device=device)
+            draw = torch.empty(num, dtype=torch.float64, device=device)
             draw.geometric_(self.p, generator=self.generator)
         else:
-            rate = torch.full((), self.lam, dtype=torch.float64, device=device)
+            rate = torch.full((num,), self.lam, dtype=torch.float64, device=device)
             draw = torch.poisson(rate, generator=self.generator)
-        return int(draw)
+        return [int(c) for c in draw.tolist()]
 
-    def _estimate(
+    def estimate(
         self, branch: LipschitzBranch, x: Tensor, mask: Tensor | None
     ) -> tuple[Tensor, Tensor]:
         m = self.n_exact_terms if branch.training else self.eval_exact_terms
@@ -190,3 +219,39 @@ class RouletteLogDet(LogDetEstimator):
                 branch, x, mask, v, coeffs, neumann_coeffs, memory_efficient=self.memory_efficient
             )
         return hutchinson_logdet(branch, x, mask, v, coeffs)
+
+
+def predraw_counts(calls: Sequence[RouletteLogDet]) -> None:
+    """Draw the counts of several upcoming estimator calls at once.
+
+    ``calls`` lists the estimator of every upcoming call in call order (an estimator used by
+    ``k`` blocks appears ``k`` times). Estimators with the same generator and count
+    distribution get their counts from one draw, so a pass through a flow reads the host once
+    per generator; each estimator's queue is replaced by its new counts, which its next calls
+    consume (:meth:`RouletteLogDet.sample_count`). Every count is an independent draw from the
+    estimator's distribution, so each call stays unbiased.
+
+    Args:
+        calls: The estimators of the upcoming calls.
+
+    Example:
+        >>> gen = torch.Generator().manual_seed(0)
+        >>> a, b = RouletteLogDet(generator=gen), RouletteLogDet(generator=gen)
+        >>> predraw_counts([a, b, a])
+        >>> counts = [a.sample_count(), b.sample_count(), a.sample_count()]
+        >>> counts == RouletteLogDet(generator=torch.Generator().manual_seed(0)).draw_counts(3)
+        True
+    """
+    groups: dict[tuple[object, ...], list[RouletteLogDet]] = {}
+    for estimator in calls:
+        if not isinstance(estimator, RouletteLogDet):
+            raise TypeError(
+                f"calls must hold RouletteLogDet estimators, got {type(estimator).__name__}"
+            )
+        key = (id(estimator.generator), estimator.distribution, estimator.p, estimator.lam)
+        groups.setdefault(key, []).append(estimator)
+    for estimator in set(calls):
+        estimator._predrawn = []
+    for members in groups.values():
+        for estimator, count in zip(members, members[0].draw_counts(len(members)), strict=True):
+            estimator._predrawn.append(count)

@@ -70,7 +70,7 @@ class SeriesLogDet(LogDetEstimator):
         r"""Series weights :math:`(-1)^{k+1}/k`, :math:`k = 1, \dots, n`."""
         return [(-1) ** (k + 1) / k for k in range(1, self.n_terms + 1)]
 
-    def _estimate(
+    def estimate(
         self, branch: LipschitzBranch, x: Tensor, mask: Tensor | None
     ) -> tuple[Tensor, Tensor]:
         if self.exact_trace:

@@ -6,9 +6,10 @@ from iresflow.nn.attention import (
     ContractiveLipschitzNormAttention,
     DotProductMultiheadAttention,
     L2MultiheadAttention,
+    lipschitz_bound,
 )
 from iresflow.nn.base import LipschitzBranch
-from iresflow.nn.bounds import l2_attention_bound, lipschitz_bound, phi_inv
+from iresflow.nn.bounds import l2_attention_bound, phi_inv
 from iresflow.nn.conv import SpectralConv1d, TemporalConvBranch, circular_conv_norm
 from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
 from iresflow.nn.linear import InfNormLinear, SpectralLinear

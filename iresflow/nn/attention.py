@@ -27,13 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from iresflow._validation import check_int, check_mask, check_sequence
+from iresflow._validation import check_inputs, check_int, under_functorch_transform
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.bounds import l2_attention_bound
-from iresflow.nn.linear import (
-    _check_coefficient,
-    _under_functorch_transform,
-)
+from iresflow.nn.linear import _check_coefficient
 from iresflow.nn.lipschitz_norm import (
     _check_positive,
     lipschitz_norm_scale,
@@ -46,6 +43,7 @@ __all__ = [
     "ContractiveLipschitzNormAttention",
     "DotProductMultiheadAttention",
     "L2MultiheadAttention",
+    "lipschitz_bound",
 ]
 
 
@@ -66,7 +64,7 @@ class L2MultiheadAttention(nn.Module):
     :math:`P^h Q^h (W^{Q,h\top} W^{V,h}) / \sqrt{d_h} = P^h X (A_h W^{V,h})`, whose value map
     :math:`A_h W^{V,h}` (:math:`D \times d_h`) is formed through the :math:`d_h \times d_h` product
     without :math:`A_h`; cost :math:`O(N^2 D + N D^2)`. Its Lipschitz bounds are
-    :func:`iresflow.nn.bounds.lipschitz_bound`.
+    :func:`lipschitz_bound`.
 
     Args:
         dim: Token dimension ``D``.
@@ -352,6 +350,34 @@ class ContractiveLipschitzNormAttention(_ContractiveAttention):
         return multihead_bound(heads, a.w_out)
 
 
+def lipschitz_bound(
+    attn: L2MultiheadAttention,
+    seq_len: int | Tensor,
+    p: Literal["inf", "2"] | float = "inf",
+) -> Tensor:
+    r"""Kim's Theorem 3.2 bound for the current weights of an L2-MHA module.
+
+    The bound of :func:`~iresflow.nn.bounds.l2_attention_bound` (docs/math.md#l2-bounds) on the
+    module's weights.
+
+    Args:
+        attn: An :class:`~iresflow.nn.attention.L2MultiheadAttention`.
+        seq_len: Sequence length ``N >= 1`` (int), or a tensor of per-sequence lengths.
+        p: ``"inf"`` or ``"2"`` (see :func:`~iresflow.nn.bounds.l2_attention_bound`).
+
+    Returns:
+        The bound :math:`B_p(\theta, N)`, 0-dim (int ``seq_len``) or of ``seq_len``'s shape.
+
+    Example:
+        >>> attn = L2MultiheadAttention(dim=4, heads=2)
+        >>> lipschitz_bound(attn, torch.tensor([3, 16]), p="inf").shape  # per-sequence lengths
+        torch.Size([2])
+    """
+    if not isinstance(attn, L2MultiheadAttention):
+        raise TypeError(f"attn must be an L2MultiheadAttention, got {type(attn).__name__}")
+    return l2_attention_bound(attn.w_query, attn.w_value, attn.w_out, attn.heads, seq_len, p)
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """``softmax(q k^T * scale) v`` per (batch, head), padded keys excluded.
 
@@ -359,7 +385,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) 
     ``(B, H, N, d)``. See the module docstring for the choice of path.
     """
     key_mask = None if mask is None else mask[:, None, None, :]
-    if torch.is_grad_enabled() or _under_functorch_transform():
+    if torch.is_grad_enabled() or under_functorch_transform():
         logits = (q * scale) @ k.transpose(-1, -2)  # scaling q is cheaper than scaling logits
         if key_mask is not None:
             logits = logits.masked_fill(~key_mask, -math.inf)
@@ -400,10 +426,9 @@ def _check_inputs(x: Tensor, mask: Tensor | None, weight: Tensor) -> Tensor | No
     Under ``torch.func`` transforms (the exact log-det engine calls branches inside
     ``vmap(jacrev(...))``) values cannot be inspected; the batch was validated before the transform.
     """
-    if _under_functorch_transform():
+    if under_functorch_transform():
         return mask
-    check_sequence(x, "x", features=weight.shape[0], allow_2d=False, like=weight)
-    return check_mask(mask, x)
+    return check_inputs(x, mask, "x", features=weight.shape[0], allow_2d=False, like=weight)[1]
 
 
 def _check_dims(dim: int, heads: int) -> None:

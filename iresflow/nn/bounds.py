@@ -20,19 +20,15 @@ in the 2-bound is the degree-consistent form (MATH.md C.2, check H5).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from scipy.special import lambertw
 from torch import Tensor
 
-from iresflow._validation import check_int
-from iresflow.nn.linear import _under_functorch_transform
+from iresflow._validation import check_int, values_checked
 
-if TYPE_CHECKING:
-    from iresflow.nn.attention import L2MultiheadAttention
-
-__all__ = ["l2_attention_bound", "lipschitz_bound", "phi", "phi_inv"]
+__all__ = ["l2_attention_bound", "phi", "phi_inv"]
 
 # Halley's iteration for W_0 starting from Winitzki's approximation reaches float64 precision in
 # two steps on [0, 1e12] (checked against scipy); four leave a wide margin.
@@ -62,8 +58,9 @@ def phi_inv(y: float | Tensor) -> float | Tensor:
 
     Python numbers are evaluated on the host with ``scipy.special.lambertw`` (float64). Tensors are
     evaluated in torch with a fixed number of Halley steps (no data-dependent control flow, so it
-    runs under ``torch.func.vmap``); the result is differentiable in ``y`` with the exact derivative
-    :math:`1/\varphi'(x)` (one implicit-function Newton step carries the gradient).
+    runs under ``torch.func.vmap``; the value checks follow
+    :func:`~iresflow._validation.values_checked`); the result is differentiable in ``y`` with the
+    exact derivative :math:`1/\varphi'(x)` (one implicit-function Newton step carries the gradient).
 
     Args:
         y: Non-negative finite number, or a tensor of any shape (integer tensors are converted to
@@ -85,7 +82,7 @@ def phi_inv(y: float | Tensor) -> float | Tensor:
     if isinstance(y, Tensor):
         if not y.is_floating_point():
             y = y.to(torch.get_default_dtype())
-        if not _under_functorch_transform():
+        if values_checked(y):
             if not bool(torch.isfinite(y).all()):
                 raise ValueError("y contains NaN or Inf values")
             if bool((y < 0).any()):
@@ -164,34 +161,6 @@ def l2_attention_bound(
     return torch.sqrt(n / d_head) * (4 * length + 1) * weights
 
 
-def lipschitz_bound(
-    attn: L2MultiheadAttention,
-    seq_len: int | Tensor,
-    p: Literal["inf", "2"] | float = "inf",
-) -> Tensor:
-    r"""Kim's Theorem 3.2 bound for the current weights of an L2-MHA module (MATH.md C).
-
-    Args:
-        attn: An :class:`~iresflow.nn.attention.L2MultiheadAttention`.
-        seq_len: Sequence length ``N >= 1`` (int), or a tensor of per-sequence lengths.
-        p: ``"inf"`` or ``"2"`` (see :func:`l2_attention_bound`).
-
-    Returns:
-        The bound :math:`B_p(\theta, N)`, 0-dim (int ``seq_len``) or of ``seq_len``'s shape.
-
-    Example:
-        >>> from iresflow.nn.attention import L2MultiheadAttention
-        >>> attn = L2MultiheadAttention(dim=4, heads=2)
-        >>> lipschitz_bound(attn, torch.tensor([3, 16]), p="inf").shape  # per-sequence lengths
-        torch.Size([2])
-    """
-    from iresflow.nn.attention import L2MultiheadAttention  # deferred: attention imports us
-
-    if not isinstance(attn, L2MultiheadAttention):
-        raise TypeError(f"attn must be an L2MultiheadAttention, got {type(attn).__name__}")
-    return l2_attention_bound(attn.w_query, attn.w_value, attn.w_out, attn.heads, seq_len, p)
-
-
 def _phi_inv_tensor(y: Tensor) -> Tensor:
     """``W_0(y / e)`` for a floating tensor ``y >= 0`` without value checks (vmap-safe)."""
     z = y / math.e
@@ -211,8 +180,9 @@ def _length_term(seq_len: int | Tensor, like: Tensor) -> Tensor:
     r""":math:`\varphi^{-1}(N - 1)` as a tensor with ``like``'s dtype and device."""
     if isinstance(seq_len, Tensor):
         n = seq_len.to(dtype=like.dtype, device=like.device)
-        # Values cannot be inspected under torch.func transforms; the caller validated them.
-        if not _under_functorch_transform() and not bool((n >= 1).all()):
+        # Skipped under torch.func transforms and for callers that validated the lengths (a
+        # mask's real lengths are >= 1 by check_mask).
+        if values_checked(n) and not bool((n >= 1).all()):
             raise ValueError("seq_len must be >= 1 everywhere")
         return _phi_inv_tensor(n - 1)
     return like.new_tensor(phi_inv(float(check_int(seq_len, "seq_len", 1) - 1)))

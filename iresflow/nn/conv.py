@@ -220,8 +220,8 @@ class TemporalConvBranch(LipschitzBranch):
 
     with channels ``D -> hidden -> hidden -> D`` and kernel sizes ``(k, 1, k)`` (the layout of
     the convolutional branches of Residual Flows: the middle layer mixes channels per frame),
-    each a :class:`SpectralConv1d` whose whole operator has 2-norm at most :math:`c^{1/3}`, so (LipSwish is 1-Lipschitz, masking a
-    projection)
+    each a :class:`SpectralConv1d` whose whole operator has 2-norm at most :math:`c^{1/3}`, so
+    (LipSwish is 1-Lipschitz, masking a projection)
 
     .. math:: \mathrm{lip}_2(g) \le \prod_{l=1}^{3} \|\mathrm{conv}_l\|_2 \le c < 1
 

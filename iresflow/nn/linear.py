@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from iresflow._validation import check_dtype_device, check_int
+from iresflow._validation import under_functorch_transform as _under_functorch_transform
 
 __all__ = ["InfNormLinear", "SpectralLinear"]
 
@@ -33,11 +34,6 @@ def _check_coefficient(coeff: object, *, strict: bool = False) -> float:
         interval = "(0, 1)" if strict else "(0, 1]"
         raise ValueError(f"coeff must lie in {interval}, got {coeff}")
     return float(coeff)
-
-
-def _under_functorch_transform() -> bool:
-    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ...) is active."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def _normalize_or_keep(vector: Tensor, previous: Tensor) -> Tensor:

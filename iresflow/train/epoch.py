@@ -36,14 +36,12 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from iresflow.data.datasets import SequenceDataset, SequenceSplit
-from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.averaging import averaged_parameters, load_average, moving_average
 from iresflow.train.config import TrainConfig
 from iresflow.train.distributed import World, all_gather_objects, broadcast_object, shard
 from iresflow.train.factories import resolve_model_config
 from iresflow.train.likelihood import inverse_check, split_log_prob, trimmed_batch
-from iresflow.transforms.actnorm import ActNorm
 
 __all__ = ["CHECKPOINT_FORMAT", "TrainingDivergedError", "TrainingSession"]
 
@@ -115,8 +113,7 @@ class TrainingSession:
         self.estimator_generator = torch.Generator(device).manual_seed(
             config.seed + 1 + world.rank
         )
-        for estimator in _roulette_estimators(model):
-            estimator.generator = self.estimator_generator
+        model.set_generator(self.estimator_generator)
         self.epoch = 0
         self.best_epoch = 0
         self.best_metric = math.inf
@@ -194,7 +191,8 @@ class TrainingSession:
         world = self.world
         for step, index in enumerate(order.split(self.config.batch_size), start=1):
             if world.size > 1 and step == 1 and self.epoch == 1:
-                _initialize_data_dependent(self, *trimmed_batch(train, index, self.device))
+                # Data-dependent layers from the whole first global batch on every rank.
+                self.model.initialize(*trimmed_batch(train, index, self.device))
             part, weight = shard(index, world)
             x, mask = trimmed_batch(train, part, self.device)
             batch_log_prob = self.replica(x, mask)
@@ -313,36 +311,3 @@ class _LogProb(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         return self.flow.log_prob(x, mask)
-
-
-def _initialize_data_dependent(session: TrainingSession, x: Tensor, mask: Tensor) -> None:
-    """Initialise ActNorm from the whole first global batch on every rank.
-
-    A single process initialises ActNorm in its first forward pass, from the first minibatch; a
-    rank only sees its shard. This forward pass on the global batch initialises it alike on
-    every rank and leaves everything else as it was: buffers (power iterations), random states.
-    """
-    if all(module.initialized for module in session.model.modules()
-           if isinstance(module, ActNorm)):
-        return
-    buffers = {
-        name: value.clone() for name, value in session.model.named_buffers()
-        if not name.endswith("initialized")
-    }
-    estimator = session.estimator_generator.get_state()
-    devices = [session.device] if session.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        session.model.log_prob(x, mask)
-    session.estimator_generator.set_state(estimator)
-    with torch.no_grad():
-        for name, value in session.model.named_buffers():
-            if name in buffers:
-                value.copy_(buffers[name])
-
-
-def _roulette_estimators(model: nn.Module) -> list[RouletteLogDet]:
-    return [
-        module.logdet
-        for module in model.modules()
-        if isinstance(getattr(module, "logdet", None), RouletteLogDet)
-    ]

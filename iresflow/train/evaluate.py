@@ -26,7 +26,7 @@ from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.averaging import copy_parameters, load_average, moving_average
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
-from iresflow.train.factories import load_data, model_from_config, resolve_device
+from iresflow.train.factories import load_data, resolve_device
 from iresflow.train.likelihood import split_log_prob
 from iresflow.train.paths import RunPaths
 from iresflow.train.plots import plot_learning_curves, plot_marginals, plot_traces
@@ -118,7 +118,7 @@ def load_run(
     state = load_checkpoint(path)
     try:
         config = TrainConfig.from_dict(state["config"])
-        model = model_from_config(ModelConfig.from_dict(state["model_config"]))
+        model = ResidualFlowTransformer(ModelConfig.from_dict(state["model_config"]))
         model.load_state_dict(state["model"])
         if state["ema"] is not None:
             average = moving_average(model, config.ema)
@@ -155,7 +155,7 @@ def check_guarantees(model: ResidualFlowTransformer, source: str | os.PathLike) 
         CheckpointError: a non-finite tensor or a certified bound ``>= 1``.
 
     Example:
-        >>> model = model_from_config(ModelConfig(features=2, max_len=4, n_blocks=1, hidden=4))
+        >>> model = ResidualFlowTransformer(features=2, max_len=4, n_blocks=1, hidden=4)
         >>> check_guarantees(model, "fresh model")
     """
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):

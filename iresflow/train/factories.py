@@ -2,8 +2,8 @@
 
 :func:`build_model` is the one place a training configuration becomes a model: the model settings
 of the run (:attr:`~iresflow.train.config.TrainConfig.model`) are completed from the data by
-:func:`resolve_model_config` and handed to :func:`model_from_config`, which also rebuilds the
-model of a checkpoint from the resolved settings stored in it.
+:func:`resolve_model_config` and handed to the model's constructor; a checkpoint stores the
+resolved settings, from which the same model is rebuilt.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from iresflow.train.config import DEVICE_PATTERN, ConfigError, TrainConfig
 __all__ = [
     "build_model",
     "load_data",
-    "model_from_config",
     "resolve_device",
     "resolve_model_config",
 ]
@@ -112,23 +111,6 @@ def resolve_model_config(config: TrainConfig, dataset: SequenceDataset) -> Model
     return model.replace(heads=model.resolved_heads)
 
 
-def model_from_config(config: ModelConfig) -> ResidualFlowTransformer:
-    """Construct an (untrained) flow from complete model settings.
-
-    Raises:
-        ConfigError: ``features`` or ``max_len`` left unset.
-
-    Example:
-        >>> model = model_from_config(ModelConfig(features=3, max_len=6, n_blocks=1, hidden=4))
-        >>> sum(p.numel() for p in model.parameters()) > 0
-        True
-    """
-    for name in ("features", "max_len"):
-        if getattr(config, name) is None:
-            raise ConfigError(f"{name} must be set to build a model")
-    return ResidualFlowTransformer(**config.to_dict())
-
-
 def build_model(config: TrainConfig, dataset: SequenceDataset) -> ResidualFlowTransformer:
     """Construct the (untrained) flow of a configuration for a dataset.
 
@@ -140,4 +122,4 @@ def build_model(config: TrainConfig, dataset: SequenceDataset) -> ResidualFlowTr
         >>> isinstance(build_model(config, load_data(config)), ResidualFlowTransformer)
         True
     """
-    return model_from_config(resolve_model_config(config, dataset))
+    return ResidualFlowTransformer(resolve_model_config(config, dataset))

@@ -7,8 +7,8 @@ from abc import abstractmethod
 import torch
 from torch import Tensor, nn
 
-from iresflow._validation import check_int, check_mask, check_sequence
-from iresflow.transforms.base import SequenceTransform
+from iresflow._validation import check_int, value_checks
+from iresflow.transforms.base import LogDetRequest, SequenceTransform
 
 __all__ = ["ActNorm", "DataInitializedTransform"]
 
@@ -25,10 +25,10 @@ class DataInitializedTransform(SequenceTransform):
     :meth:`initialize` does so explicitly. This is the one in-forward state change of the
     library. It is recorded in the boolean buffer ``initialized``, which is part of the
     ``state_dict`` so that a loaded model is not re-initialised, and mirrored in a host-side
-    flag so that a forward never synchronises with the device. In evaluation mode, or in
-    ``inverse``, no initialisation happens.
+    flag (:attr:`is_initialized`) so that a forward never synchronises with the device. In
+    evaluation mode, or in ``inverse``, no initialisation happens.
 
-    Subclasses call :meth:`_initialize_if_needed` at the start of ``forward`` and implement
+    Subclasses call :meth:`_initialize_if_needed` at the start of ``_forward`` and implement
     :meth:`_initialize`.
     """
 
@@ -41,6 +41,11 @@ class DataInitializedTransform(SequenceTransform):
         self._initialized = False
         self.register_load_state_dict_post_hook(_sync_initialized)
 
+    @property
+    def is_initialized(self) -> bool:
+        """Whether the data-dependent initialisation has happened (read without a host sync)."""
+        return self._initialized
+
     def initialize(self, inputs: Tensor, mask: Tensor | None = None) -> None:
         """Set the parameters from ``inputs`` now (whatever the mode) and mark them initialised.
 
@@ -48,8 +53,9 @@ class DataInitializedTransform(SequenceTransform):
             inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
             mask: Optional boolean padding mask ``(B, N)`` (only with ``(B, N, D)`` inputs).
         """
-        inputs, mask = self._check(inputs, mask)
-        self._run_initialization(inputs, mask)
+        inputs, mask = self.check_call(inputs, mask=mask)
+        with value_checks(False):
+            self._run_initialization(inputs, mask)
 
     def _initialize_if_needed(self, inputs: Tensor, mask: Tensor | None) -> None:
         """Initialise from this (validated) batch if in training mode and not yet initialised."""
@@ -61,10 +67,6 @@ class DataInitializedTransform(SequenceTransform):
             self._initialize(inputs, mask)
             self.initialized.fill_(True)
         self._initialized = True
-
-    @abstractmethod
-    def _check(self, inputs: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """Validate ``inputs`` and ``mask`` as ``forward`` does; return them."""
 
     @abstractmethod
     def _initialize(self, inputs: Tensor, mask: Tensor | None) -> None:
@@ -90,6 +92,10 @@ class ActNorm(DataInitializedTransform):
     outputs have zero mean and unit variance unless the variance floor applies. In evaluation
     mode, or in :meth:`inverse`, no initialisation happens.
 
+    ``forward``/``inverse`` are those of :class:`~iresflow.transforms.base.SequenceTransform`
+    (``inputs (B, N, D)`` or ``(B, D)``, optional ``mask (B, N)``, ``logdet``); the context is
+    ignored.
+
     Args:
         features: Feature size ``D``.
 
@@ -109,46 +115,20 @@ class ActNorm(DataInitializedTransform):
         self.shift = nn.Parameter(torch.zeros(self.features))
         self.log_scale = nn.Parameter(torch.zeros(self.features))
 
-    def forward(
-        self, inputs: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        r"""Map data to noise, :math:`y = (x + b)\odot e^{s}` on real tokens.
-
-        Args:
-            inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
-            context: Ignored (unconditional transform).
-            mask: Optional boolean padding mask ``(B, N)`` (only with ``(B, N, D)`` inputs).
-
-        Returns:
-            ``outputs`` with the shape of ``inputs`` (equal to ``inputs`` at padded positions)
-            and the log-determinant per sequence, shape ``(B,)``.
-        """
-        inputs, mask = self._check(inputs, mask)
+    def _forward(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
+    ) -> tuple[Tensor, Tensor | None]:
+        r"""Data to noise, :math:`y = (x + b)\odot e^{s}` on real tokens (initialises first)."""
         self._initialize_if_needed(inputs, mask)
         outputs = (inputs + self.shift) * torch.exp(self.log_scale)
-        return _tokenwise_result(inputs, outputs, mask, self.log_scale.sum())
+        return tokenwise_result(inputs, outputs, mask, self.log_scale.sum(), logdet)
 
-    def inverse(
-        self, inputs: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        r"""Map noise to data, :math:`x = y \odot e^{-s} - b` on real tokens.
-
-        Args:
-            inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
-            context: Ignored (unconditional transform).
-            mask: Optional boolean padding mask ``(B, N)`` (only with ``(B, N, D)`` inputs).
-
-        Returns:
-            ``outputs`` with the shape of ``inputs`` (equal to ``inputs`` at padded positions)
-            and the log-determinant of the inverse map per sequence, shape ``(B,)``.
-        """
-        inputs, mask = self._check(inputs, mask)
+    def _inverse(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
+    ) -> tuple[Tensor, Tensor | None]:
+        r"""Noise to data, :math:`x = y \odot e^{-s} - b` on real tokens."""
         outputs = inputs * torch.exp(-self.log_scale) - self.shift
-        return _tokenwise_result(inputs, outputs, mask, -self.log_scale.sum())
-
-    def _check(self, inputs: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        inputs = check_sequence(inputs, "inputs", features=self.features, like=self.shift)
-        return inputs, check_mask(mask, inputs)
+        return tokenwise_result(inputs, outputs, mask, -self.log_scale.sum(), logdet)
 
     def _initialize(self, inputs: Tensor, mask: Tensor | None) -> None:
         frames = inputs.reshape(-1, self.features) if mask is None else inputs[mask]
@@ -161,28 +141,36 @@ class ActNorm(DataInitializedTransform):
         return f"features={self.features}"
 
 
-def _tokenwise_result(
-    inputs: Tensor, outputs: Tensor, mask: Tensor | None, logdet_per_token: Tensor
-) -> tuple[Tensor, Tensor]:
+def tokenwise_result(
+    inputs: Tensor,
+    outputs: Tensor,
+    mask: Tensor | None,
+    logdet_per_token: Tensor,
+    logdet: LogDetRequest = True,
+) -> tuple[Tensor, Tensor | None]:
     """Outputs and log-determinant of a map with the same Jacobian determinant at every token.
 
     Padded tokens take their input back; the log-determinant is the number of real tokens
-    times ``logdet_per_token``.
+    times ``logdet_per_token`` (``None`` when ``logdet`` is ``False``).
 
     Args:
         inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)`` (one token each).
         outputs: The map applied to every token, shape of ``inputs``.
         mask: Optional boolean padding mask ``(B, N)``.
         logdet_per_token: 0-dim log-determinant of the map on one token.
+        logdet: The transform call's ``logdet`` argument.
 
     Returns:
         ``(outputs, logabsdet)`` of shapes ``inputs.shape`` and ``(B,)``.
     """
     batch = inputs.shape[0]
+    if mask is not None:
+        outputs = torch.where(mask.unsqueeze(-1), outputs, inputs)
+    if logdet is False:
+        return outputs, None
     if mask is None:
         tokens = inputs.shape[1] if inputs.dim() == 3 else 1
         return outputs, logdet_per_token.expand(batch) * tokens
-    outputs = torch.where(mask.unsqueeze(-1), outputs, inputs)
     return outputs, mask.sum(dim=1).to(outputs.dtype) * logdet_per_token
 
 

@@ -4,28 +4,68 @@ r"""Sequence transforms: nflows transforms that carry a padding mask.
 
 .. code-block:: text
 
-    forward(inputs, context=None, *, mask=None) -> (outputs, logabsdet)   # data -> noise
-    inverse(inputs, context=None, *, mask=None) -> (outputs, logabsdet)   # noise -> data
+    forward(inputs, context=None, *, mask=None, logdet=True) -> (outputs, logabsdet)  # to noise
+    inverse(inputs, context=None, *, mask=None, logdet=True) -> (outputs, logabsdet)  # to data
 
 with ``inputs`` of shape ``(B, N, D)`` (or ``(B, D)``), an optional boolean ``mask`` ``(B, N)``
-(``True`` = real token) and ``logabsdet`` of shape ``(B,)``. Since it subclasses
-:class:`nflows.transforms.Transform`, nflows' own ``CompositeTransform``, ``InverseTransform``
-and ``Flow`` work unchanged for fixed-length data (``mask=None``);
-:class:`SequenceCompositeTransform` chains transforms and passes ``mask=`` through, for
-variable-length batches.
+(``True`` = real token) and ``logabsdet`` of shape ``(B,)``; ``logdet=False`` skips the
+log-determinant (``logabsdet`` is ``None``), for callers that need the map only. Since it
+subclasses :class:`nflows.transforms.Transform`, nflows' own ``CompositeTransform``,
+``InverseTransform`` and ``Flow`` work unchanged for fixed-length data (``mask=None``);
+:class:`SequenceCompositeTransform` chains transforms and passes ``mask=`` and ``logdet=``
+through, for variable-length batches.
+
+**Checked and unchecked paths.** The public :meth:`~SequenceTransform.forward` and
+:meth:`~SequenceTransform.inverse` validate once (:meth:`~SequenceTransform.check_call`: one
+host synchronisation for the values, see :mod:`iresflow._validation`) and then run the unchecked
+``_forward`` / ``_inverse`` that subclasses implement, with value checks switched off for the
+layers they call. A composite, and a model built on one, call the members' unchecked paths
+directly, so a batch is validated once per call of the outermost entry point.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 
 from nflows.transforms.base import Transform
 from torch import Tensor, nn
 
-from iresflow._validation import check_mask, check_sequence
+from iresflow._validation import check_inputs, value_checks
+from iresflow.logdet.base import LogDetEstimator
 
-__all__ = ["SequenceCompositeTransform", "SequenceTransform"]
+__all__ = ["LogDetRequest", "SequenceCompositeTransform", "SequenceTransform", "check_logdet"]
+
+#: The ``logdet`` argument of a transform: ``True`` (the transform's own log-determinant),
+#: ``False`` (none: the map only) or a log-determinant estimator (instance or name, see
+#: :func:`~iresflow.logdet.factory.make_logdet`) that residual blocks use instead of their
+#: configured one for this call; other transforms treat an estimator like ``True``.
+LogDetRequest = bool | str | LogDetEstimator
+
+
+def check_logdet(logdet: object) -> LogDetRequest:
+    """Validate the ``logdet`` argument of a transform call.
+
+    Args:
+        logdet: ``True``, ``False``, an estimator name or a
+            :class:`~iresflow.logdet.base.LogDetEstimator`.
+
+    Returns:
+        ``logdet`` unchanged.
+
+    Raises:
+        TypeError: anything else.
+
+    Example:
+        >>> check_logdet(False)
+        False
+    """
+    if not isinstance(logdet, (bool, str, LogDetEstimator)):
+        raise TypeError(
+            f"logdet must be a bool, an estimator name or a LogDetEstimator, got "
+            f"{type(logdet).__name__}"
+        )
+    return logdet
 
 
 class SequenceTransform(Transform, ABC):
@@ -35,64 +75,147 @@ class SequenceTransform(Transform, ABC):
     padded inputs never influence real outputs; ``inverse`` undoes ``forward`` and returns the
     log-determinant of the inverse map, so that for :math:`y = f(x)` the two log-determinants sum
     to zero.
+
+    Subclasses implement the unchecked paths ``_forward(inputs, context, mask, logdet)`` and
+    ``_inverse(...)`` (same arguments, inputs already validated, returning ``(outputs,
+    logabsdet or None)``), may set ``features`` (the feature size ``D`` they require) and may
+    extend ``_check_options(inputs, context, logdet)`` with checks that read no tensor values.
     """
 
-    @abstractmethod
+    #: Feature size ``D`` the transform requires, or ``None`` for any.
+    features: int | None = None
+
     def forward(
-        self, inputs: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
+        self,
+        inputs: Tensor,
+        context: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        logdet: LogDetRequest = True,
+    ) -> tuple[Tensor, Tensor | None]:
         r"""Map data to noise.
 
         Args:
             inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
             context: Conditioning input (``None`` for unconditional transforms).
             mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
+            logdet: ``True``, ``False`` or an estimator (see :data:`LogDetRequest`).
 
         Returns:
             ``outputs`` with the shape of ``inputs`` and
-            :math:`\log|\det J_f(x)|` per sequence, shape ``(B,)``.
+            :math:`\log|\det J_f(x)|` per sequence, shape ``(B,)`` (``None`` with
+            ``logdet=False``).
         """
+        inputs, mask = self.check_call(inputs, context, mask=mask, logdet=logdet)
+        with value_checks(False):
+            return self._forward(inputs, context, mask, logdet)
 
-    @abstractmethod
     def inverse(
-        self, inputs: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
+        self,
+        inputs: Tensor,
+        context: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        logdet: LogDetRequest = True,
+    ) -> tuple[Tensor, Tensor | None]:
         r"""Map noise to data.
 
         Args:
             inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
             context: Conditioning input (``None`` for unconditional transforms).
             mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
+            logdet: ``True``, ``False`` or an estimator (see :data:`LogDetRequest`).
 
         Returns:
             ``outputs`` with the shape of ``inputs`` and
-            :math:`\log|\det J_{f^{-1}}(y)|` per sequence, shape ``(B,)``.
+            :math:`\log|\det J_{f^{-1}}(y)|` per sequence, shape ``(B,)`` (``None`` with
+            ``logdet=False``).
         """
+        inputs, mask = self.check_call(inputs, context, mask=mask, logdet=logdet)
+        with value_checks(False):
+            return self._inverse(inputs, context, mask, logdet)
+
+    def check_call(
+        self,
+        inputs: object,
+        context: Tensor | None = None,
+        *,
+        mask: object = None,
+        logdet: object = True,
+        name: str = "inputs",
+    ) -> tuple[Tensor, Tensor | None]:
+        """The entry-point validation of :meth:`forward` and :meth:`inverse`.
+
+        Shapes, dtypes and devices, then one fused value check of ``inputs`` and ``mask``
+        (:func:`~iresflow._validation.check_inputs`), then the transform's own option checks.
+
+        Args:
+            inputs: Candidate batch.
+            context: Conditioning input.
+            mask: Candidate padding mask.
+            logdet: Candidate ``logdet`` argument.
+            name: Name of the data argument in error messages.
+
+        Returns:
+            ``(inputs, mask)``, the mask on the inputs' device.
+
+        Raises:
+            TypeError: wrong types, dtypes or devices.
+            ValueError: wrong shapes, non-finite values, an all-padding sequence or an option
+                the transform does not support.
+        """
+        check_logdet(logdet)
+        inputs, mask = check_inputs(
+            inputs, mask, name, features=self.features, like=next(self.parameters(), None)
+        )
+        self._check_options(inputs, context, logdet)
+        return inputs, mask
+
+    def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
+        """Checks of a call specific to the transform; must not read tensor values."""
+
+    @abstractmethod
+    def _forward(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
+    ) -> tuple[Tensor, Tensor | None]:
+        """Unchecked :meth:`forward` on validated inputs."""
+
+    @abstractmethod
+    def _inverse(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
+    ) -> tuple[Tensor, Tensor | None]:
+        """Unchecked :meth:`inverse` on validated inputs."""
 
 
 class SequenceCompositeTransform(SequenceTransform):
-    r"""Chain of transforms, applied in the given order, passing ``mask=`` to each.
+    r"""Chain of transforms, applied in the given order, passing ``mask=`` and ``logdet=`` on.
 
     .. math:: f = f_K \circ \cdots \circ f_1, \qquad
         \log|\det J_f(x)| = \sum_{k=1}^K \log|\det J_{f_k}(x_{k-1})| .
 
     Any nflows ``Transform`` may be part of the chain; with a ``mask`` every member must be a
     :class:`SequenceTransform`, since only those honour the padding contract. The context is
-    passed on to every member.
+    passed on to every member. The members are :attr:`steps` (an ``nn.ModuleList``), with
+    names from :meth:`named_steps`.
 
     Args:
         transforms: Iterable of nflows ``Transform`` objects.
+        names: Optional names of the members, one each (default: their indices).
 
     Example:
         >>> import torch
         >>> from nflows.transforms import IdentityTransform
         >>> chain = SequenceCompositeTransform([IdentityTransform(), IdentityTransform()])
         >>> y, logabsdet = chain(torch.randn(2, 5, 3))
-        >>> y.shape, logabsdet.shape
-        (torch.Size([2, 5, 3]), torch.Size([2]))
+        >>> y.shape, logabsdet.shape, len(chain.steps)
+        (torch.Size([2, 5, 3]), torch.Size([2]), 2)
+        >>> chain(torch.randn(2, 5, 3), logdet=False)[1] is None
+        True
     """
 
-    def __init__(self, transforms: Iterable[Transform]) -> None:
+    def __init__(
+        self, transforms: Iterable[Transform], names: Sequence[str] | None = None
+    ) -> None:
         super().__init__()
         transforms = list(transforms)
         for i, t in enumerate(transforms):
@@ -100,40 +223,88 @@ class SequenceCompositeTransform(SequenceTransform):
                 raise TypeError(
                     f"transforms[{i}] must be an nflows Transform, got {type(t).__name__}"
                 )
-        self._transforms = nn.ModuleList(transforms)
+        if names is None:
+            names = [str(i) for i in range(len(transforms))]
+        names = list(names)
+        if len(names) != len(transforms) or not all(isinstance(n, str) for n in names):
+            raise ValueError(
+                f"names must hold one string per transform ({len(transforms)}), got {names!r}"
+            )
+        if len(set(names)) != len(names):
+            raise ValueError(f"names must be unique, got {names!r}")
+        self.steps = nn.ModuleList(transforms)
+        self.step_names: tuple[str, ...] = tuple(names)
 
-    def forward(
-        self, inputs: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Apply the members in order; see :meth:`SequenceTransform.forward`."""
-        return self._cascade(inputs, context, mask, inverse=False)
+    @property
+    def features(self) -> int | None:  # type: ignore[override]
+        """Feature size ``D`` of the first member that requires one (``None`` if none does)."""
+        return next(
+            (t.features for t in self.steps if getattr(t, "features", None) is not None), None
+        )
 
-    def inverse(
-        self, inputs: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Apply the members' inverses in reverse order; see :meth:`SequenceTransform.inverse`."""
-        return self._cascade(inputs, context, mask, inverse=True)
+    def named_steps(self) -> Iterator[tuple[str, Transform]]:
+        """Iterate over ``(name, member)`` pairs, in order of application.
 
-    def _cascade(
-        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, *, inverse: bool
-    ) -> tuple[Tensor, Tensor]:
-        inputs = check_sequence(inputs, "inputs")
-        mask = check_mask(mask, inputs)
-        members = list(self._transforms)[::-1] if inverse else list(self._transforms)
+        Example:
+            >>> from nflows.transforms import IdentityTransform
+            >>> chain = SequenceCompositeTransform([IdentityTransform()], names=["id"])
+            >>> next(chain.named_steps())[0]
+            'id'
+        """
+        return zip(self.step_names, self.steps, strict=True)
+
+    def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
+        for t in self.steps:
+            if isinstance(t, SequenceTransform):
+                t._check_options(inputs, context, logdet)
+
+    def check_call(
+        self,
+        inputs: object,
+        context: Tensor | None = None,
+        *,
+        mask: object = None,
+        logdet: object = True,
+        name: str = "inputs",
+    ) -> tuple[Tensor, Tensor | None]:
+        """See :meth:`SequenceTransform.check_call`; a mask needs :class:`SequenceTransform` s."""
         if mask is not None:
-            for t in members:
+            for t in self.steps:
                 if not isinstance(t, SequenceTransform):
                     raise TypeError(
                         f"a mask needs every member to be a SequenceTransform, got "
                         f"{type(t).__name__}"
                     )
+        return super().check_call(inputs, context, mask=mask, logdet=logdet, name=name)
+
+    def _forward(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
+    ) -> tuple[Tensor, Tensor | None]:
+        return self._cascade(inputs, context, mask, logdet, inverse=False)
+
+    def _inverse(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
+    ) -> tuple[Tensor, Tensor | None]:
+        return self._cascade(inputs, context, mask, logdet, inverse=True)
+
+    def _cascade(
+        self,
+        inputs: Tensor,
+        context: Tensor | None,
+        mask: Tensor | None,
+        logdet: LogDetRequest,
+        *,
+        inverse: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        members = list(self.steps)[::-1] if inverse else list(self.steps)
         outputs = inputs
-        total = inputs.new_zeros(inputs.shape[0])
+        total = None if logdet is False else inputs.new_zeros(inputs.shape[0])
         for t in members:
-            call = t.inverse if inverse else t
-            if mask is None:
-                outputs, logabsdet = call(outputs, context)
-            else:
-                outputs, logabsdet = call(outputs, context, mask=mask)
-            total = total + logabsdet
+            if isinstance(t, SequenceTransform):
+                call = t._inverse if inverse else t._forward
+                outputs, logabsdet = call(outputs, context, mask, logdet)
+            else:  # a plain nflows transform (mask is None here): its own public call
+                outputs, logabsdet = (t.inverse if inverse else t)(outputs, context)
+            if total is not None:
+                total = total + logabsdet
         return outputs, total

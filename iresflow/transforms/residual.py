@@ -7,11 +7,11 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from iresflow._validation import check_mask, check_sequence
 from iresflow.inverse.fixed_point import InverseStats, fixed_point_inverse
-from iresflow.logdet.base import LogDetEstimator, make_logdet
+from iresflow.logdet.base import LogDetEstimator, check_logdet_dtype
+from iresflow.logdet.factory import make_logdet
 from iresflow.nn.base import LipschitzBranch
-from iresflow.transforms.base import SequenceTransform
+from iresflow.transforms.base import LogDetRequest, SequenceTransform
 
 __all__ = ["ResidualTransform"]
 
@@ -36,6 +36,10 @@ class ResidualTransform(SequenceTransform):
     nothing to ``logabsdet``. The block is unconditional: ``context`` must be ``None`` (the
     argument exists for nflows compatibility).
 
+    ``forward`` and ``inverse`` are those of :class:`~iresflow.transforms.base.SequenceTransform`:
+    ``logdet=False`` evaluates the map only (no estimator, no random draws), and an estimator
+    (instance or name) replaces the configured one for the call.
+
     ``inverse`` is meant for sampling and evaluation: it runs without gradient tracking and its
     outputs are detached. The diagnostics of the last call are kept in
     :attr:`last_inverse_stats`. Invert in evaluation mode (``.eval()``): in training mode a
@@ -46,8 +50,9 @@ class ResidualTransform(SequenceTransform):
     Args:
         branch: The residual branch; its certificate :meth:`~LipschitzBranch.lipschitz_constant`
             must be below 1.
-        logdet: Log-determinant method (name accepted by :func:`~iresflow.logdet.base.make_logdet`,
-            e.g. ``"exact"``, ``"series"``, ``"roulette"``) or an estimator instance.
+        logdet: Log-determinant method (name accepted by
+            :func:`~iresflow.logdet.factory.make_logdet`, e.g. ``"exact"``, ``"series"``,
+            ``"roulette"``) or an estimator instance.
         inverse_tol: Max-abs step tolerance of the inverse; ``None`` uses the dtype default of
             :func:`~iresflow.inverse.fixed_point.default_tolerance`.
         inverse_max_iter: Maximum branch evaluations per sample in the inverse.
@@ -130,61 +135,36 @@ class ResidualTransform(SequenceTransform):
         """
         return self.branch.lipschitz_constant(seq_len)
 
-    def forward(
-        self,
-        inputs: Tensor,
-        context: Tensor | None = None,
-        *,
-        mask: Tensor | None = None,
-        logdet: str | LogDetEstimator | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        r"""Compute :math:`y = x + g(x)` and :math:`\log\det(I + J_g(x))`.
+    def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
+        if context is not None:
+            raise ValueError("ResidualTransform is unconditional: context must be None")
+        if logdet is not False:
+            check_logdet_dtype(inputs, "inputs")
 
-        Args:
-            inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
-            context: Must be ``None``.
-            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
-            logdet: Per-call override of the log-determinant method.
+    def _estimator(self, logdet: LogDetRequest) -> LogDetEstimator:
+        """The configured estimator (``logdet=True``) or the per-call override."""
+        return self.logdet if logdet is True else make_logdet(logdet)
 
-        Returns:
-            ``outputs`` with the shape of ``inputs`` and ``logabsdet`` of shape ``(B,)``.
-        """
-        x, mask, vector = self._prepare(inputs, context, mask)
-        estimator = self.logdet if logdet is None else make_logdet(logdet)
-        g, logabsdet = estimator(self.branch, x, mask)
+    def _forward(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
+    ) -> tuple[Tensor, Tensor | None]:
+        r""":math:`y = x + g(x)` and, unless ``logdet=False``, :math:`\log\det(I + J_g(x))`."""
+        vector = inputs.dim() == 2
+        x = inputs.unsqueeze(1) if vector else inputs
+        if logdet is False:
+            g, logabsdet = self.branch(x, mask), None
+        else:
+            g, logabsdet = self._estimator(logdet).estimate(self.branch, x, mask)
         outputs = x + g
         return (outputs.squeeze(1) if vector else outputs), logabsdet
 
-    def inverse(
-        self,
-        inputs: Tensor,
-        context: Tensor | None = None,
-        *,
-        mask: Tensor | None = None,
-        logdet: str | LogDetEstimator | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        r"""Solve :math:`x + g(x) = y` and return :math:`-\log\det(I + J_g(x))`.
-
-        Runs without gradient tracking; the diagnostics are stored in
-        :attr:`last_inverse_stats`. With a mask, the solve sees the padded entries as zeros (so
-        they cannot loosen the per-sample default tolerance) and returns them unchanged.
-
-        Args:
-            inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
-            context: Must be ``None``.
-            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
-            logdet: Per-call override of the log-determinant method.
-
-        Returns:
-            ``outputs`` with the shape of ``inputs`` and ``logabsdet`` of shape ``(B,)``.
-
-        Raises:
-            TypeError: ``inputs`` is not on the dtype/device of the branch parameters.
-            InversionError: the fixed-point iteration did not converge (with
-                ``on_failure="raise"``).
-        """
-        y, mask, vector = self._prepare(inputs, context, mask)
-        estimator = self.logdet if logdet is None else make_logdet(logdet)
+    def _inverse(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
+    ) -> tuple[Tensor, Tensor | None]:
+        r"""Solve :math:`x + g(x) = y`; unless ``logdet=False``, :math:`-\log\det(I + J_g(x))`."""
+        vector = inputs.dim() == 2
+        y = inputs.unsqueeze(1) if vector else inputs
+        estimator = None if logdet is False else self._estimator(logdet)
         with torch.no_grad():
             # Padded entries are solved as zeros: the default tolerance scales with the largest
             # entry of each sample, which padding must not loosen. The branch is 0 there, so the
@@ -202,19 +182,10 @@ class ResidualTransform(SequenceTransform):
             if real is not None:
                 x = torch.where(real, x, y)
             self.last_inverse_stats = stats
-            _, logabsdet = estimator(self.branch, x, mask)
-        return (x.squeeze(1) if vector else x), -logabsdet
-
-    def _prepare(
-        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None
-    ) -> tuple[Tensor, Tensor | None, bool]:
-        if context is not None:
-            raise ValueError("ResidualTransform is unconditional: context must be None")
-        like = next(self.branch.parameters(), None)
-        x = check_sequence(inputs, "inputs", features=self.features, like=like)
-        mask = check_mask(mask, x)
-        vector = x.dim() == 2
-        return (x.unsqueeze(1) if vector else x), mask, vector
+            logabsdet = None
+            if estimator is not None:
+                logabsdet = -estimator.estimate(self.branch, x, mask)[1]
+        return (x.squeeze(1) if vector else x), logabsdet
 
     def extra_repr(self) -> str:
         return (

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from iresflow._validation import check_generator, check_int, check_mask, check_sequence
-from iresflow.transforms.actnorm import DataInitializedTransform, _tokenwise_result
-from iresflow.transforms.base import SequenceTransform
+from iresflow._validation import check_generator, check_int
+from iresflow.transforms.actnorm import DataInitializedTransform, tokenwise_result
+from iresflow.transforms.base import LogDetRequest, SequenceTransform
 
 __all__ = ["AutoregressiveLinear", "FeatureMixing"]
 
@@ -86,48 +86,28 @@ class AutoregressiveLinear(DataInitializedTransform):
         r"""The lower-triangular :math:`L` (positive diagonal), shape ``(D, D)``."""
         return torch.tril(self.lower, -1) + torch.diag_embed(torch.exp(self.log_diag))
 
-    def forward(
-        self, inputs: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        r"""Map data to noise, :math:`z_t = L(x_t - b - \sum_k A_k \tilde x_{t-k})`.
-
-        Args:
-            inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
-            context: Ignored (unconditional transform).
-            mask: Optional boolean padding mask ``(B, N)`` (only with ``(B, N, D)`` inputs).
-
-        Returns:
-            ``outputs`` with the shape of ``inputs`` (equal to ``inputs`` at padded frames) and
-            the log-determinant per sequence, shape ``(B,)``.
-        """
-        inputs, mask = self._check(inputs, mask)
+    def _forward(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
+    ) -> tuple[Tensor, Tensor | None]:
+        r"""Map data to noise, :math:`z_t = L(x_t - b - \sum_k A_k \tilde x_{t-k})`."""
         self._initialize_if_needed(inputs, mask)
         x = inputs.unsqueeze(1) if inputs.dim() == 2 else inputs
         prediction = self.bias + torch.einsum(
             "bndj,jod->bno", _history_windows(x, mask, self.order), self.lag_weights.flip(0)
         )
         outputs = (x - prediction) @ self.whitening_matrix().mT
-        return _tokenwise_result(inputs, outputs.reshape(inputs.shape), mask, self.log_diag.sum())
+        outputs = outputs.reshape(inputs.shape)
+        return tokenwise_result(inputs, outputs, mask, self.log_diag.sum(), logdet)
 
-    def inverse(
-        self, inputs: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
+    def _inverse(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
+    ) -> tuple[Tensor, Tensor | None]:
         r"""Map noise to data by forward substitution over time.
 
         :math:`x_t = L^{-1} z_t + b + \sum_k A_k \tilde x_{t-k}` for :math:`t = 0, 1, \dots`;
         the triangular solves of all frames are one batched call, then one step per frame
         (batched over the sequences) adds the prediction from the frames already recovered.
-
-        Args:
-            inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
-            context: Ignored (unconditional transform).
-            mask: Optional boolean padding mask ``(B, N)`` (only with ``(B, N, D)`` inputs).
-
-        Returns:
-            ``outputs`` with the shape of ``inputs`` (equal to ``inputs`` at padded frames) and
-            the log-determinant of the inverse map per sequence, shape ``(B,)``.
         """
-        inputs, mask = self._check(inputs, mask)
         z = inputs.unsqueeze(1) if inputs.dim() == 2 else inputs
         batch, length, d = z.shape
         # Row vectors: L w_t = z_t  <=>  w_t^T L^T = z_t^T.
@@ -144,11 +124,7 @@ class AutoregressiveLinear(DataInitializedTransform):
                 frame = torch.where(mask[:, t, None], frame, 0.0)
             history = torch.cat([frame, history[:, : (self.order - 1) * d]], dim=1)
         outputs = torch.stack(frames, dim=1).reshape(inputs.shape)
-        return _tokenwise_result(inputs, outputs, mask, -self.log_diag.sum())
-
-    def _check(self, inputs: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        inputs = check_sequence(inputs, "inputs", features=self.features, like=self.bias)
-        return inputs, check_mask(mask, inputs)
+        return tokenwise_result(inputs, outputs, mask, -self.log_diag.sum(), logdet)
 
     def _initialize(self, inputs: Tensor, mask: Tensor | None) -> None:
         p, d = self.order, self.features
@@ -274,39 +250,17 @@ class FeatureMixing(SequenceTransform):
         lower, upper = self._factors()
         return (lower @ upper)[self.permutation]
 
-    def forward(
-        self, inputs: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        r"""Map data to noise, :math:`y_t = W x_t` on real frames.
-
-        Args:
-            inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
-            context: Ignored (unconditional transform).
-            mask: Optional boolean padding mask ``(B, N)`` (only with ``(B, N, D)`` inputs).
-
-        Returns:
-            ``outputs`` with the shape of ``inputs`` (equal to ``inputs`` at padded frames) and
-            the log-determinant per sequence, shape ``(B,)``.
-        """
-        inputs, mask = self._check(inputs, mask)
+    def _forward(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
+    ) -> tuple[Tensor, Tensor | None]:
+        r"""Map data to noise, :math:`y_t = W x_t` on real frames."""
         outputs = inputs @ self.weight().mT
-        return _tokenwise_result(inputs, outputs, mask, self.log_abs_diag.sum())
+        return tokenwise_result(inputs, outputs, mask, self.log_abs_diag.sum(), logdet)
 
-    def inverse(
-        self, inputs: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        r"""Map noise to data, :math:`x_t = U^{-1} L^{-1} P^\top y_t` on real frames.
-
-        Args:
-            inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
-            context: Ignored (unconditional transform).
-            mask: Optional boolean padding mask ``(B, N)`` (only with ``(B, N, D)`` inputs).
-
-        Returns:
-            ``outputs`` with the shape of ``inputs`` (equal to ``inputs`` at padded frames) and
-            the log-determinant of the inverse map per sequence, shape ``(B,)``.
-        """
-        inputs, mask = self._check(inputs, mask)
+    def _inverse(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
+    ) -> tuple[Tensor, Tensor | None]:
+        r"""Map noise to data, :math:`x_t = U^{-1} L^{-1} P^\top y_t` on real frames."""
         lower, upper = self._factors()
         # P v = y  <=>  v[permutation] = y; then row-vector solves a^T L^T = v^T, x^T U^T = a^T.
         unpermuted = inputs[..., torch.argsort(self.permutation)]
@@ -314,11 +268,7 @@ class FeatureMixing(SequenceTransform):
             lower.mT, unpermuted, upper=True, left=False, unitriangular=True
         )
         outputs = torch.linalg.solve_triangular(upper.mT, solved, upper=False, left=False)
-        return _tokenwise_result(inputs, outputs, mask, -self.log_abs_diag.sum())
-
-    def _check(self, inputs: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        inputs = check_sequence(inputs, "inputs", features=self.features, like=self.lower)
-        return inputs, check_mask(mask, inputs)
+        return tokenwise_result(inputs, outputs, mask, -self.log_abs_diag.sum(), logdet)
 
     def extra_repr(self) -> str:
         return f"features={self.features}"

@@ -1,0 +1,375 @@
+r"""A masked sequence flow: a transform chain plus a base distribution.
+
+:class:`SequenceFlow` is nflows' ``Flow(transform, base)`` for variable-length sequences: a
+:class:`~iresflow.transforms.base.SequenceTransform` maps data to noise, and
+:class:`~iresflow.models.distributions.StandardNormalSequence` is the density of the noise over
+the real frames, so that
+
+.. math:: \log p(X) = \sum_{n\,:\,m_n = 1} \log\mathcal N(z_n; 0, I_D) + \log|\det J_f(X)|,
+    \qquad Z = f(X)
+
+(docs/math.md#change-of-variables, docs/math.md#masks).
+
+Every method calls the chain (its unchecked path, after one validation at the door, see
+:mod:`iresflow.transforms.base`); ready-made models such as
+:class:`~iresflow.models.transformer.ResidualFlowTransformer` only build the chain.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from iresflow._validation import (
+    check_float,
+    check_generator,
+    check_int,
+    check_sequence,
+    value_checks,
+)
+from iresflow.logdet.base import LogDetEstimator
+from iresflow.logdet.exact import ExactLogDet
+from iresflow.logdet.roulette import RouletteLogDet, predraw_counts
+from iresflow.models import evaluation
+from iresflow.models.distributions import StandardNormalSequence, sample_mask
+from iresflow.transforms.actnorm import DataInitializedTransform
+from iresflow.transforms.base import LogDetRequest, SequenceCompositeTransform
+from iresflow.transforms.residual import ResidualTransform
+
+__all__ = ["SequenceFlow"]
+
+
+class SequenceFlow(nn.Module):
+    r"""A normalising flow for (variable-length) sequences: a transform chain and a base.
+
+    ``transform`` maps data to noise (nflows convention); :meth:`log_prob` adds its
+    log-determinant to the base log-density, :meth:`sample` and :meth:`inverse` run it backwards.
+    Padded frames pass through unchanged and never enter a density. Methods validate their
+    inputs once (one host synchronisation, see :mod:`iresflow._validation`) and then call the
+    chain's unchecked path, so they also run under ``torch.func`` transforms.
+
+    Args:
+        transform: The chain from data to noise.
+        base: Density of the noise; ``StandardNormalSequence(features)`` when ``None``.
+        features: Feature size ``D`` of every frame.
+        max_len: Longest sequence accepted (``None``: any).
+
+    Example:
+        >>> from iresflow.nn.mlp import LipschitzMLP
+        >>> from iresflow.transforms.actnorm import ActNorm
+        >>> chain = SequenceCompositeTransform(
+        ...     [ActNorm(2), ResidualTransform(LipschitzMLP((2, 8, 2)), logdet="exact")])
+        >>> flow = SequenceFlow(chain, features=2).double().eval()
+        >>> x = torch.randn(3, 4, 2, dtype=torch.float64)
+        >>> flow.log_prob(x).shape, torch.allclose(flow.inverse(flow.transform_to_noise(x)), x)
+        (torch.Size([3]), True)
+    """
+
+    def __init__(
+        self,
+        transform: SequenceCompositeTransform,
+        base: StandardNormalSequence | None = None,
+        *,
+        features: int,
+        max_len: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(transform, SequenceCompositeTransform):
+            raise TypeError(
+                f"transform must be a SequenceCompositeTransform, got {type(transform).__name__}"
+            )
+        self.features = check_int(features, "features", 1)
+        self.max_len = None if max_len is None else check_int(max_len, "max_len", 1)
+        if base is None:
+            base = StandardNormalSequence(self.features)
+        if not isinstance(base, StandardNormalSequence) or base.features != self.features:
+            raise TypeError(f"base must be a StandardNormalSequence({self.features})")
+        self.transform = transform
+        self.base = base
+
+    # ----------------------------------------------------------------------------------------
+    # densities and maps
+
+    def log_prob(
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        *,
+        method: Literal["exact", "roulette"] | None = None,
+        n_samples: int = 1,
+        return_stderr: bool = False,
+        chunk_size: int | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        r"""Log-density, in nats, of the sequences as given (docs/math.md#change-of-variables).
+
+        The base log-density summed over the real frames plus the log-determinant of the chain
+        (padded frames never enter). Differentiable (for training) when grad mode is on.
+
+        Args:
+            x: Sequences, shape ``(B, N, D)`` with ``D = features`` and ``N <= max_len``.
+            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real frames.
+            method: Log-determinant of the residual blocks: ``None`` uses each block's
+                configured estimator; ``"exact"`` the dense Jacobian of every block, evaluated
+                in length-sorted chunks (:func:`~iresflow.models.evaluation.exact_in_chunks`);
+                ``"roulette"`` the unbiased Russian-roulette estimator (20 exact terms in
+                ``eval()`` mode): the configured estimators, with their generators, where all
+                blocks are configured with roulette, else a default
+                :class:`~iresflow.logdet.roulette.RouletteLogDet` on torch's global generator.
+                In training mode the exact method first initialises data-dependent layers from
+                the whole batch (:meth:`initialize`).
+            n_samples: Number of independent estimates averaged (stochastic estimators only;
+                must be 1 for ``"exact"``).
+            return_stderr: Also return the standard error of the average
+                (:func:`~iresflow.models.evaluation.average_estimates`; needs ``n_samples >= 2``
+                for a stochastic estimator; zeros for ``"exact"``).
+            chunk_size: Sequences per chunk of the exact method (``None``: automatic).
+
+        Returns:
+            ``log_prob`` of shape ``(B,)``, or ``(log_prob, stderr)`` with ``return_stderr``.
+
+        Raises:
+            ValueError: invalid inputs or options.
+        """
+        if method not in (None, "exact", "roulette"):
+            raise ValueError(f"method must be None, 'exact' or 'roulette', got {method!r}")
+        n_samples = check_int(n_samples, "n_samples", 1)
+        if chunk_size is not None:
+            chunk_size = check_int(chunk_size, "chunk_size", 1)
+        estimators = self.estimators()
+        exact = method == "exact" or (
+            method is None and bool(estimators)
+            and all(isinstance(e, ExactLogDet) for e in estimators)
+        )
+        if exact and n_samples != 1:
+            raise ValueError(f"the exact log-density is deterministic: n_samples must be 1, "
+                             f"got {n_samples}")
+        if return_stderr and not exact and n_samples < 2:
+            raise ValueError("return_stderr needs n_samples >= 2 for a stochastic estimator")
+        logdet: LogDetRequest = True
+        if exact:
+            logdet = ExactLogDet()
+        elif method == "roulette" and not all(isinstance(e, RouletteLogDet) for e in estimators):
+            logdet = RouletteLogDet()
+        x, mask = self._check(x, mask, "x", logdet)
+
+        with value_checks(False):
+            if exact:
+                if self.training:
+                    self._initialize(x, mask)
+                value = evaluation.exact_in_chunks(
+                    lambda xc, mc: self._log_prob(xc, mc, logdet), x, mask, chunk_size
+                )
+                stderr = torch.zeros_like(value)
+            else:
+                value, stderr = evaluation.average_estimates(
+                    lambda: self._log_prob(x, mask, logdet), n_samples
+                )
+        return (value, stderr) if return_stderr else value
+
+    def transform_to_noise(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Map data to noise through the chain (no log-determinant, no random draws).
+
+        Args:
+            x: Sequences ``(B, N, D)``.
+            mask: Optional boolean padding mask ``(B, N)``.
+
+        Returns:
+            ``z`` of shape ``(B, N, D)``, equal to ``x`` at padded positions.
+        """
+        x, mask = self._check(x, mask, "x", False)
+        with value_checks(False):
+            return self.transform._forward(x, None, mask, False)[0]
+
+    def inverse(self, z: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Map noise to data, inverting the chain (docs/math.md#fixed-point-inverse).
+
+        Runs without gradient tracking and without random draws; :meth:`inverse_diagnostics`
+        reports the convergence of the last call.
+
+        Args:
+            z: Noise sequences ``(B, N, D)``.
+            mask: Optional boolean padding mask ``(B, N)``.
+
+        Returns:
+            ``x`` of shape ``(B, N, D)``, equal to ``z`` at padded positions.
+
+        Raises:
+            InversionError: a fixed-point iteration did not converge.
+        """
+        z, mask = self._check(z, mask, "z", False)
+        with torch.no_grad(), value_checks(False):
+            return self.transform._inverse(z, None, mask, False)[0]
+
+    @torch.no_grad()
+    def sample(
+        self,
+        num: int,
+        seq_len: int | None = None,
+        lengths: Tensor | None = None,
+        generator: torch.Generator | None = None,
+        temperature: float = 1.0,
+    ) -> tuple[Tensor, Tensor]:
+        r"""Draw sequences: base noise (``base.sample``), then invert the chain.
+
+        Only ``generator`` is drawn from (torch's global generator when it is ``None``).
+
+        Args:
+            num: Number of sequences.
+            seq_len: Common length ``N`` of all samples (exclusive with ``lengths``).
+            lengths: Per-sample lengths, integer tensor ``(num,)`` with values in
+                ``[1, max_len]``; ``N = max(lengths)`` and shorter samples are padded.
+            generator: Optional ``torch.Generator`` for the noise (on the model's device).
+            temperature: Standard deviation :math:`T > 0` of the base noise (1 = the model).
+
+        Returns:
+            ``(x, mask)``: samples ``(num, N, D)`` (zero at padding) and the mask ``(num, N)``.
+
+        Raises:
+            ValueError: neither or both of ``seq_len`` and ``lengths``, or invalid values.
+        """
+        num = check_int(num, "num", 1)
+        temperature = check_float(temperature, "temperature", 0.0)
+        generator = check_generator(generator)
+        reference = self._reference()
+        mask = sample_mask(num, seq_len, lengths, self.max_len, reference.device)
+        z = self.base.sample(mask, generator, temperature, dtype=reference.dtype)
+        with value_checks(False):
+            return self.transform._inverse(z, None, mask, False)[0], mask
+
+    # ----------------------------------------------------------------------------------------
+    # training support
+
+    @torch.no_grad()
+    def initialize(self, x: Tensor, mask: Tensor | None = None) -> None:
+        """Initialise every data-dependent layer (ActNorm, autoregressive) from a whole batch.
+
+        One pass through the chain in training mode without log-determinants; every other
+        state is left as it was (buffers such as power-iteration vectors, the training flag,
+        random generators). Call it with the first (global) batch before training, e.g. on
+        every rank of a distributed run; a single process may also leave it to the first
+        training forward.
+
+        Args:
+            x: Sequences ``(B, N, D)``.
+            mask: Optional boolean padding mask ``(B, N)``.
+        """
+        x, mask = self._check(x, mask, "x", False)
+        with value_checks(False):
+            self._initialize(x, mask)
+
+    def set_generator(self, generator: torch.Generator | None) -> None:
+        """Make ``generator`` the generator of every stochastic log-determinant estimator.
+
+        Args:
+            generator: A ``torch.Generator`` on the model's device, or ``None`` for torch's
+                global one.
+        """
+        generator = check_generator(generator)
+        for estimator in self.estimators():
+            if hasattr(estimator, "generator"):
+                estimator.generator = generator
+
+    def estimators(self) -> list[LogDetEstimator]:
+        """The configured log-determinant estimator of every residual block, in chain order."""
+        return [step.logdet for _, step in self.residual_steps()]
+
+    def residual_steps(self) -> list[tuple[str, ResidualTransform]]:
+        """``(name, block)`` of every residual block of the chain, in order."""
+        return [(name, step) for name, step in self.transform.named_steps()
+                if isinstance(step, ResidualTransform)]
+
+    # ----------------------------------------------------------------------------------------
+    # diagnostics
+
+    def inverse_diagnostics(self) -> dict[str, Any]:
+        """Convergence of the fixed-point inverses of the last :meth:`inverse` / :meth:`sample`.
+
+        See :func:`~iresflow.models.evaluation.inverse_diagnostics`.
+        """
+        return evaluation.inverse_diagnostics(self.residual_steps())
+
+    @torch.no_grad()
+    def lipschitz_report(
+        self,
+        seq_len: int | None = None,
+        *,
+        n_inputs: int = 4,
+        generator: torch.Generator | None = None,
+    ) -> list[dict[str, Any]]:
+        """Certified and observed Lipschitz constants of every residual branch.
+
+        Probes ``n_inputs`` standard normal sequences of length ``seq_len`` (``None``:
+        ``min(max_len, 16)``) drawn from ``generator``; see
+        :func:`~iresflow.models.evaluation.lipschitz_report` for the fields. Runs in
+        ``eval()`` mode (exact spectral norms) and restores the previous mode.
+        """
+        longest = self.max_len if self.max_len is not None else math.inf
+        seq_len = min(longest, 16) if seq_len is None else check_int(seq_len, "seq_len", 1)
+        if seq_len > longest:
+            raise ValueError(f"seq_len must be <= max_len={self.max_len}, got {seq_len}")
+        n_inputs = check_int(n_inputs, "n_inputs", 1)
+        generator = check_generator(generator)
+        reference = self._reference()
+        x = torch.randn(n_inputs, seq_len, self.features, generator=generator,
+                        device=reference.device, dtype=reference.dtype)
+        was_training = self.training
+        self.eval()
+        try:
+            return evaluation.lipschitz_report(self.residual_steps(), x)
+        finally:
+            self.train(was_training)
+
+    # ----------------------------------------------------------------------------------------
+    # internals
+
+    def _reference(self) -> Tensor:
+        """A parameter of the model, giving its device and dtype."""
+        return next(self.parameters())
+
+    def _check(
+        self, x: object, mask: object, name: str, logdet: LogDetRequest
+    ) -> tuple[Tensor, Tensor | None]:
+        """The one validation of a call: shapes, then one fused value check (chain's gate)."""
+        with value_checks(False):
+            check_sequence(x, name, features=self.features, allow_2d=False,
+                           like=self._reference())
+        x, mask = self.transform.check_call(x, None, mask=mask, logdet=logdet, name=name)
+        if self.max_len is not None and x.shape[1] > self.max_len:
+            raise ValueError(
+                f"{name} has length {x.shape[1]} > max_len={self.max_len} (shape (B, N, D) "
+                f"with N <= max_len)"
+            )
+        return x, mask
+
+    def _log_prob(self, x: Tensor, mask: Tensor | None, logdet: LogDetRequest) -> Tensor:
+        """One pass: base log-density of the noise plus the chain's log-determinant."""
+        calls = [logdet if isinstance(logdet, LogDetEstimator) else estimator
+                 for estimator in self.estimators()]
+        roulette = [c for c in calls if isinstance(c, RouletteLogDet)]
+        if roulette:  # every count of the pass in one draw (one host read per generator)
+            predraw_counts(roulette)
+        z, logabsdet = self.transform._forward(x, None, mask, logdet)
+        return self.base.log_prob(z, mask) + logabsdet
+
+    def _initialize(self, x: Tensor, mask: Tensor | None) -> None:
+        layers = [m for m in self.modules() if isinstance(m, DataInitializedTransform)]
+        if all(m.is_initialized for m in layers):
+            return
+        saved = {
+            (module, name): buffer.clone()
+            for module in self.modules() if not isinstance(module, DataInitializedTransform)
+            for name, buffer in module.named_buffers(recurse=False)
+        }
+        was_training = self.training
+        self.train()
+        try:
+            with torch.no_grad():
+                self.transform._forward(x, None, mask, False)
+        finally:
+            self.train(was_training)
+            with torch.no_grad():
+                for (module, name), value in saved.items():
+                    getattr(module, name).copy_(value)
