@@ -284,8 +284,9 @@ def test_zero_tokens_give_finite_training_gradients(device, logdet, masked):
 
 
 def test_zero_tokens_give_finite_model_gradients(device):
-    # After the keyword-settings change of the model constructor: features=1 as a keyword.
-    model = ResidualFlowTransformer(features=1, n_blocks=1, hidden=8, max_len=6, attention="lipschitznorm")
+    model = ResidualFlowTransformer(
+        features=1, n_blocks=1, hidden=8, max_len=6, attention="lipschitznorm"
+    )
     model = model.to(device=device, dtype=torch.float64).train()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 1, generator=gen, dtype=torch.float64).to(device)
