@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -12,7 +13,6 @@ from torchdiffeq import odeint
 
 from benchmarks.baselines.autoregressive import (
     AutoregressiveGaussian,
-    fit_autoregressive_gaussian,
     lagged,
     left_align,
 )
@@ -23,7 +23,10 @@ from benchmarks.baselines.recurrent import RecurrentFlow
 from benchmarks.baselines.training import batch_of, fit_model, split_log_prob
 from benchmarks.results import (
     END,
+    FULL,
     START,
+    mean_curve,
+    mode_budget,
     replace_between_markers,
     summarize,
     target_check,
@@ -230,13 +233,14 @@ def test_ar_noise_is_the_standardised_innovation() -> None:
 def test_order_selection_picks_the_true_order_and_refits_on_both_splits() -> None:
     x = _simulate_ar1(300, 8, A1, B1, C1, torch.Generator().manual_seed(5))
     train, val = _split(x[:200]), _split(x[200:])
-    model, val_nll = fit_autoregressive_gaussian(train, val, max_order=2)
+    model = AutoregressiveGaussian(2, max_len=8)
+    val_nll = model.fit_selected_order(train, val, max_order=2)
     assert len(val_nll) == 3 and val_nll[1] < val_nll[0] - 0.1
     assert model.order == min(range(3), key=val_nll.__getitem__)
     refit = AutoregressiveGaussian(2, max_len=8).fit(x, order=model.order)
     torch.testing.assert_close(model.weight, refit.weight)
     with pytest.raises(ValueError, match="max_order"):
-        fit_autoregressive_gaussian(train, val, max_order=-1)
+        model.fit_selected_order(train, val, max_order=-1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -435,9 +439,16 @@ def test_fit_model_improves_and_restores_the_best_epoch() -> None:
     model = frame_maf(2, 3, hidden=8, n_layers=1)
     model.eval()
     initial = -float(split_log_prob(model.log_prob, val).sum()) / 48
+    calls: list[tuple[int, float, bool, bool]] = []
     result = fit_model(model, train, val, lr=1e-2, batch_size=16, max_epochs=15,
-                       generator=torch.Generator().manual_seed(0))
+                       generator=torch.Generator().manual_seed(0),
+                       on_epoch=lambda e, s, last: calls.append((e, s, last, model.training)))
     final = -float(split_log_prob(model.log_prob, val).sum()) / 48
+    assert [c[0] for c in calls] == list(range(1, len(result.history) + 1))
+    assert [c[2] for c in calls] == [False] * (len(calls) - 1) + [True]
+    assert not any(c[3] for c in calls)  # called in eval mode
+    assert all(a[1] <= b[1] for a, b in itertools.pairwise(calls))
+    assert calls[-1][1] == pytest.approx(result.train_seconds)
     assert result.best_val_loss < initial
     assert final == pytest.approx(result.best_val_loss, rel=1e-6)
     assert result.best_val_loss == pytest.approx(min(result.history))
@@ -498,6 +509,32 @@ def test_summarize_reports_mean_and_std() -> None:
     summary = summarize(runs + [{"seed": 3, "error": "boom"}])
     assert summary["test_nll"] == 2.0 and summary["test_nll_std"] == 1.0
     assert summary["seeds"] == 3 and summary["errors"] == ["boom"]
+
+
+def test_mode_budgets() -> None:
+    assert mode_budget(FULL, "table") == FULL
+    assert mode_budget(FULL, "table", 5).max_seconds == 5.0
+    converge = mode_budget(FULL, "convergence")
+    assert converge.max_epochs >= 1000 and converge.patience < converge.max_epochs
+    equal = mode_budget(FULL, "budget", 300)
+    assert equal.max_seconds == 300.0 and equal.patience >= equal.max_epochs  # no early stop
+    with pytest.raises(ValueError, match="--budget"):
+        mode_budget(FULL, "budget")
+    with pytest.raises(ValueError, match="mode"):
+        mode_budget(FULL, "fast")
+
+
+def test_mean_curve_interpolates_in_log_time() -> None:
+    a = [[1.0, 3.0], [10.0, 1.0], [1000.0, 0.0]]
+    b = [[2.0, 5.0], [100.0, 1.0]]
+    seconds, nll = mean_curve([a, b, []], points=5)
+    assert seconds[0] == pytest.approx(2.0) and seconds[-1] == pytest.approx(100.0)
+    for t, v in zip(seconds, nll, strict=True):
+        ya = np.interp(math.log(t), np.log([1.0, 10.0, 1000.0]), [3.0, 1.0, 0.0])
+        yb = np.interp(math.log(t), np.log([2.0, 100.0]), [5.0, 1.0])
+        assert v == pytest.approx((ya + yb) / 2)
+    assert mean_curve([a]) == ([1.0, 10.0, 1000.0], [3.0, 1.0, 0.0])
+    assert mean_curve([]) == ([], [])
 
 
 def test_replace_between_markers() -> None:

@@ -19,9 +19,9 @@ of its conditionals (change of variables to the standardised innovations
 :math:`z_t = L_k^{-1}(x_t - A_k[\dots] - b_k)`, :math:`L_kL_k^\top = S_k`: see
 ``docs/math.md#change-of-variables``); padding never enters (``docs/math.md#masks``).
 
-:func:`fit_autoregressive_gaussian` chooses :math:`p\in\{0,\dots,P\}` by the validation
-likelihood of fits on the training split, then refits the chosen order on training and
-validation sequences together.
+:meth:`AutoregressiveGaussian.fit_selected_order` chooses :math:`p\in\{0,\dots,P\}` by the
+validation likelihood of fits on the training split, then refits the chosen order on training
+and validation sequences together.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from iresflow._validation import check_mask, check_sequence
 from iresflow.data.datasets import SequenceSplit
 from iresflow.models.transformer import sample_mask
 
-__all__ = ["AutoregressiveGaussian", "fit_autoregressive_gaussian", "left_align", "lagged"]
+__all__ = ["AutoregressiveGaussian", "lagged", "left_align"]
 
 
 def left_align(x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -175,6 +175,46 @@ class AutoregressiveGaussian(nn.Module):
         self.weight, self.bias, self.scale_tril = weight, bias, tril
         return self
 
+    def fit_selected_order(
+        self, train: SequenceSplit, val: SequenceSplit, max_order: int = 3
+    ) -> list[float]:
+        """Choose the order on the validation split, then refit it on train and validation.
+
+        Every order :math:`p = 0..P` is fitted on ``train`` and scored by its validation
+        log-likelihood; the best order is refitted on the sequences of both splits.
+
+        Args:
+            train: Training split ``(B, N, D)``.
+            val: Validation split (same ``N`` and ``D``).
+            max_order: :math:`P \\ge 0`.
+
+        Returns:
+            The validation NLL (nats per real frame, model space) of every order ``0..P``.
+
+        Example:
+            >>> x = torch.randn(40, 8, 1, dtype=torch.float64).cumsum(1)  # a random walk: AR(1)
+            >>> full = torch.ones(20, 8, dtype=torch.bool)
+            >>> jac = torch.zeros(20, dtype=torch.float64)
+            >>> model = AutoregressiveGaussian(1, max_len=8)
+            >>> val_nll = model.fit_selected_order(SequenceSplit(x[:20], full, jac),
+            ...                                    SequenceSplit(x[20:], full, jac))
+            >>> model.order >= 1, val_nll[1] < val_nll[0], len(val_nll)
+            (True, True, 4)
+        """
+        if isinstance(max_order, bool) or not isinstance(max_order, int) or max_order < 0:
+            raise ValueError(f"max_order must be an int >= 0, got {max_order!r}")
+        if train.x.shape[1:] != val.x.shape[1:]:
+            raise ValueError(f"train and val must share (N, D), got {tuple(train.x.shape[1:])} "
+                             f"and {tuple(val.x.shape[1:])}")
+        frames = float(val.mask.sum())
+        val_nll = []
+        for order in range(max_order + 1):
+            self.fit(train.x, train.mask, order)
+            val_nll.append(-float(self.log_prob(val.x, val.mask).sum()) / frames)
+        best = min(range(max_order + 1), key=val_nll.__getitem__)
+        self.fit(torch.cat([train.x, val.x]), torch.cat([train.mask, val.mask]), best)
+        return val_nll
+
     def _conditionals(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Means ``(B, N, D)`` and Cholesky factors ``(N, D, D)`` of left-aligned ``x``."""
         p = self.order
@@ -243,49 +283,3 @@ class AutoregressiveGaussian(nn.Module):
             mean = past @ self.weight[k, : k * d] + self.bias[k]
             x[:, t] = mean + eps[:, t] @ self.scale_tril[k].T
         return torch.where(mask.unsqueeze(-1), x, 0.0), mask
-
-
-def fit_autoregressive_gaussian(
-    train: SequenceSplit, val: SequenceSplit, max_order: int = 3, ridge: float = 1e-4,
-    max_len: int | None = None,
-) -> tuple[AutoregressiveGaussian, list[float]]:
-    """Choose the order on the validation split, then refit it on train and validation.
-
-    Every order :math:`p = 0..P` is fitted on ``train`` and scored by its validation
-    log-likelihood; the best order is refitted on the sequences of both splits.
-
-    Args:
-        train: Training split.
-        val: Validation split (same padded length as ``train``).
-        max_order: :math:`P \\ge 0`.
-        ridge: Covariance ridge of every conditional.
-        max_len: Longest sequence the model samples (default: the splits' padded length).
-
-    Returns:
-        The refitted model and the validation NLL (nats per real frame, model space) of every
-        order ``0..P``.
-
-    Example:
-        >>> x = torch.randn(40, 8, 1, dtype=torch.float64).cumsum(1)  # a random walk: AR(1)
-        >>> full = torch.ones(40, 8, dtype=torch.bool)
-        >>> split = lambda s: SequenceSplit(x[s], full[s], torch.zeros(20, dtype=torch.float64))
-        >>> model, val_nll = fit_autoregressive_gaussian(split(slice(20)), split(slice(20, 40)))
-        >>> model.order, len(val_nll)
-        (1, 4)
-    """
-    if isinstance(max_order, bool) or not isinstance(max_order, int) or max_order < 0:
-        raise ValueError(f"max_order must be an int >= 0, got {max_order!r}")
-    if train.x.shape[1:] != val.x.shape[1:]:
-        raise ValueError(f"train and val must share (N, D), got {tuple(train.x.shape[1:])} and "
-                         f"{tuple(val.x.shape[1:])}")
-    features, length = train.x.shape[2], train.x.shape[1]
-    max_len = length if max_len is None else max_len
-    frames = float(val.mask.sum())
-    val_nll = []
-    for order in range(max_order + 1):
-        model = AutoregressiveGaussian(features, max_len, ridge).fit(train.x, train.mask, order)
-        val_nll.append(-float(model.log_prob(val.x.double(), val.mask).sum()) / frames)
-    best = min(range(max_order + 1), key=val_nll.__getitem__)
-    model = AutoregressiveGaussian(features, max_len, ridge).fit(
-        torch.cat([train.x, val.x]), torch.cat([train.mask, val.mask]), best)
-    return model, val_nll
