@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.baselines.autoregressive import AutoregressiveGaussian
-from benchmarks.order import lag1_autocorrelation, order_metrics, shuffle_frames
+from benchmarks.order import lag1_autocorrelation, main, order_metrics, shuffle_frames
 from iresflow.data.datasets import SequenceDataset, SequenceSplit
 from iresflow.models.transformer import ResidualFlowTransformer
 
@@ -118,3 +119,18 @@ def test_order_metrics_of_the_iresflow_model_with_variable_lengths() -> None:
                             generator=torch.Generator().manual_seed(0))
     assert metrics["order_gain"] != pytest.approx(0.0, abs=1e-6)  # positions matter
     assert len(metrics["autocorr_noise"]) == 2 and metrics["unit"] == "nats/frame"
+
+
+def test_order_command_writes_the_table(tmp_path, capsys) -> None:
+    report = main(["--no-flow", "--datasets", "co2_windows", "--out", str(tmp_path)])
+    entry = json.loads((tmp_path / "order.json").read_text())["datasets"]["co2_windows"]
+    assert entry["ar1_gaussian"] == report["datasets"]["co2_windows"]["ar1_gaussian"]
+    assert entry["ar1_gaussian"]["order_gain"] > 0  # the weekly CO2 differences are correlated
+    assert "AR(1) Gaussian" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_order_command_trains_and_scores_a_flow(tmp_path) -> None:
+    report = main(["--quick", "--datasets", "co2_windows", "--out", str(tmp_path)])
+    flow = report["datasets"]["co2_windows"]["iresflow"]
+    assert math.isfinite(flow["order_gain"]) and (tmp_path / "runs" / "co2_windows").is_dir()
