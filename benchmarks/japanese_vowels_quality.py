@@ -67,7 +67,7 @@ QUICK = {"n_blocks": 2, "hidden": 32, "batch_size": 32, "epochs": 3, "max_eval":
 def parameter_count(config: TrainConfig, features: int, max_len: int) -> int:
     """Trainable parameters of the model a configuration builds."""
     model = ResidualFlowTransformer(
-        features, n_blocks=config.n_blocks, hidden=config.hidden, heads=config.heads,
+        features=features, n_blocks=config.n_blocks, hidden=config.hidden, heads=config.heads,
         attention=config.attention, positional=config.positional, max_len=max_len,
     )
     return sum(p.numel() for p in model.parameters())

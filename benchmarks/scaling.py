@@ -53,7 +53,7 @@ def step_cost(
     """Seconds (fastest of ``repeats``) and memory (MiB) of a training step at length ``N``."""
     generator = torch.Generator().manual_seed(length)
     model = ResidualFlowTransformer(
-        FEATURES, n_blocks=1, hidden=32, max_len=length, logdet=method
+        features=FEATURES, n_blocks=1, hidden=32, max_len=length, logdet=method
     ).to(device)
     model.train()
     x = torch.randn(batch, length, FEATURES, generator=generator).to(device)
