@@ -1,6 +1,6 @@
 r"""Does a sequence model use the order of the frames? The order benchmark.
 
-For every dataset and model, on the test split (``docs/math.md#experiments``):
+For every dataset and model, on the test split:
 
 * **test NLL**: the exact negative log-likelihood in the dataset's unit (original units);
 * **shuffled NLL**: the same with the real frames of every sequence permuted at random (one
@@ -21,9 +21,9 @@ and ``transform_to_noise(x, mask)`` works: the iresflow model, and both autoregr
 
 Run from the repository root::
 
-    python -m benchmarks.order --quick                          # smoke run, a few minutes
+    python -m benchmarks.order --quick                          # smoke run, under a minute
     python -m benchmarks.order --run japanese_vowels=runs/jv    # a trained iresflow run
-    python -m benchmarks.order --epochs 60                      # train the flows first
+    python -m benchmarks.order                                  # train the flows, ~5 min each
 
 The table is printed and the numbers are written to ``benchmarks/out/order/order.json``
 (``--out``).
