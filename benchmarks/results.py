@@ -1,4 +1,4 @@
-"""The results table: iresflow against Gaussians, nflows MAF/RealNVP and a torchdiffeq CNF.
+"""The results table: iresflow against Gaussians, AR models, nflows flows and a torchdiffeq CNF.
 
 Protocol (same for every model): the splits, preprocessing and units of
 :func:`iresflow.data.datasets.load_dataset` (``seed=0``); one trainer
@@ -9,16 +9,31 @@ model tuned over the same learning-rate grid on the validation split with seed 0
 configuration trained with the remaining seeds. Reported per model: test NLL (mean and standard
 deviation over seeds) in the dataset's unit, parameters, optimisation time per epoch, sampling
 time per sequence, and for iresflow the exact NLL next to the Russian-roulette estimate with its
-standard error. The Gaussians are closed-form fits (no seeds).
+standard error. The Gaussians are closed-form fits (no seeds); the linear-Gaussian AR(p) model
+over frames chooses its order on the validation split and is refitted on train and validation.
+
+Three training protocols (``--mode``):
+
+* ``table`` (default): every trained model gets the same budget of optimisation seconds and
+  epochs, with early stopping on the validation NLL;
+* ``convergence``: early stopping on the validation NLL with a generous epoch cap, so that every
+  model is trained until it stops improving;
+* ``budget``: equal wall-clock budgets (``--budget`` seconds of optimisation, no early stopping;
+  the best validation epoch is kept).
+
+Every trained run records a learning curve (the test NLL, with the validation estimator, against
+optimisation seconds), drawn per dataset as the mean over seeds into ``figures/``.
 
 Run from the repository root::
 
     python -m benchmarks.results --quick                 # CI-sized check, writes benchmarks/out/
     python -m benchmarks.results --jobs 2 --readme README.md   # the full table, docs/results.*
+    python -m benchmarks.results --jobs 2 --mode convergence   # docs/results_convergence.*
+    python -m benchmarks.results --jobs 2 --mode budget --budget 60   # docs/results_budget60.*
 
 The table is written to ``docs/results.md`` between ``<!-- results:start -->`` and
 ``<!-- results:end -->`` (and with ``--readme`` between the same markers in the README), the raw
-numbers to ``docs/results.json``.
+numbers to ``docs/results.json``, the learning curves to ``docs/figures/``.
 """
 
 from __future__ import annotations
@@ -41,12 +56,15 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
+from benchmarks.baselines.autoregressive import AutoregressiveGaussian
 from benchmarks.baselines.cnf import CNF
 from benchmarks.baselines.gaussian import FrameGaussian, SequenceGaussian
 from benchmarks.baselines.nflows_models import frame_maf, sequence_maf, sequence_realnvp
+from benchmarks.baselines.recurrent import RecurrentFlow
 from benchmarks.baselines.training import fit_model, split_log_prob
 from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
 
@@ -56,6 +74,14 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 FALLBACK_TARGET_PARAMS = 20_000
 #: iresflow architecture of every iresflow row (the library defaults).
 IRESFLOW_ARCH = {"n_blocks": 4, "hidden": 64}
+#: Largest order P of the AR(p) Gaussian; p in 0..P is chosen on the validation split.
+MAX_AR_ORDER = 3
+#: Modes of the trainer (module docstring) and their budgets on top of ``FULL``/``QUICK``.
+MODES = ("table", "convergence", "budget")
+CONVERGENCE = {"max_seconds": 7200.0, "max_epochs": 2000, "patience": 30}
+#: Learning-curve points: the test NLL is recorded when the optimisation time has grown by
+#: this factor since the last point (and after the last epoch).
+CURVE_GROWTH = 1.25
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -112,6 +138,19 @@ def _iresflow(attention: str) -> Callable[[SequenceDataset, int], nn.Module]:
     return build
 
 
+def _fit_on_train(model: nn.Module, ds: SequenceDataset) -> dict[str, Any]:
+    """Closed-form fit on the training split (the Gaussians)."""
+    model.fit(ds.train.x, ds.train.mask)
+    return {}
+
+
+def _fit_ar(model: nn.Module, ds: SequenceDataset) -> dict[str, Any]:
+    """AR(p): p chosen on the validation split, then refitted on train and validation."""
+    assert isinstance(model, AutoregressiveGaussian)
+    val_nll = model.fit_selected_order(ds.train, ds.val, MAX_AR_ORDER)
+    return {"order": model.order, "order_val_nll": val_nll}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One row of the table.
@@ -126,6 +165,7 @@ class ModelSpec:
         widths: Candidate widths, the one matching the target parameter count is used
             (empty: fixed architecture).
         trained: Gradient training (else a closed-form fit).
+        fit: Closed-form fit ``(model, dataset) -> extra record fields`` (untrained rows).
     """
 
     key: str
@@ -135,6 +175,7 @@ class ModelSpec:
     build: Callable[[SequenceDataset, int], nn.Module]
     widths: tuple[int, ...] = ()
     trained: bool = True
+    fit: Callable[[nn.Module, SequenceDataset], dict[str, Any]] = _fit_on_train
 
 
 WIDTHS = tuple(range(8, 257, 4))
@@ -144,6 +185,12 @@ MODELS = (
     ModelSpec("gaussian_sequences", "Gaussian over sequences (full cov.)", "closed form",
               _fixed_length_only, lambda ds, w: SequenceGaussian(ds.max_len, ds.features),
               trained=False),
+    ModelSpec("ar_gaussian", f"AR(p) Gaussian over frames (p ≤ {MAX_AR_ORDER} on val.)",
+              "closed form, sequential over frames", _always,
+              lambda ds, w: AutoregressiveGaussian(ds.features, ds.max_len), trained=False,
+              fit=_fit_ar),
+    ModelSpec("gru_maf", "GRU + nflows MAF over the next frame", "sequential over frames",
+              _always, lambda ds, w: RecurrentFlow(ds.features, ds.max_len, hidden=w), WIDTHS),
     ModelSpec("maf_frames", "nflows MAF over i.i.d. frames", "parallel over frames",
               _multi_feature, lambda ds, w: frame_maf(ds.features, ds.max_len, hidden=w),
               WIDTHS),
@@ -252,24 +299,43 @@ def _build(spec: ModelSpec, ds: SequenceDataset, budget: Budget, seed: int
     return model, model.log_prob, width
 
 
+def _curve_recorder(log_prob: Callable[[Tensor, Tensor | None], Tensor], ds: SequenceDataset
+                    ) -> tuple[Callable[[int, float, bool], None], list[list[float]]]:
+    """An ``on_epoch`` callback recording ``[seconds, test NLL]`` at geometric time steps.
+
+    The test NLL of the current parameters uses ``log_prob`` (the validation estimator). A point
+    is added after the first and the last epoch, and whenever the optimisation time has grown by
+    :data:`CURVE_GROWTH` since the last point.
+    """
+    curve: list[list[float]] = []
+
+    def record(epoch: int, seconds: float, last: bool) -> None:
+        if curve and not last and seconds < CURVE_GROWTH * curve[-1][0]:
+            return
+        curve.append([seconds, ds.nll(split_log_prob(log_prob, ds.test), ds.test)])
+
+    return record, curve
+
+
 def _train(model: nn.Module, val_log_prob: Callable[[Tensor, Tensor | None], Tensor],
            spec: ModelSpec, ds: SequenceDataset, lr: float | None, seed: int, budget: Budget
            ) -> dict[str, Any]:
     start = time.perf_counter()
     if spec.trained:
+        on_epoch, curve = _curve_recorder(val_log_prob, ds)
         result = fit_model(
             model, ds.train, ds.val, lr=lr, batch_size=budget.batch_size,
             max_epochs=budget.max_epochs, max_seconds=budget.max_seconds,
             patience=budget.patience, val_log_prob=val_log_prob,
-            generator=torch.Generator().manual_seed(seed),
+            generator=torch.Generator().manual_seed(seed), on_epoch=on_epoch,
         )
         record: dict[str, Any] = {
             "epochs": result.epochs, "best_epoch": result.best_epoch,
-            "seconds_per_epoch": result.seconds_per_epoch, "stopped": result.stopped}
+            "seconds_per_epoch": result.seconds_per_epoch, "stopped": result.stopped,
+            "curve": curve}
     else:
-        model.fit(ds.train.x, ds.train.mask)
         record = {"epochs": None, "best_epoch": None, "seconds_per_epoch": None,
-                  "stopped": "closed form"}
+                  "stopped": "closed form", **spec.fit(model, ds)}
     record["fit_seconds"] = time.perf_counter() - start
     record["params"] = count_parameters(model)
     model.eval()
@@ -459,6 +525,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["test_nll_roulette_stderr"] = math.sqrt(sum(e * e for e in errors)) / len(errors)
     out["params"] = good[0]["params"]
     out["test_divergence"] = good[0].get("test_divergence")
+    out["order"] = good[0].get("order")
     return out
 
 
@@ -525,11 +592,18 @@ def markdown_tables(report: dict[str, Any]) -> str:
     lines: list[str] = []
     meta = report["meta"]
     mode = "quick mode: tiny budgets and data subsets, not a result" if meta["quick"] else "full"
+    training = {
+        "table": f"{meta['budget']['max_seconds']:g} s of optimisation per run, at most "
+                 f"{meta['budget']['max_epochs']} epochs, early stopping",
+        "convergence": f"trained to convergence: early stopping with patience "
+                       f"{meta['budget']['patience']}, at most {meta['budget']['max_epochs']} "
+                       f"epochs or {meta['budget']['max_seconds']:g} s",
+        "budget": f"equal budgets of {meta['budget']['max_seconds']:g} s of optimisation per "
+                  "run, no early stopping, best validation epoch kept",
+    }[meta.get("mode", "table")]
     lines.append(
         f"Test NLL, lower is better: mean ± std over {meta['budget']['seeds']} seed(s) "
-        f"({mode}"
-        f"; {meta['budget']['max_seconds']:g} s of optimisation per run, at most "
-        f"{meta['budget']['max_epochs']} epochs; CPU, {meta['threads']} thread(s) per run)."
+        f"({mode}; {training}; CPU, {meta['threads']} thread(s) per run)."
     )
     for name, per_model in report["datasets"].items():
         info = report["dataset_info"][name]
@@ -550,6 +624,8 @@ def markdown_tables(report: dict[str, Any]) -> str:
             nll = _nll_cell(s)
             if key == "cnf" and s.get("test_divergence") == "hutchinson":
                 nll += " (Hutchinson est.)"
+            if s.get("order") is not None:
+                nll += f" (p = {s['order']})"
             roulette = "—"
             if "test_nll_roulette" in s:
                 roulette = f"{_fmt(s['test_nll_roulette'])} ± {s['test_nll_roulette_stderr']:.1g}"
@@ -614,7 +690,8 @@ def results_markdown(report: dict[str, Any]) -> str:
         "epoch and time budget per run.\n"
         "* Tuning: learning rates "
         f"{', '.join(f'{lr:g}' for lr in budget['lrs'])} on the validation split with seed 0; "
-        "the best one is then trained with the remaining seeds. Widths of MAF, RealNVP and CNF "
+        "the best one is then trained with the remaining seeds. Widths of MAF, RealNVP, CNF "
+        "and GRU + MAF "
         "are chosen so that their parameter counts are closest to the default iresflow model "
         "(4 blocks, hidden 64) on each dataset. Validation (early stopping and the choice of "
         "learning rate) uses each model's cheap evaluation: the exact density for the Gaussians "
@@ -630,6 +707,19 @@ def results_markdown(report: dict[str, Any]) -> str:
         "Hutchinson estimate (unbiased, marked in the table).\n"
         "* Gaussians: closed-form maximum likelihood on the training split with a ridge of 1e-4 "
         "on the covariance diagonal; the sequence Gaussian needs fixed-length data.\n"
+        "* AR(p) Gaussian over frames (`benchmarks/baselines/autoregressive.py`): "
+        "x_t | x_{t-1..t-p} ~ N(A [x_{t-1..t-p}] + b, S), frames t ≤ p with the AR(t-1) "
+        "conditional fitted on the t-th frames; every conditional by least squares with the "
+        "residual covariance (ridge 1e-4); p in 0.."
+        f"{MAX_AR_ORDER} chosen by the validation NLL of fits on the training split, then "
+        "refitted on training and validation sequences (so its `val_nll` in the JSON is "
+        "in-sample; `order_val_nll` holds the validation NLLs, model space, that chose p).\n"
+        "* GRU + MAF (`benchmarks/baselines/recurrent.py`): a GRU over the past frames whose "
+        "state is the context of an nflows MAF (4 layers) over the next frame; width matched "
+        "to the parameter target like MAF, RealNVP and CNF.\n"
+        "* Learning curves (`figures/`): the test NLL of the current parameters, with the "
+        "validation estimator, against optimisation seconds (geometric steps), mean over seeds "
+        "(interpolated in log time); closed-form fits as horizontal lines.\n"
         "* Times: optimisation wall time per epoch (validation excluded) and sampling wall "
         f"time per sequence (batches of {budget['sample_num']}), on "
         f"{report['meta']['machine']}, with other processes possibly sharing the CPU: "
@@ -637,6 +727,113 @@ def results_markdown(report: dict[str, Any]) -> str:
         f"{report['meta']['wall_seconds'] / 60:.0f} min wall time with "
         f"{report['meta']['jobs']} parallel run(s) of {report['meta']['threads']} thread(s).\n"
     )
+
+
+def mode_budget(base: Budget, mode: str, seconds: float | None = None) -> Budget:
+    """The budget of a training mode (module docstring) on top of ``FULL`` or ``QUICK``.
+
+    Args:
+        base: ``FULL`` or ``QUICK``.
+        mode: One of :data:`MODES`.
+        seconds: Optimisation seconds per run (``budget``: required; ``table``: optional).
+
+    Returns:
+        The budget.
+
+    Example:
+        >>> mode_budget(FULL, "budget", 60.0).max_seconds, mode_budget(FULL, "budget", 60).patience
+        (60.0, 1000000)
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "convergence":
+        return dataclasses.replace(base, **CONVERGENCE)
+    if mode == "budget":
+        if seconds is None or not seconds > 0:
+            raise ValueError("the budget mode needs a positive number of seconds (--budget)")
+        return dataclasses.replace(base, max_seconds=float(seconds), max_epochs=1_000_000,
+                                   patience=1_000_000)
+    return base if seconds is None else dataclasses.replace(base, max_seconds=float(seconds))
+
+
+def mean_curve(curves: list[list[list[float]]], points: int = 40
+               ) -> tuple[list[float], list[float]]:
+    """Mean over seeds of learning curves ``[[seconds, nll], ...]``.
+
+    The curves are interpolated linearly in log-seconds onto a log-spaced grid of ``points``
+    times spanning the range every curve covers (a single curve is returned as it is).
+
+    Args:
+        curves: One curve per seed, each with increasing positive seconds.
+        points: Grid size.
+
+    Returns:
+        ``(seconds, mean nll)``; empty lists when no curve has a point.
+
+    Example:
+        >>> mean_curve([[[1.0, 2.0], [100.0, 0.0]], [[1.0, 4.0], [100.0, 2.0]]], points=3)
+        ([1.0, 10.0, 100.0], [3.0, 2.0, 1.0])
+    """
+    curves = [c for c in curves if c]
+    if not curves:
+        return [], []
+    if len(curves) == 1:
+        return [p[0] for p in curves[0]], [p[1] for p in curves[0]]
+    lo, hi = max(c[0][0] for c in curves), min(c[-1][0] for c in curves)
+    grid = np.geomspace(lo, hi, points) if hi > lo else np.array([lo])
+    values = [np.interp(np.log(grid), np.log([p[0] for p in c]), [p[1] for p in c])
+              for c in curves]
+    return [float(g) for g in grid], [float(v) for v in np.mean(values, axis=0)]
+
+
+def write_learning_curves(report: dict[str, Any], folder: Path, stem: str) -> list[Path]:
+    """One figure per dataset: test NLL against optimisation seconds, mean over seeds.
+
+    Trained models are drawn as curves (log time axis), closed-form fits as horizontal lines.
+
+    Returns:
+        The paths of the PNG files written (``folder/<stem>_learning_curve_<dataset>.png``).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, per_model in report["datasets"].items():
+        figure = Figure(figsize=(7, 4.5))
+        FigureCanvasAgg(figure)
+        ax = figure.add_subplot()
+        finals: list[float] = []
+        for key, entry in per_model.items():
+            summary = entry.get("summary", {})
+            if entry["status"] != "ok" or "test_nll" not in summary:
+                continue
+            label, color = SPECS[key].label, f"C{list(SPECS).index(key) % 10}"
+            if not SPECS[key].trained:
+                ax.axhline(summary["test_nll"], linestyle="--", linewidth=1, label=label,
+                           color=color)
+                finals.append(summary["test_nll"])
+                continue
+            seconds, nll = mean_curve([r.get("curve", []) for r in entry["runs"]
+                                       if "error" not in r])
+            if seconds:
+                ax.plot(seconds, nll, marker=".", label=label, color=color)
+                finals.append(nll[-1])
+        if finals:
+            low, high = min(finals), max(finals)
+            margin = max(high - low, 1e-3)
+            ax.set_ylim(low - 0.3 * margin, high + 0.8 * margin)  # early epochs may be far off
+        ax.set_xscale("log")
+        ax.set_xlabel("optimisation seconds")
+        ax.set_ylabel(f"test NLL ({report['dataset_info'][name]['unit']}; validation "
+                      "estimator)")
+        ax.set_title(f"{name}: mean over seeds ({report['meta']['mode']} mode)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        path = folder / f"{stem}_learning_curve_{name}.png"
+        figure.savefig(path, dpi=110, bbox_inches="tight")
+        paths.append(path)
+    return paths
 
 
 def _sanitize(value: Any) -> Any:
@@ -655,8 +852,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
     parser.add_argument("--models", nargs="+", choices=list(SPECS), default=list(SPECS))
     parser.add_argument("--seeds", type=int, help="seeds per model (default 3; quick 1)")
+    parser.add_argument("--mode", choices=MODES, default="table",
+                        help="table: fixed budget with early stopping; convergence: early "
+                        "stopping with a generous cap; budget: equal wall-clock budgets")
     parser.add_argument("--budget", type=float, help="optimisation seconds per run "
-                        "(default 30; quick 1)")
+                        "(default 30; quick 1; required with --mode budget)")
+    parser.add_argument("--max-epochs", type=int, help="override the epoch cap")
+    parser.add_argument("--patience", type=int, help="override the early-stopping patience")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--out", type=Path, help="folder for results.md/json "
@@ -664,11 +866,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--readme", type=Path, help="also replace the table in this README")
     args = parser.parse_args(argv)
 
-    budget = QUICK if args.quick else FULL
-    if args.seeds is not None:
-        budget = dataclasses.replace(budget, seeds=args.seeds)
-    if args.budget is not None:
-        budget = dataclasses.replace(budget, max_seconds=args.budget)
+    try:
+        budget = mode_budget(QUICK if args.quick else FULL, args.mode, args.budget)
+    except ValueError as error:
+        parser.error(str(error))
+    for field in ("seeds", "max_epochs", "patience"):
+        if getattr(args, field) is not None:
+            budget = dataclasses.replace(budget, **{field: getattr(args, field)})
+    stem = {"table": "results", "convergence": "results_convergence",
+            "budget": f"results_budget{budget.max_seconds:g}"}[args.mode]
     out = args.out or (ROOT / "benchmarks" / "out" / "quick" if args.quick else ROOT / "docs")
     if args.readme is not None:  # fail before the runs, not after
         replace_between_markers(args.readme.read_text(), "", str(args.readme))
@@ -683,6 +889,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "meta": {
             "quick": args.quick,
+            "mode": args.mode,
             "command": command,
             "budget": dataclasses.asdict(budget),
             "threads": args.threads,
@@ -704,15 +911,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     report["target"] = target_check(entries)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(_sanitize(report), indent=1) + "\n")
-    (out / "results.md").write_text(results_markdown(report))
+    (out / f"{stem}.json").write_text(json.dumps(_sanitize(report), indent=1) + "\n")
+    (out / f"{stem}.md").write_text(results_markdown(report))
+    figures = write_learning_curves(report, out / "figures", stem)
     if args.readme is not None:
         text = args.readme.read_text()
         args.readme.write_text(replace_between_markers(text, markdown_tables(report),
                                                        str(args.readme)))
     print(markdown_tables(report))
-    print(f"\nwrote {out / 'results.md'} and {out / 'results.json'} "
-          f"in {time.perf_counter() - start:.0f} s")
+    print(f"\nwrote {out / stem}.md, {out / stem}.json and {len(figures)} figure(s) in "
+          f"{out / 'figures'} in {time.perf_counter() - start:.0f} s")
     return report
 
 

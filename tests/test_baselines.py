@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -10,13 +11,22 @@ import torch
 from scipy.stats import multivariate_normal
 from torchdiffeq import odeint
 
+from benchmarks.baselines.autoregressive import (
+    AutoregressiveGaussian,
+    lagged,
+    left_align,
+)
 from benchmarks.baselines.cnf import CNF, exact_divergence, hutchinson_divergence
 from benchmarks.baselines.gaussian import FrameGaussian, SequenceGaussian, fit_gaussian
 from benchmarks.baselines.nflows_models import frame_maf, sequence_maf, sequence_realnvp
+from benchmarks.baselines.recurrent import RecurrentFlow
 from benchmarks.baselines.training import batch_of, fit_model, split_log_prob
 from benchmarks.results import (
     END,
+    FULL,
     START,
+    mean_curve,
+    mode_budget,
     replace_between_markers,
     summarize,
     target_check,
@@ -90,6 +100,211 @@ def test_gaussian_samples_have_the_fitted_moments() -> None:
     fitted = model.scale_tril @ model.scale_tril.T
     assert mask.all()
     assert torch.allclose(cov, fitted, atol=0.15)  # 20000 draws: s.e. of a variance of 9 ~ 0.09
+
+
+# ------------------------------------------------------------------------------------------------
+# AR(p) Gaussian
+
+
+def _simulate_ar1(num: int, length: int, a: torch.Tensor, b: torch.Tensor, chol: torch.Tensor,
+                  generator: torch.Generator) -> torch.Tensor:
+    """Sequences of x_t = a x_{t-1} + b + chol e_t started at x_1 = e_1 (a plain loop)."""
+    x = torch.zeros(num, length, a.shape[0], dtype=torch.float64)
+    eps = torch.randn(x.shape, generator=generator, dtype=torch.float64)
+    x[:, 0] = eps[:, 0]
+    for t in range(1, length):
+        x[:, t] = x[:, t - 1] @ a.T + b + eps[:, t] @ chol.T
+    return x
+
+
+A1 = torch.tensor([[0.8, 0.1], [-0.2, 0.5]], dtype=torch.float64)
+B1 = torch.tensor([0.3, -1.0], dtype=torch.float64)
+C1 = torch.tensor([[0.5, 0.0], [0.2, 0.3]], dtype=torch.float64)
+
+
+def test_lagged_and_left_align() -> None:
+    x = torch.arange(1.0, 5.0).reshape(1, 4, 1)
+    assert lagged(x, 2)[0].tolist() == [[0, 0], [1, 0], [2, 1], [3, 2]]
+    assert lagged(x, 6).shape == (1, 4, 6) and lagged(x, 0).shape == (1, 4, 0)
+    aligned, mask = left_align(x, torch.tensor([[True, False, True, True]]))
+    assert aligned.flatten().tolist() == [1, 3, 4, 0] and mask.tolist() == [[1, 1, 1, 0]]
+
+
+def test_ar_joint_equals_the_implied_full_covariance_gaussian() -> None:
+    """Fixed-length AR(1): the joint of (x_1..x_T) is the Gaussian vec(X) = F^{-1}(c + G e)."""
+    x = _simulate_ar1(200, 4, A1, B1, C1, torch.Generator().manual_seed(0))
+    model = AutoregressiveGaussian(2, max_len=4).fit(x, order=1)
+    a, b = model.weight[1].T, model.bias[1]
+    t, d = 4, 2
+    f = torch.eye(t * d, dtype=torch.float64)
+    for i in range(1, t):
+        f[i * d : (i + 1) * d, (i - 1) * d : i * d] = -a
+    c = torch.cat([model.bias[0]] + [b] * (t - 1))
+    noise_cov = torch.block_diag(*[model.scale_tril[min(i, 1)] @ model.scale_tril[min(i, 1)].T
+                                   for i in range(t)])
+    f_inv = torch.linalg.inv(f)
+    ref = multivariate_normal((f_inv @ c).numpy(), (f_inv @ noise_cov @ f_inv.T).numpy())
+    test = _simulate_ar1(5, 4, A1, B1, C1, torch.Generator().manual_seed(1))
+    np.testing.assert_allclose(model.log_prob(test).numpy(), ref.logpdf(test.reshape(5, -1)),
+                               rtol=1e-10)
+
+
+def test_ar_conditionals_match_scipy_with_variable_lengths(dtype: torch.dtype) -> None:
+    x = torch.randn(6, 5, 2, dtype=torch.float64).cumsum(1)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0],
+                         [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    model = AutoregressiveGaussian(2, max_len=5).fit(torch.where(mask[..., None], x, 0.0), mask,
+                                                     order=2)
+    expected = []
+    for seq, m in zip(x, mask, strict=True):
+        frames, total = seq[m], 0.0
+        for i in range(len(frames)):
+            k = min(i, 2)
+            past = frames[i - k : i].flip(0).reshape(-1)
+            mean = past @ model.weight[k, : 2 * k] + model.bias[k]
+            cov = model.scale_tril[k] @ model.scale_tril[k].T
+            total += multivariate_normal(mean.numpy(), cov.numpy()).logpdf(frames[i].numpy())
+        expected.append(total)
+    garbage = torch.where(mask[..., None], x, 1e3).to(dtype)  # padded values must not matter
+    np.testing.assert_allclose(model.log_prob(garbage, mask).numpy(), expected, rtol=_tol(dtype))
+    holes = torch.tensor([[False, True, False, True, True]])  # real frames need not be a prefix
+    compact = x[1:2, :3].clone()
+    compact[0, 0], compact[0, 1], compact[0, 2] = x[0, 1], x[0, 3], x[0, 4]
+    torch.testing.assert_close(model.log_prob(x[:1], holes), model.log_prob(compact))
+
+
+def test_ar_fit_is_least_squares_over_real_frame_pairs() -> None:
+    x = torch.randn(8, 6, 2, dtype=torch.float64).cumsum(1)
+    lengths = [6, 2, 3, 1, 5, 6, 4, 2]
+    mask = torch.arange(6) < torch.tensor(lengths)[:, None]
+    model = AutoregressiveGaussian(2, max_len=6, ridge=0.0).fit(x * mask[..., None], mask, 1)
+    pairs = [(x[b, t - 1], x[b, t]) for b, n in enumerate(lengths) for t in range(1, n)]
+    design = np.array([np.r_[p.numpy(), 1.0] for p, _ in pairs])
+    target = np.array([q.numpy() for _, q in pairs])
+    solution = np.linalg.lstsq(design, target, rcond=None)[0]
+    residual = target - design @ solution
+    np.testing.assert_allclose(model.weight[1].numpy(), solution[:2], rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(model.bias[1].numpy(), solution[2], rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose((model.scale_tril[1] @ model.scale_tril[1].T).numpy(),
+                               residual.T @ residual / len(pairs), rtol=1e-8)
+    first = x[:, 0].numpy()  # frame 1: the Gaussian of the first frames
+    np.testing.assert_allclose(model.bias[0].numpy(), first.mean(0), rtol=1e-10)
+    assert model.num_parameters == (2 + 3) + (4 + 2 + 3)
+    with pytest.raises(ValueError, match="at least 7 real frames"):
+        model.fit(x, mask, order=6)
+
+
+def test_ar_recovers_a_synthetic_ar1_process() -> None:
+    x = _simulate_ar1(2000, 11, A1, B1, C1, torch.Generator().manual_seed(2))
+    model = AutoregressiveGaussian(2, max_len=11).fit(x, order=1)
+    # 20000 pairs: standard errors of the coefficients are ~ 0.01
+    torch.testing.assert_close(model.weight[1].T, A1, atol=0.04, rtol=0)
+    torch.testing.assert_close(model.bias[1], B1, atol=0.04, rtol=0)
+    torch.testing.assert_close(model.scale_tril[1], C1, atol=0.02, rtol=0)
+    # ancestral samples come from the fitted process: refitting them recovers it
+    samples, mask = model.sample(2000, seq_len=11, generator=torch.Generator().manual_seed(3))
+    refit = AutoregressiveGaussian(2, max_len=11).fit(samples, mask, order=1)
+    torch.testing.assert_close(refit.weight[1], model.weight[1], atol=0.04, rtol=0)
+    torch.testing.assert_close(refit.scale_tril, model.scale_tril, atol=0.06, rtol=0)
+
+
+def test_ar0_is_the_gaussian_over_frames() -> None:
+    x = torch.randn(5, 4, 3, dtype=torch.float64).cumsum(1)
+    mask = torch.arange(4) < torch.tensor([4, 1, 3, 2, 4])[:, None]
+    x = x * mask[..., None]
+    ar0 = AutoregressiveGaussian(3, max_len=4, ridge=1e-3).fit(x, mask, order=0)
+    frames = FrameGaussian(3, max_len=4, ridge=1e-3).fit(x, mask)
+    torch.testing.assert_close(ar0.log_prob(x, mask), frames.log_prob(x, mask))
+    assert ar0.num_parameters == frames.num_parameters
+
+
+def test_ar_noise_is_the_standardised_innovation() -> None:
+    x = _simulate_ar1(50, 5, A1, B1, C1, torch.Generator().manual_seed(4))
+    mask = torch.arange(5) < torch.randint(1, 6, (50,))[:, None]
+    model = AutoregressiveGaussian(2, max_len=5).fit(x * mask[..., None], mask, order=1)
+    z = model.transform_to_noise(x, mask)
+    log_det = model.scale_tril.diagonal(dim1=1, dim2=2).log().sum(-1)
+    per_frame = torch.distributions.Normal(0.0, 1.0).log_prob(z).sum(-1)
+    per_frame = per_frame - torch.where(torch.arange(5) == 0, log_det[0], log_det[1])
+    torch.testing.assert_close(model.log_prob(x, mask), (per_frame * mask).sum(-1))
+    assert torch.equal(z[~mask], x[~mask])
+
+
+def test_order_selection_picks_the_true_order_and_refits_on_both_splits() -> None:
+    x = _simulate_ar1(300, 8, A1, B1, C1, torch.Generator().manual_seed(5))
+    train, val = _split(x[:200]), _split(x[200:])
+    model = AutoregressiveGaussian(2, max_len=8)
+    val_nll = model.fit_selected_order(train, val, max_order=2)
+    assert len(val_nll) == 3 and val_nll[1] < val_nll[0] - 0.1
+    assert model.order == min(range(3), key=val_nll.__getitem__)
+    refit = AutoregressiveGaussian(2, max_len=8).fit(x, order=model.order)
+    torch.testing.assert_close(model.weight, refit.weight)
+    with pytest.raises(ValueError, match="max_order"):
+        model.fit_selected_order(train, val, max_order=-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# GRU + conditional MAF
+
+
+def _tiny_recurrent(dtype: torch.dtype) -> RecurrentFlow:
+    model = RecurrentFlow(2, max_len=4, hidden=6, n_layers=2).to(dtype)
+    with torch.no_grad():  # leave nflows' identity start: a conditional with real structure
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def test_recurrent_flow_is_the_product_of_its_conditionals(dtype: torch.dtype) -> None:
+    model = _tiny_recurrent(dtype)
+    x = torch.randn(3, 3, 2, dtype=dtype)
+    expected = []
+    for seq, m in zip(x, MASK, strict=True):
+        frames, total = seq[m], torch.zeros((), dtype=dtype)
+        for t in range(len(frames)):  # the GRU rerun on the prefix, one frame at a time
+            prefix = torch.cat([model.start[None], frames[:t]])
+            context = model.gru(prefix[None])[0][:, -1]
+            total = total + model.flow.log_prob(frames[t : t + 1], context=context)[0]
+        expected.append(total)
+    garbage = torch.where(MASK[..., None], x, 1e3)  # padded values must not matter
+    torch.testing.assert_close(model.log_prob(garbage, MASK), torch.stack(expected))
+    holes = torch.tensor([[False, True, True]])
+    torch.testing.assert_close(model.log_prob(x[:1], holes), model.log_prob(x[:1, 1:]))
+
+
+def test_recurrent_flow_gradients_noise_and_samples(dtype: torch.dtype) -> None:
+    model = _tiny_recurrent(dtype)
+    x = torch.randn(3, 3, 2, dtype=dtype)
+    model.log_prob(x, MASK).sum().backward()
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters())
+    z = model.transform_to_noise(x, MASK)
+    assert torch.equal(z[~MASK], x[~MASK])
+    with torch.no_grad():  # the noise of the first frame is the MAF of the start state
+        context = model.gru(model.start[None, None].to(dtype))[0][:, 0]
+        first = model.flow._transform(x[:, 0], context=context.expand(3, -1))[0]
+    torch.testing.assert_close(z[:, 0], first)
+    samples, mask = model.sample(3, lengths=torch.tensor([3, 1, 2]),
+                                 generator=torch.Generator().manual_seed(0))
+    again, _ = model.sample(3, lengths=torch.tensor([3, 1, 2]),
+                            generator=torch.Generator().manual_seed(0))
+    assert torch.equal(mask, MASK) and bool((samples[~mask] == 0).all())
+    assert torch.equal(samples, again) and samples.dtype == dtype
+
+
+def test_recurrent_flow_samples_follow_its_density() -> None:
+    """With one affine layer and D = 1 the model is a Gaussian per frame given its past: the
+    sampled standardised noise must be standard normal and serially uncorrelated."""
+    model = RecurrentFlow(1, max_len=3, hidden=4, n_layers=1).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    samples, mask = model.sample(4000, seq_len=3, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        z = model.transform_to_noise(samples, mask)
+    assert abs(float(z.mean())) < 4 / math.sqrt(12000)
+    assert abs(float(z.var()) - 1) < 4 * math.sqrt(2 / 12000)
+    lag = (z[:, 1:] * z[:, :-1]).mean()
+    assert abs(float(lag)) < 4 / math.sqrt(8000)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -198,13 +413,14 @@ def test_cnf_samples_are_zero_at_padding() -> None:
 # trainer and evaluation
 
 
-@pytest.mark.parametrize("name", ["frame_maf", "maf", "realnvp", "cnf"])
+@pytest.mark.parametrize("name", ["frame_maf", "maf", "realnvp", "cnf", "recurrent"])
 def test_baselines_train_to_finite_nll(name: str) -> None:
     builders = {
         "frame_maf": lambda: frame_maf(2, 3, hidden=8, n_layers=1),
         "maf": lambda: sequence_maf(3, 2, hidden=8, n_layers=1),
         "realnvp": lambda: sequence_realnvp(3, 2, hidden=8, n_layers=2),
         "cnf": lambda: CNF(2, 3, hidden=8, eval_tol=1e-3),
+        "recurrent": lambda: RecurrentFlow(2, 3, hidden=8, n_layers=1),
     }
     model = builders[name]()
     fixed = name in ("maf", "realnvp")
@@ -223,9 +439,16 @@ def test_fit_model_improves_and_restores_the_best_epoch() -> None:
     model = frame_maf(2, 3, hidden=8, n_layers=1)
     model.eval()
     initial = -float(split_log_prob(model.log_prob, val).sum()) / 48
+    calls: list[tuple[int, float, bool, bool]] = []
     result = fit_model(model, train, val, lr=1e-2, batch_size=16, max_epochs=15,
-                       generator=torch.Generator().manual_seed(0))
+                       generator=torch.Generator().manual_seed(0),
+                       on_epoch=lambda e, s, last: calls.append((e, s, last, model.training)))
     final = -float(split_log_prob(model.log_prob, val).sum()) / 48
+    assert [c[0] for c in calls] == list(range(1, len(result.history) + 1))
+    assert [c[2] for c in calls] == [False] * (len(calls) - 1) + [True]
+    assert not any(c[3] for c in calls)  # called in eval mode
+    assert all(a[1] <= b[1] for a, b in itertools.pairwise(calls))
+    assert calls[-1][1] == pytest.approx(result.train_seconds)
     assert result.best_val_loss < initial
     assert final == pytest.approx(result.best_val_loss, rel=1e-6)
     assert result.best_val_loss == pytest.approx(min(result.history))
@@ -286,6 +509,32 @@ def test_summarize_reports_mean_and_std() -> None:
     summary = summarize(runs + [{"seed": 3, "error": "boom"}])
     assert summary["test_nll"] == 2.0 and summary["test_nll_std"] == 1.0
     assert summary["seeds"] == 3 and summary["errors"] == ["boom"]
+
+
+def test_mode_budgets() -> None:
+    assert mode_budget(FULL, "table") == FULL
+    assert mode_budget(FULL, "table", 5).max_seconds == 5.0
+    converge = mode_budget(FULL, "convergence")
+    assert converge.max_epochs >= 1000 and converge.patience < converge.max_epochs
+    equal = mode_budget(FULL, "budget", 300)
+    assert equal.max_seconds == 300.0 and equal.patience >= equal.max_epochs  # no early stop
+    with pytest.raises(ValueError, match="--budget"):
+        mode_budget(FULL, "budget")
+    with pytest.raises(ValueError, match="mode"):
+        mode_budget(FULL, "fast")
+
+
+def test_mean_curve_interpolates_in_log_time() -> None:
+    a = [[1.0, 3.0], [10.0, 1.0], [1000.0, 0.0]]
+    b = [[2.0, 5.0], [100.0, 1.0]]
+    seconds, nll = mean_curve([a, b, []], points=5)
+    assert seconds[0] == pytest.approx(2.0) and seconds[-1] == pytest.approx(100.0)
+    for t, v in zip(seconds, nll, strict=True):
+        ya = np.interp(math.log(t), np.log([1.0, 10.0, 1000.0]), [3.0, 1.0, 0.0])
+        yb = np.interp(math.log(t), np.log([2.0, 100.0]), [5.0, 1.0])
+        assert v == pytest.approx((ya + yb) / 2)
+    assert mean_curve([a]) == ([1.0, 10.0, 1000.0], [3.0, 1.0, 0.0])
+    assert mean_curve([]) == ([], [])
 
 
 def test_replace_between_markers() -> None:

@@ -21,17 +21,35 @@ from torch import Tensor, nn
 from iresflow._validation import check_mask, check_sequence
 from iresflow.models.distributions import sample_mask
 
-__all__ = ["FlattenedSequenceFlow", "FrameFlow", "frame_maf", "sequence_maf", "sequence_realnvp"]
+__all__ = [
+    "FlattenedSequenceFlow", "FrameFlow", "frame_maf", "sample_flow", "sequence_maf",
+    "sequence_realnvp",
+]
 
 
-def _sample_flow(flow: Flow, num: int, features: int, like: Tensor) -> Tensor:
+def sample_flow(
+    flow: Flow, num: int, features: int, like: Tensor, context: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
     """``num`` draws of a flow with a standard normal base, in ``like``'s dtype and device.
 
-    ``Flow.sample`` draws its noise in torch's default dtype, which fails for a float64 flow;
-    here the noise follows the parameters and is pushed through the flow's inverse transform.
+    ``Flow.sample`` draws its noise in torch's default dtype, which fails for a float64 flow,
+    and takes no generator; here the noise follows the parameters and is pushed through the
+    flow's inverse transform.
+
+    Args:
+        flow: An nflows flow over vectors of size ``features``.
+        num: Number of draws.
+        features: Event size.
+        like: Tensor giving the dtype and device.
+        context: Optional context ``(num, C)``, one row per draw.
+        generator: Optional generator of the noise.
+
+    Returns:
+        Draws ``(num, features)``.
     """
-    noise = torch.randn(num, features, dtype=like.dtype, device=like.device)
-    return flow._transform.inverse(noise)[0]
+    noise = torch.randn(num, features, dtype=like.dtype, device=like.device, generator=generator)
+    return flow._transform.inverse(noise, context)[0]
 
 
 class FlattenedSequenceFlow(nn.Module):
@@ -70,7 +88,7 @@ class FlattenedSequenceFlow(nn.Module):
         mask = sample_mask(num, seq_len, lengths, self.seq_len, param.device)
         if mask.shape[1] != self.seq_len or not bool(mask.all()):
             raise ValueError(f"this flow only samples sequences of length {self.seq_len}")
-        x = _sample_flow(self.flow, num, self.seq_len * self.features, param)
+        x = sample_flow(self.flow, num, self.seq_len * self.features, param)
         return x.reshape(num, self.seq_len, self.features), mask
 
 
@@ -111,7 +129,7 @@ class FrameFlow(nn.Module):
         param = next(self.flow.parameters())
         mask = sample_mask(num, seq_len, lengths, self.max_len, param.device)
         x = param.new_zeros(*mask.shape, self.features)
-        x[mask] = _sample_flow(self.flow, int(mask.sum()), self.features, param)
+        x[mask] = sample_flow(self.flow, int(mask.sum()), self.features, param)
         return x, mask
 
 

@@ -132,6 +132,7 @@ def fit_model(
     eval_batch_size: int = 256,
     val_log_prob: LogProbFn | None = None,
     generator: torch.Generator | None = None,
+    on_epoch: Callable[[int, float, bool], None] | None = None,
 ) -> FitResult:
     """Train ``model`` by maximum likelihood with early stopping on the validation loss.
 
@@ -149,6 +150,10 @@ def fit_model(
         val_log_prob: Validation log-density ``(x, mask) -> (B,)``, evaluated in ``eval()``
             mode; defaults to ``model.log_prob``.
         generator: Generator of the shuffling order.
+        on_epoch: Called as ``on_epoch(epoch, seconds, last)`` after the validation of every
+            epoch (not after a diverged one), with the model in ``eval()`` mode, ``seconds`` the
+            optimisation time so far and ``last`` whether training stops after this epoch
+            (e.g. to record a learning curve; its own time is not counted).
 
     Returns:
         A :class:`FitResult`; ``model`` holds the parameters of the best validation epoch and
@@ -202,10 +207,12 @@ def fit_model(
         if current < best:
             best, best_epoch = current, epoch
             best_state = copy.deepcopy(model.state_dict())
-        if stopped in ("diverged", "time"):
-            break
-        if epoch - best_epoch >= patience:
+        if stopped not in ("diverged", "time") and epoch - best_epoch >= patience:
             stopped = "patience"
+        last = stopped != "epochs" or epoch == max_epochs
+        if on_epoch is not None and stopped != "diverged":
+            on_epoch(epoch, seconds, last)
+        if last:
             break
     model.load_state_dict(best_state)
     model.eval()

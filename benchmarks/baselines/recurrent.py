@@ -1,0 +1,129 @@
+r"""Autoregressive neural flow over frames: a GRU summarises the past, a conditional MAF the next.
+
+The model a user would otherwise build for variable-length sequence densities:
+
+.. math::
+
+    \log p(X) = \sum_{t=1}^{T}\log p_{\rm MAF}\big(x_t \mid h_{t}\big),\qquad
+    h_t = \mathrm{GRU}(s, x_1, \dots, x_{t-1})_t,
+
+where :math:`s` is a learned start frame, so :math:`h_1` sees no data and :math:`h_t` sees
+exactly the frames before :math:`t`. The conditional density of a frame is nflows'
+masked affine autoregressive flow (MADE layers with reverse permutations between them) with the
+GRU state as its ``context``. Only the real frames of a sequence enter, in order: padding never
+changes a density (``docs/math.md#masks``). Sampling is ancestral, one GRU step and one MAF
+inversion per frame.
+"""
+
+from __future__ import annotations
+
+import torch
+from nflows.distributions.normal import StandardNormal
+from nflows.flows.base import Flow
+from nflows.transforms.autoregressive import MaskedAffineAutoregressiveTransform
+from nflows.transforms.base import CompositeTransform
+from nflows.transforms.permutations import ReversePermutation
+from torch import Tensor, nn
+
+from benchmarks.baselines.autoregressive import left_align
+from benchmarks.baselines.nflows_models import sample_flow
+from iresflow._validation import check_mask, check_sequence
+from iresflow.models.distributions import sample_mask
+
+__all__ = ["RecurrentFlow"]
+
+
+class RecurrentFlow(nn.Module):
+    r"""GRU over past frames whose state conditions an nflows MAF over the next frame.
+
+    Args:
+        features: Frame size :math:`D`.
+        max_len: Longest sequence :meth:`sample` may produce.
+        hidden: GRU state size (the MAF's context size) and hidden width of every MADE.
+        n_layers: Autoregressive layers of the MAF.
+        n_blocks: Residual blocks per MADE.
+
+    Example:
+        >>> model = RecurrentFlow(2, max_len=5, hidden=8, n_layers=2)
+        >>> mask = torch.tensor([[True] * 5, [True, True, False, False, False]])
+        >>> model.log_prob(torch.randn(2, 5, 2), mask).shape
+        torch.Size([2])
+        >>> x, mask = model.sample(2, lengths=torch.tensor([3, 1]))
+        >>> x.shape, x[1, 1:].abs().sum().item()
+        (torch.Size([2, 3, 2]), 0.0)
+    """
+
+    def __init__(
+        self, features: int, max_len: int, hidden: int = 64, n_layers: int = 4, n_blocks: int = 2
+    ) -> None:
+        super().__init__()
+        for name, value in (("features", features), ("max_len", max_len), ("hidden", hidden),
+                            ("n_layers", n_layers), ("n_blocks", n_blocks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.features = features
+        self.max_len = max_len
+        self.start = nn.Parameter(torch.zeros(features))
+        self.gru = nn.GRU(features, hidden, batch_first=True)
+        layers: list[nn.Module] = []
+        for i in range(n_layers):
+            if i > 0:
+                layers.append(ReversePermutation(features))
+            layers.append(MaskedAffineAutoregressiveTransform(
+                features=features, hidden_features=hidden, context_features=hidden,
+                num_blocks=n_blocks))
+        self.flow = Flow(CompositeTransform(layers), StandardNormal([features]))
+
+    def contexts(self, x: Tensor) -> Tensor:
+        """GRU states ``(B, N, hidden)`` of left-aligned ``x`` ``(B, N, D)``: row ``t`` has
+        seen the start frame and frames ``0..t-1``."""
+        start = self.start.to(x.dtype).expand(x.shape[0], 1, self.features)
+        return self.gru(torch.cat([start, x[:, :-1]], 1))[0]
+
+    def _aligned(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        check_sequence(x, "x", features=self.features, allow_2d=False)
+        x, mask = left_align(x, check_mask(mask, x))
+        return x, mask, self.contexts(x)
+
+    def log_prob(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Log-density ``(B,)`` of sequences ``x`` ``(B, N, D)``, summed over real frames."""
+        x, mask, context = self._aligned(x, mask)
+        per_frame = x.new_zeros(mask.shape)
+        per_frame[mask] = self.flow.log_prob(x[mask], context=context[mask])
+        return per_frame.sum(-1)
+
+    def transform_to_noise(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """The MAF's noise of every real frame given its past, ``(B, N, D)`` (``x`` at padding).
+
+        Args:
+            x: Sequences ``(B, N, D)``.
+            mask: Padding mask ``(B, N)`` or ``None``.
+        """
+        aligned, aligned_mask, context = self._aligned(x, mask)
+        z = self.flow._transform(aligned[aligned_mask], context=context[aligned_mask])[0]
+        out = x.clone()
+        out[torch.ones_like(aligned_mask) if mask is None else mask] = z
+        return out
+
+    @torch.no_grad()
+    def sample(
+        self,
+        num: int,
+        seq_len: int | None = None,
+        lengths: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Ancestral sampling: ``(x (num, N, D), mask (num, N))``, ``x`` zero at padding.
+
+        Exactly one of ``seq_len`` (common length) and ``lengths`` (``(num,)`` integers).
+        """
+        like = self.start
+        mask = sample_mask(num, seq_len, lengths, self.max_len, like.device)
+        frames = []
+        frame, state = like.expand(num, self.features), None
+        for _ in range(mask.shape[1]):
+            out, state = self.gru(frame.unsqueeze(1), state)
+            frame = sample_flow(self.flow, num, self.features, like, out[:, 0], generator)
+            frames.append(frame)
+        x = torch.stack(frames, 1)
+        return torch.where(mask.unsqueeze(-1), x, 0.0), mask
