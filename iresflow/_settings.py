@@ -31,7 +31,8 @@ def setting(
     Args:
         default: Default value (``None`` for "automatic", explained by ``unset``).
         help: One-line description (used for ``--help`` and the docs).
-        choices: Admissible string values, if the setting is a choice.
+        choices: Admissible string values, if the setting is a choice (for a list setting:
+            the admissible values of its items).
         unset: What ``None`` means, for settings that may be left automatic.
     """
     return field(default=default, metadata={"help": help, "choices": choices, "unset": unset})
@@ -51,7 +52,8 @@ def validate_fields(record: Any) -> None:
         value = _coerce(f.name, getattr(record, f.name), hints[f.name])
         object.__setattr__(record, f.name, value)
         choices = f.metadata.get("choices")
-        if choices is not None and value not in choices:
+        items = value if isinstance(value, tuple) else (value,)
+        if choices is not None and any(item not in choices for item in items):
             raise ConfigError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
 
 

@@ -174,15 +174,23 @@ def _add_setting(group: Any, field: dataclasses.Field, hint: Any) -> None:
             help=f"{field.metadata['help']} (default: {field.default})", **options,
         )
         return
+    choices = field.metadata["choices"]
     if isinstance(hint, types.UnionType):  # None means automatic; spelled "none" on the line
         parse: Any = _optional(next(a for a in typing.get_args(hint) if a is not type(None)))
         default = f"{field.metadata['unset']}; 'none' restores it"
+    elif typing.get_origin(hint) is tuple:  # a list setting, spelled "a,b,c" on the line
+        parse, default, choices = _comma_list, ",".join(field.default), None
+        options["metavar"] = "KIND[,KIND...]"
     else:
         parse, default = hint, field.default
     group.add_argument(
-        flag, type=parse, choices=field.metadata["choices"],
+        flag, type=parse, choices=choices,
         help=f"{field.metadata['help']} (default: {default})", **options,
     )
+
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
 def _optional(base: type) -> Any:

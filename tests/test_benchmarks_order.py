@@ -104,7 +104,7 @@ def test_order_metrics_of_the_iresflow_model_with_variable_lengths() -> None:
     mask = torch.arange(5) < torch.randint(2, 6, (30,))[:, None]
     ds = _dataset(torch.randn(30, 5, 2, dtype=torch.float64), mask)
     frames = ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=5,
-                                     attention="none").double().eval()
+                                     layers=("mlp",), ar_order=0).double().eval()
     metrics = order_metrics(frames, ds, method="exact", batch_size=4,
                             generator=torch.Generator().manual_seed(0))
     exact = frames.log_prob(ds.test.x, ds.test.mask, method="exact").detach()

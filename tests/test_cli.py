@@ -22,6 +22,7 @@ from iresflow.train.evaluate import load_run
 TINY = [
     "--n-blocks", "1", "--hidden", "8", "--max-train", "12", "--max-eval", "6",
     "--batch-size", "6", "--scheduler", "plateau", "--eval-method", "exact", "--quiet",
+    "--layers", "attention,mlp", "--ar-order", "0",
 ]
 
 

@@ -45,7 +45,8 @@ def _flow(device, dtype) -> SequenceFlow:
 
 
 def _model(device, dtype, **settings) -> ResidualFlowTransformer:
-    options = {"features": 2, "n_blocks": 1, "hidden": 8, "max_len": 5} | settings
+    options = {"features": 2, "n_blocks": 1, "hidden": 8, "max_len": 5, "ar_order": 0,
+               "layers": ("attention", "mlp")} | settings
     model = ResidualFlowTransformer(**options).to(device=device, dtype=dtype)
     model.initialize(torch.randn(6, 4, 2, device=device, dtype=dtype) * 1.5 + 0.3)
     return model
@@ -150,10 +151,18 @@ def test_initialize_sets_actnorm_from_the_whole_batch_and_nothing_else(device, d
     assert any(not torch.equal(v, before[k]) for k, v in spectral.named_buffers())
 
 
-@pytest.mark.parametrize("attention", ["l2", "lipschitznorm", "none"])
-def test_jacrev_of_transform_to_noise_matches_autograd_jacobian(device, attention):
+RECIPES = [
+    {"attention": "l2"},
+    {"attention": "lipschitznorm"},
+    {"layers": ("mlp",)},
+    {"layers": ("conv", "mix", "mlp"), "ar_order": 1},
+]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["l2", "lipschitznorm", "mlp", "temporal"])
+def test_jacrev_of_transform_to_noise_matches_autograd_jacobian(device, recipe):
     dtype = torch.float64
-    model = _model(device, dtype, positional="learned", attention=attention).eval()
+    model = _model(device, dtype, positional="learned", **recipe).eval()
     x = torch.randn(2, 4, 2, device=device, dtype=dtype)
     mask = _mask([4, 3], 4, device)
 

@@ -25,8 +25,13 @@ def _mask(lengths: list[int], n: int, device: torch.device) -> torch.Tensor:
 
 
 def _model(device, dtype, *, features=2, seq_len=3, **kwargs) -> ResidualFlowTransformer:
-    """A tiny model with ActNorm initialised on shifted, scaled data, in eval mode."""
-    options = {"n_blocks": 1, "hidden": 8, "max_len": 6} | kwargs
+    """A tiny model with ActNorm initialised on shifted, scaled data, in eval mode.
+
+    The recipe is the attention Transformer (``attention`` and ``mlp`` layers, no autoregressive
+    layer) unless ``kwargs`` say otherwise.
+    """
+    options = {"n_blocks": 1, "hidden": 8, "max_len": 6, "ar_order": 0,
+               "layers": ("attention", "mlp")} | kwargs
     model = ResidualFlowTransformer(features=features, **options).to(device=device, dtype=dtype)
     data = torch.randn(8, seq_len, features, device=device, dtype=dtype) * 1.7 + 0.3
     model.train().log_prob(data, method="exact")
@@ -47,11 +52,17 @@ CONFIGS = [
     {"attention": "l2", "positional": "sinusoidal"},
     {"attention": "l2", "positional": "learned", "n_blocks": 2},
     {"attention": "lipschitznorm", "positional": "sinusoidal"},
-    {"attention": "none"},
+    {"layers": ("mlp",)},
+    {"layers": ("conv", "mlp"), "ar_order": 2},
+    {"layers": ("attention", "conv", "mix"), "ar_order": 1, "kernel_size": 5},
 ]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c.values())))
+def _config_id(config: dict) -> str:
+    return "-".join("+".join(v) if isinstance(v, tuple) else str(v) for v in config.values())
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 def test_exact_log_prob_matches_dense_jacobian_oracle(device, dtype, config):
     model = _model(device, dtype, **config)
     x = torch.randn(3, 3, 2, device=device, dtype=dtype)
@@ -121,7 +132,7 @@ def test_padding_never_changes_a_sequence_log_prob(device, dtype):
 
 
 def test_without_attention_frames_are_independent(device, dtype):
-    model = _model(device, dtype, attention="none", n_blocks=2)
+    model = _model(device, dtype, layers=("mlp",), n_blocks=2)
     x = torch.randn(2, 4, 2, device=device, dtype=dtype)
     per_frame = model.log_prob(x.reshape(8, 1, 2), method="exact").reshape(2, 4).sum(1)
     torch.testing.assert_close(model.log_prob(x, method="exact"), per_frame)
@@ -181,7 +192,7 @@ def test_sample_shapes_masks_and_reproducibility(device, dtype):
 
 
 @pytest.mark.parametrize("method", [None, "exact"])
-@pytest.mark.parametrize("config", CONFIGS[1:3], ids=lambda c: "-".join(map(str, c.values())))
+@pytest.mark.parametrize("config", CONFIGS[1:3] + CONFIGS[4:], ids=_config_id)
 def test_every_parameter_gets_a_gradient(device, dtype, method, config):
     model = ResidualFlowTransformer(features=2, hidden=8, max_len=4, **(config | {"n_blocks": 2}))
     model = model.to(device=device, dtype=dtype)
@@ -265,7 +276,8 @@ def test_lipschitz_report(device, dtype):
 
 def test_lipschitz_report_describes_the_evaluation_mode_model(device, dtype):
     model = ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=4, coeff=0.8,
-                                    spectral_norm="power")
+                                    spectral_norm="power", ar_order=0,
+                                    layers=("attention", "mlp"))
     model = model.to(device=device, dtype=dtype).train()
     # Weights far from the power iteration's state: training-mode estimates would exceed 0.8.
     with torch.no_grad():
@@ -283,19 +295,23 @@ def test_lipschitz_report_describes_the_evaluation_mode_model(device, dtype):
 
 
 def test_config_and_defaults(device, dtype):
-    model = ResidualFlowTransformer(features=12, n_blocks=4, max_len=512)
+    model = ResidualFlowTransformer(features=12, n_blocks=4, max_len=512,
+                                    layers=("attention", "mlp"), ar_order=0)
     assert model.config.to_dict() == {
         "features": 12, "n_blocks": 4, "hidden": 64, "heads": None, "coeff": 0.9,
         "attention": "l2", "positional": "sinusoidal", "max_len": 512, "logdet": "roulette",
-        "n_power_iterations": 1, "spectral_norm": "exact",
+        "n_power_iterations": 1, "spectral_norm": "exact", "ar_order": 0,
+        "layers": ("attention", "mlp"), "kernel_size": 3,
     }
     assert model.config.resolved_heads == 4
-    assert model.config == ModelConfig(features=12, n_blocks=4, max_len=512)
+    assert model.config == ModelConfig(features=12, n_blocks=4, max_len=512,
+                                       layers=("attention", "mlp"), ar_order=0)
     assert ResidualFlowTransformer(**model.config.to_dict()).config == model.config
     assert ResidualFlowTransformer(model.config, hidden=8).config == model.config.replace(hidden=8)
     assert [default_heads(d) for d in (1, 2, 3, 4, 5, 6, 12)] == [1, 2, 3, 4, 1, 3, 4]
     assert len(model.lipschitz_report(seq_len=2, n_inputs=1)) == 8
-    none = ResidualFlowTransformer(features=3, n_blocks=3, attention="none", max_len=16)
+    none = ResidualFlowTransformer(features=3, n_blocks=3, layers=("mlp",), ar_order=0,
+                                   max_len=16)
     assert len(none.lipschitz_report()) == 3
 
 

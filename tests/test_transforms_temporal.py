@@ -217,14 +217,18 @@ def test_ar_initialisation_floors_the_residual_covariance(device):
     assert smallest == pytest.approx(MIN_INIT_RESIDUAL_VARIANCE, rel=1e-6)
 
 
-def test_ar_initialisation_needs_enough_full_history_frames(device):
-    layer = AutoregressiveLinear(2, 2).to(device=device, dtype=F64).train()
-    x = torch.randn(2, 4, 2, dtype=F64, device=device)  # 2 x 2 full-history frames < 7
-    with pytest.raises(ValueError, match="needs at least"):
-        layer(x)
-    with pytest.raises(ValueError, match="needs at least"):
-        layer(torch.randn(20, 2, dtype=F64, device=device))  # vectors have no history
-    assert not bool(layer.initialized)
+def test_ar_initialisation_without_enough_full_history_frames_is_the_identity(device):
+    for x in (
+        torch.randn(2, 4, 2, dtype=F64, device=device),  # 2 x 2 full-history frames < 7
+        torch.randn(20, 2, dtype=F64, device=device),  # vectors have no history
+    ):
+        layer = AutoregressiveLinear(2, 2).to(device=device, dtype=F64).train()
+        with torch.no_grad():
+            layer.lag_weights.fill_(0.3)
+        with pytest.warns(UserWarning, match="needs at least"):
+            z, logabsdet = layer(x)
+        assert bool(layer.initialized)
+        assert torch.equal(z, x) and torch.equal(logabsdet, torch.zeros_like(logabsdet))
 
 
 def test_ar_initialises_once_and_only_in_training_forward(device):

@@ -14,7 +14,11 @@ from typing import Any
 
 from iresflow._settings import ConfigError, check_keys, check_range, setting, validate_fields
 
-__all__ = ["ModelConfig", "default_heads"]
+__all__ = ["LAYER_KINDS", "ModelConfig", "default_heads"]
+
+#: Layer kinds of a block recipe (:attr:`ModelConfig.layers`): residual steps with a contractive
+#: attention, temporal-convolution or position-wise MLP branch, or an LU feature mixing.
+LAYER_KINDS = ("attention", "conv", "mlp", "mix")
 
 
 def default_heads(features: int) -> int:
@@ -57,14 +61,24 @@ class ModelConfig:
     max_len: int | None = setting(
         None, "longest sequence the model accepts", unset="the data's longest sequence"
     )
-    n_blocks: int = setting(8, "number of residual Transformer blocks")
-    hidden: int = setting(64, "hidden width of the feed-forward branches")
+    ar_order: int = setting(
+        3, "order p of the autoregressive linear layer over frames at the data end (0: none)"
+    )
+    n_blocks: int = setting(3, "number of blocks")
+    layers: tuple[str, ...] = setting(
+        ("conv", "mlp"),
+        "layers of every block, in order: attention, conv (temporal convolution) and mlp are "
+        "residual steps after an ActNorm; mix is an LU feature mixing",
+        LAYER_KINDS,
+    )
+    hidden: int = setting(64, "hidden width of the feed-forward and convolution branches")
+    kernel_size: int = setting(3, "odd kernel size of the temporal convolutions")
     heads: int | None = setting(
         None, "attention heads, dividing the number of features",
         unset="the largest of 4, 3, 2, 1 that divides it",
     )
     coeff: float = setting(0.9, "Lipschitz coefficient of every residual branch, in (0, 1)")
-    attention: str = setting("l2", "attention branch", ("l2", "lipschitznorm", "none"))
+    attention: str = setting("l2", "kind of the attention layers", ("l2", "lipschitznorm"))
     positional: str = setting("sinusoidal", "positional encoding", ("sinusoidal", "learned"))
     logdet: str = setting(
         "roulette", "log-determinant used for training", ("exact", "roulette", "series")
@@ -79,10 +93,18 @@ class ModelConfig:
     def __post_init__(self) -> None:
         validate_fields(self)
         check_range("coeff", self.coeff, 0.0, 1.0)
-        for name in ("features", "max_len", "n_blocks", "hidden", "heads", "n_power_iterations"):
+        for name in ("features", "max_len", "n_blocks", "hidden", "heads", "n_power_iterations",
+                     "kernel_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.ar_order < 0:
+            raise ConfigError(f"ar_order must be >= 0 (0: no autoregressive layer), got "
+                              f"{self.ar_order}")
+        if self.kernel_size % 2 == 0:
+            raise ConfigError(f"kernel_size must be odd, got {self.kernel_size}")
+        if not self.layers:
+            raise ConfigError("layers must name at least one layer kind")
         if self.features is not None and self.heads is not None and self.features % self.heads:
             raise ConfigError(
                 f"heads must divide features={self.features}, got heads={self.heads}"

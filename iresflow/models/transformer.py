@@ -31,11 +31,13 @@ from iresflow.nn.attention import (
     ContractiveLipschitzNormAttention,
 )
 from iresflow.nn.base import LipschitzBranch
+from iresflow.nn.conv import TemporalConvBranch
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.nn.positional import PositionalBranch, make_positional_encoding
 from iresflow.transforms.actnorm import ActNorm
 from iresflow.transforms.base import SequenceCompositeTransform
 from iresflow.transforms.residual import ResidualTransform
+from iresflow.transforms.temporal import AutoregressiveLinear, FeatureMixing
 
 __all__ = ["ResidualFlowTransformer"]
 
@@ -109,28 +111,41 @@ class ResidualFlowTransformer(SequenceFlow):
         for name in ("features", "max_len"):
             if getattr(config, name) is None:
                 raise ConfigError(f"{name} must be set to build a model")
-        features, max_len, heads = config.features, config.max_len, config.resolved_heads
-        encoding = None if config.attention == "none" else make_positional_encoding(
-            config.positional, features, max_len
-        )
-        layer_coeff = config.coeff ** (1.0 / MLP_LAYERS)
+        features = config.features
+        encoding = None
+        if "attention" in config.layers:
+            encoding = make_positional_encoding(config.positional, features, config.max_len)
         steps: list[nn.Module] = []
         names: list[str] = []
+        if config.ar_order > 0:
+            steps += [ActNorm(features), AutoregressiveLinear(features, config.ar_order)]
+            names += ["input.actnorm", "input.autoregressive"]
         for i in range(config.n_blocks):
-            if encoding is not None:
-                attn = _attention_branch(config.attention, features, heads, config.coeff)
-                steps += [ActNorm(features),
-                          ResidualTransform(PositionalBranch(attn, encoding),
-                                            logdet=config.logdet)]
-                names += [f"block{i}.actnorm_attention", f"block{i}.attention"]
-            mlp = LipschitzMLP((features, config.hidden, config.hidden, features),
-                               coeff=layer_coeff, n_power_iterations=config.n_power_iterations,
-                               sigma=config.spectral_norm)
-            steps += [ActNorm(features), ResidualTransform(mlp, logdet=config.logdet)]
-            names += [f"block{i}.actnorm_mlp", f"block{i}.mlp"]
+            for j, kind in enumerate(config.layers):
+                name = f"block{i}.{kind}" if config.layers.count(kind) == 1 else f"block{i}.{kind}{j}"
+                if kind == "mix":
+                    steps.append(FeatureMixing(features))
+                    names.append(name)
+                    continue
+                branch = _branch(kind, config, encoding)
+                steps += [ActNorm(features), ResidualTransform(branch, logdet=config.logdet)]
+                names += [f"{name}.actnorm", name]
         super().__init__(SequenceCompositeTransform(steps, names), features=features,
-                         max_len=max_len)
+                         max_len=config.max_len)
         self.config = config
+
+
+def _branch(kind: str, config: ModelConfig, encoding: nn.Module | None) -> LipschitzBranch:
+    """The contractive branch of a residual step of kind ``attention``, ``conv`` or ``mlp``."""
+    features, hidden, coeff = config.features, config.hidden, config.coeff
+    if kind == "attention":
+        attention = _attention_branch(config.attention, features, config.resolved_heads, coeff)
+        return PositionalBranch(attention, encoding)
+    if kind == "conv":
+        return TemporalConvBranch(features, hidden, config.kernel_size, coeff,
+                                  max_len=config.max_len)
+    return LipschitzMLP((features, hidden, hidden, features), coeff=coeff ** (1.0 / MLP_LAYERS),
+                        n_power_iterations=config.n_power_iterations, sigma=config.spectral_norm)
 
 
 def _attention_branch(kind: str, features: int, heads: int, coeff: float) -> LipschitzBranch:

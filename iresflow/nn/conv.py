@@ -157,15 +157,16 @@ class SpectralConv1d(nn.Module):
         snapshot = weight.detach().clone()
         work = snapshot.to(torch.promote_types(snapshot.dtype, torch.float32))
         left, values, right_h = torch.linalg.svd(_spectrum(work, self.period))
-        m = int(values[:, 0].argmax())  # a Python int keeps the phases in the work dtype
+        m = values[:, :1].argmax(dim=0)  # (1,): stays on the device, no host read
         taps = torch.arange(self.kernel_size, device=weight.device, dtype=work.dtype)
-        phase = torch.polar(torch.ones_like(taps), -2 * math.pi * m * taps / self.period)
+        phase = torch.polar(torch.ones_like(taps), -2 * math.pi * m.to(work.dtype) * taps
+                            / self.period)
         complex_dtype = torch.promote_types(snapshot.dtype, torch.complex64)
         return (
             snapshot,
             phase.to(complex_dtype),
-            left[m, :, 0].to(complex_dtype),
-            right_h[m, 0].conj().to(complex_dtype),
+            left.index_select(0, m)[0, :, 0].to(complex_dtype),
+            right_h.index_select(0, m)[0, 0].conj().to(complex_dtype),
         )
 
     def _scale(self) -> Tensor:

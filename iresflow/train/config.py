@@ -182,7 +182,7 @@ class TrainConfig:
 
         Example:
             >>> [f.name for f, _ in TrainConfig.settings()][3:6]
-            ['max_eval', 'max_len', 'n_blocks']
+            ['max_eval', 'max_len', 'ar_order']
         """
         model_hints = typing.get_type_hints(ModelConfig)
         model_fields = [
@@ -231,8 +231,9 @@ class TrainConfig:
                 continue
             if isinstance(value, bool):
                 text = "true" if value else "false"
-            elif isinstance(value, str):
-                text = json.dumps(value, ensure_ascii=False)
+            elif isinstance(value, (str, tuple)):  # a JSON string or list of strings is TOML
+                text = json.dumps(list(value) if isinstance(value, tuple) else value,
+                                  ensure_ascii=False)
             else:
                 text = repr(value)
             lines.append(f"{key} = {text}")

@@ -53,6 +53,8 @@ PLATEAU_FACTOR = 0.5
 PLATEAU_PATIENCE = 2
 #: Final learning rate of ``scheduler = "cosine"``, relative to ``lr``.
 COSINE_FLOOR = 0.01
+#: Leading training sequences the data-dependent layers are initialised from.
+INIT_SEQUENCES = 512
 
 
 class TrainingDivergedError(RuntimeError):
@@ -190,9 +192,11 @@ class TrainingSession:
         self.model.train()
         world = self.world
         for step, index in enumerate(order.split(self.config.batch_size), start=1):
-            if world.size > 1 and step == 1 and self.epoch == 1:
-                # Data-dependent layers from the whole first global batch on every rank.
-                self.model.initialize(*trimmed_batch(train, index, self.device))
+            if step == 1 and self.epoch == 1:
+                # Data-dependent layers (ActNorm, the autoregressive fit) from the same leading
+                # training sequences on every rank, before the first step.
+                first = torch.arange(min(len(train), INIT_SEQUENCES))
+                self.model.initialize(*trimmed_batch(train, first, self.device))
             part, weight = shard(index, world)
             x, mask = trimmed_batch(train, part, self.device)
             batch_log_prob = self.replica(x, mask)

@@ -7,6 +7,8 @@ contract of :class:`~iresflow.transforms.base.SequenceTransform`.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -56,7 +58,10 @@ class AutoregressiveLinear(DataInitializedTransform):
     the full-history frames) unless an eigenvalue of :math:`\Sigma` is below
     :data:`MIN_INIT_RESIDUAL_VARIANCE`, which is then raised to it. Frames with an incomplete
     history do not enter the fit; the fitted model treats their missing predecessors as zeros,
-    as above. The fit needs at least :math:`(p + 1) D + 1` full-history frames.
+    as above. The fit needs at least :math:`(p + 1) D + 1` full-history frames; with fewer the
+    layer starts as the identity (:math:`A = 0`, :math:`b = 0`, :math:`L = I`) and warns (the
+    training loop initialises its model from a large batch, see
+    :meth:`~iresflow.models.flow.SequenceFlow.initialize`).
 
     Args:
         features: Feature size ``D``.
@@ -136,12 +141,16 @@ class AutoregressiveLinear(DataInitializedTransform):
         rows = int(full.sum())
         needed = (p + 1) * d + 1
         if rows < needed:
-            raise ValueError(
+            warnings.warn(
                 f"AutoregressiveLinear(features={d}, order={p}) needs at least "
                 f"(order + 1) * features + 1 = {needed} real frames preceded by {p} real frames "
-                f"to fit its initialisation, got {rows} in this batch; call initialize() with a "
-                f"larger batch first"
+                f"to fit its initialisation, got {rows} in this batch; it starts as the "
+                f"identity (call initialize() with a larger batch to fit it)",
+                stacklevel=2,
             )
+            for parameter in (self.lag_weights, self.bias, self.log_diag, self.lower):
+                parameter.zero_()
+            return
         windows = _history_windows(x, mask, p)[full]  # (R, D, p): frames t-p .. t-1
         regressors = torch.cat(
             [windows.transpose(1, 2).reshape(rows, p * d), windows.new_ones(rows, 1)], dim=1
@@ -200,7 +209,7 @@ class FeatureMixing(SequenceTransform):
     (``log_abs_diag``) and :math:`n` the number of real frames. The inverse is
     :math:`x_t = U_\ell^{-1} L^{-1} P^\top y_t` by two triangular solves. Padded frames are
     returned unchanged and add nothing to the log-determinant. :math:`W` starts as the LU
-    factorisation of a random rotation (:math:`\log|\det W| = 0`). A ``(B, D)`` batch of vectors
+    factorisation of a random proper rotation (:math:`\det W = 1`). A ``(B, D)`` batch of vectors
     is treated as sequences of length 1.
 
     Args:
@@ -228,6 +237,9 @@ class FeatureMixing(SequenceTransform):
         rotation, _ = torch.linalg.qr(
             torch.randn(self.features, self.features, generator=generator, device=device)
         )
+        # A proper rotation (det = +1): the layer starts orientation-preserving, like the
+        # residual steps, so the Jacobian determinant of a whole flow stays positive.
+        rotation[:, 0] *= torch.linalg.det(rotation).sign()
         permutation, lower, upper = torch.linalg.lu(rotation)
         diagonal = torch.diagonal(upper)
         # The permutation matrix has a single 1 per row: row i of P M is row argmax_j P[i, j].
