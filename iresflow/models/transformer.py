@@ -1,17 +1,23 @@
-r"""The sequence residual-flow Transformer (docs/math.md#contractive-attention).
+r"""The sequence residual flow: an autoregressive input layer and blocks of certified layers.
 
-Every block is a composition of invertible maps (data to noise)
+The flow from data to noise is a chain of invertible maps (docs/math.md#change-of-variables),
 
 .. math::
-    X \;\to\; \mathrm{ActNorm} \;\to\; (\cdot) + f_{\rm attn}(\cdot + E)
-      \;\to\; \mathrm{ActNorm} \;\to\; (\cdot) + f_{\rm ffn}(\cdot),
+    X \;\to\; \mathrm{ActNorm} \;\to\; \mathrm{AR}(p) \;\to\;
+    \underbrace{\big[\,\mathrm{ActNorm} \to (\cdot) + g_1(\cdot) \to \mathrm{ActNorm} \to
+    (\cdot) + g_2(\cdot) \to \cdots\big]}_{\text{block, repeated } n_{\rm blocks}
+    \text{ times}} \;\to\; Z,
 
-with a contractive attention branch :math:`f_{\rm attn}` (L2 attention certified in the
-:math:`\infty`-norm, MATH.md C, D; or LipschitzNorm attention certified in the 2-norm, MATH.md F)
-that sees a positional table :math:`E` added inside the branch, and a
-position-wise spectrally normalised LipSwish MLP :math:`f_{\rm ffn}` (MATH.md G6, G7). The noise
-:math:`Z` has a standard normal density over the real tokens, so by the change of variables
-(MATH.md G1)
+with a learned autoregressive linear layer over frames
+(:class:`~iresflow.transforms.temporal.AutoregressiveLinear`, docs/math.md#temporal-linear;
+exact log-determinant, fitted by least squares at initialisation so that the flow starts as the
+AR(p) Gaussian) and residual steps whose branches :math:`g` are contractive by construction:
+temporal convolutions (docs/math.md#temporal-conv), contractive L2 or LipschitzNorm
+self-attention with a positional table added inside the branch
+(docs/math.md#contractive-attention, docs/math.md#lipschitznorm) or position-wise spectrally
+normalised LipSwish MLPs (docs/math.md#lipswish, docs/math.md#spectral-norm), optionally with
+LU feature mixings (docs/math.md#feature-mixing). The noise :math:`Z` has a standard normal
+density over the real frames, so
 
 .. math:: \log p(X) = \sum_{n\,:\,m_n = 1} \log\mathcal N(z_n; 0, I_D)
     + \sum_{\text{steps}} \log|\det J_{\text{step}}| .
@@ -46,25 +52,33 @@ MLP_LAYERS = 3
 
 
 class ResidualFlowTransformer(SequenceFlow):
-    r"""Residual-flow Transformer: a normalising flow for (variable-length) sequences.
+    r"""Residual flow for (variable-length) sequences, built from a block recipe.
 
-    ``n_blocks`` blocks of ``ActNorm -> x + f_attn(x + E) -> ActNorm -> x + f_ffn(x)`` (module
-    docstring), a standard normal base over the real frames. With ``attention="none"`` every
-    block is ``ActNorm -> x + f_ffn(x)``: a flow on single frames applied i.i.d. to every frame
-    (the ablation without interactions between frames).
+    An ``ActNorm`` and an autoregressive linear layer of order ``ar_order`` at the data end
+    (none with ``ar_order = 0``), then ``n_blocks`` blocks whose layers are ``config.layers`` in
+    order (module docstring): ``"conv"``, ``"attention"`` and ``"mlp"`` are residual steps
+    ``ActNorm -> x + g(x)``, ``"mix"`` an LU feature mixing; a standard normal base over the
+    real frames. The default recipe (``ar_order = 3``, blocks of ``conv`` and ``mlp``) contains
+    the AR(3) Gaussian as a special case and starts from it. ``layers=("attention", "mlp")``
+    with ``ar_order=0`` is the residual-flow Transformer; ``layers=("mlp",)`` with
+    ``ar_order=0`` a flow on single frames applied i.i.d. to every frame (the ablation without
+    interactions between frames).
 
     Branch certificates: the attention branch is ``coeff`` times the attention map divided by
     its certified bound (docs/math.md#contractive-attention, docs/math.md#lipschitznorm); each
-    of the three spectrally normalised layers of the MLP branch gets ``coeff ** (1/3)``, so that
-    the MLP branch is also certified at ``coeff`` (2-norm). Every residual step is therefore
-    invertible with :math:`\mathrm{lip}(g) \le` ``coeff`` ``< 1``.
+    of the three spectrally normalised layers of the MLP and convolution branches gets
+    ``coeff ** (1/3)``, so that these branches are also certified at ``coeff`` (2-norm; the
+    convolutions on the whole operator, docs/math.md#temporal-conv). Every residual step is
+    therefore invertible with :math:`\mathrm{lip}(g) \le` ``coeff`` ``< 1``.
 
     The model is a :class:`~iresflow.models.flow.SequenceFlow` (``log_prob``, ``sample``,
     ``transform_to_noise``, ``inverse``, ``initialize``, ``set_generator``, diagnostics); this
     class only builds its chain, :attr:`transform`, an nflows-compatible
     :class:`~iresflow.transforms.base.SequenceCompositeTransform` with named steps
-    (``block0.actnorm_attention``, ``block0.attention``, ``block0.actnorm_mlp``,
-    ``block0.mlp``, ...; usable inside ``nflows.flows.Flow`` for fixed-length data).
+    (``input.actnorm``, ``input.autoregressive``, ``block0.conv.actnorm``, ``block0.conv``,
+    ``block0.mlp.actnorm``, ``block0.mlp``, ...; a kind repeated within a block is numbered by
+    its position, ``block0.mlp0``, ``block0.mlp2``; usable inside ``nflows.flows.Flow`` for
+    fixed-length data).
 
     Every setting, with its default, is a field of
     :class:`~iresflow.models.config.ModelConfig`; :attr:`config` holds the one the model was
@@ -122,7 +136,8 @@ class ResidualFlowTransformer(SequenceFlow):
             names += ["input.actnorm", "input.autoregressive"]
         for i in range(config.n_blocks):
             for j, kind in enumerate(config.layers):
-                name = f"block{i}.{kind}" if config.layers.count(kind) == 1 else f"block{i}.{kind}{j}"
+                repeated = config.layers.count(kind) > 1
+                name = f"block{i}.{kind}{j}" if repeated else f"block{i}.{kind}"
                 if kind == "mix":
                     steps.append(FeatureMixing(features))
                     names.append(name)
