@@ -20,6 +20,7 @@ from oracles import (
 from iresflow.logdet.exact import ExactLogDet, jacobian_blocks
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.logdet.series import SeriesLogDet
+from iresflow.nn.conv import TemporalConvBranch
 
 F64 = torch.float64
 BRANCHES = {
@@ -68,6 +69,43 @@ def test_position_wise_blocks_are_diagonal_blocks_of_full_jacobian(device):
         torch.testing.assert_close(blocks[:, n], full[:, n, :, n, :], atol=1e-14, rtol=0)
         if n > 0:  # off-diagonal blocks vanish for a position-wise branch
             assert full[:, n, :, 0, :].abs().max() == 0
+
+
+def _long_conv_batch(device: torch.device) -> tuple[TemporalConvBranch, torch.Tensor, torch.Tensor]:
+    """A radius-2 convolution branch on sequences longer than its band (9 > 5 tokens)."""
+    branch = TemporalConvBranch(2, 4, 3, 0.6, max_len=9).to(device=device, dtype=F64)
+    x = torch.randn(3, 9, 2, dtype=F64, device=device)
+    mask = torch.ones(3, 9, dtype=torch.bool, device=device)
+    mask[1, 6:] = False
+    mask[2, 3:5] = False  # a gap inside the sequence
+    return branch, x, mask
+
+
+def test_banded_jacobian_of_a_finite_radius_branch_is_the_full_jacobian(device):
+    branch, x, mask = _long_conv_batch(device)
+    assert branch.receptive_radius == 2
+    _, banded = jacobian_blocks(branch, x, mask)
+    dense_view = copy.deepcopy(branch)
+    dense_view.receptive_radius = None  # instance override: one copy per Jacobian row
+    _, full = jacobian_blocks(dense_view, x, mask)
+    torch.testing.assert_close(banded, full, atol=1e-14, rtol=0)
+    for m in (mask, None):
+        _, logdet = ExactLogDet()(branch, x, m)
+        torch.testing.assert_close(logdet, jacobian_logdet(residual_map(branch), x, m),
+                                   atol=1e-12, rtol=1e-12)
+
+
+def test_banded_exact_logdet_gradients_match_finite_differences(device):
+    branch, x, mask = _long_conv_batch(device)
+    weights = torch.tensor([0.5, -1.5, 2.0], dtype=F64, device=device)
+
+    def loss() -> torch.Tensor:
+        return (ExactLogDet()(branch, x, mask)[1] * weights).sum()
+
+    params = list(branch.parameters())
+    grads = torch.autograd.grad(loss(), params, materialize_grads=True)
+    for g, e in zip(grads, finite_difference_grad(loss, params), strict=True):
+        torch.testing.assert_close(g, e, atol=1e-7, rtol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "mixing"])

@@ -257,3 +257,15 @@ def test_bad_arguments_raise(device):
         circular_conv_norm(torch.randn(1, 1, 5, dtype=F64), 4)
     with pytest.raises(ValueError, match="shape"):
         SpectralConv1d(2, 2, 3, 0.9, max_len=4)(torch.randn(1, 3, 4))
+
+
+@pytest.mark.parametrize("kernel_size", [1, 3, 5])
+def test_receptive_radius_is_the_band_of_the_jacobian(device, kernel_size):
+    branch = _branch(device, max_len=9, kernel_size=kernel_size)
+    radius = branch.receptive_radius
+    x = torch.randn(1, 9, 3, dtype=F64, device=device)
+    jac = torch.autograd.functional.jacobian(lambda t: branch(t), x)[0, :, :, 0]  # (N, D, N, D)
+    distance = (torch.arange(9)[:, None] - torch.arange(9)[None, :]).abs().to(device)
+    blocks = jac.abs().amax(dim=(1, 3))  # (N, N): largest entry of each token block
+    assert blocks[distance > radius].max() == 0
+    assert bool((blocks[distance == radius] > 0).all())

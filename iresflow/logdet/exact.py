@@ -11,6 +11,14 @@ so :math:`D` copies suffice and the log-determinant is a sum of :math:`N` small 
 the real tokens. This is exact for position-dependent branches too (e.g. a fixed positional table
 added inside the branch), because the blocks are taken from the branch applied to the whole
 sequence.
+
+A position-mixing branch with a finite ``receptive_radius`` :math:`R` (output token :math:`t`
+depends on input tokens :math:`|s - t| \le R` only) has a block-banded Jacobian. Copy
+:math:`(r, d)` carries :math:`e_d` at every token :math:`t \equiv r \pmod{2R + 1}`; its input
+gradient at token :math:`s` is :math:`\sum_{t \equiv r} J_{(t, d), (s, \cdot)}`, of which only
+the one token :math:`t \equiv r` with :math:`|t - s| \le R` is non-zero (two such tokens are at
+least :math:`2R + 1` apart). So :math:`(2R + 1) D` copies give every non-zero entry of the full
+:math:`N D \times N D` Jacobian, instead of :math:`N D` copies.
 """
 
 from __future__ import annotations
@@ -97,6 +105,9 @@ def jacobian_blocks(
     """
     batch, length, features = x.shape
     size = chunk_size if chunk_size is not None else batch
+    radius = getattr(branch, "receptive_radius", None)
+    # Colouring pays once the band is narrower than the sequence.
+    period = 2 * radius + 1 if radius is not None and 2 * radius + 1 < length else None
     graph = needs_graph(branch, x)
     snapshot = buffer_snapshot(branch)
     outputs, blocks = [], []
@@ -109,6 +120,10 @@ def jacobian_blocks(
                 # copy d carries e_d at every token -> row d of every token's block
                 eye = torch.eye(features, dtype=x.dtype, device=x.device)
                 cot = eye[:, None, None, :].expand(copies, xc.shape[0], length, features)
+            elif period is not None:
+                copies = period * features
+                cot = _colored_cotangents(period, length, features, x).unsqueeze(1)
+                cot = cot.expand(copies, xc.shape[0], length, features)
             else:
                 copies = length * features
                 eye = torch.eye(copies, dtype=x.dtype, device=x.device)
@@ -124,6 +139,9 @@ def jacobian_blocks(
             if branch.position_wise:
                 # rows: (d_out, b, n, d_in) -> (b, n, d_out, d_in)
                 jac = rows.reshape(copies, -1, length, features).permute(1, 2, 0, 3)
+            elif period is not None:
+                jac = _banded_jacobian(rows.reshape(period, features, -1, length, features),
+                                       radius).unsqueeze(1)
             else:
                 # rows: (i_out, b, i_in) -> (b, 1, i_out, i_in)
                 jac = rows.reshape(copies, -1, copies).permute(1, 0, 2).unsqueeze(1)
@@ -133,6 +151,37 @@ def jacobian_blocks(
     if not graph:
         out, jac = out.detach(), jac.detach()
     return out, jac
+
+
+def _colored_cotangents(period: int, length: int, features: int, like: Tensor) -> Tensor:
+    """Copy ``(r, d)`` holds ``e_d`` at every token ``t = r (mod period)``: ``(P D, N, D)``."""
+    phase = torch.arange(length, device=like.device) % period  # (N,)
+    on = phase[None, :] == torch.arange(period, device=like.device)[:, None]  # (P, N)
+    eye = torch.eye(features, dtype=like.dtype, device=like.device)
+    cot = on.to(like.dtype)[:, None, :, None] * eye[None, :, None, :]  # (P, D, N, D)
+    return cot.reshape(period * features, length, features)
+
+
+def _banded_jacobian(rows: Tensor, radius: int) -> Tensor:
+    r"""The full Jacobian from the colored products of a branch of receptive radius ``R``.
+
+    Args:
+        rows: ``rows[r, d, b, s, e]`` = :math:`\sum_{t \equiv r} J_b[(t, d), (s, e)]` with
+            period :math:`P = 2R + 1`, shape ``(P, D, B, N, D)``.
+        radius: :math:`R`.
+
+    Returns:
+        :math:`J_b` in row-major ``(N, D)`` order, shape ``(B, N D, N D)``.
+    """
+    period, features, batch, length, _ = rows.shape
+    jac = rows.new_zeros(batch, length, features, length, features)
+    source = torch.arange(length, device=rows.device)
+    for offset in range(-radius, radius + 1):
+        s = source[(source + offset >= 0) & (source + offset < length)]
+        t = s + offset
+        # entries (b, t, d, s, e) = rows[t mod P, d, b, s, e]
+        jac[:, t, :, s, :] = rows[t % period, :, :, s, :].permute(0, 2, 1, 3)
+    return jac.reshape(batch, length * features, length * features)
 
 
 class ExactLogDet(LogDetEstimator):

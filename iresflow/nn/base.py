@@ -94,6 +94,11 @@ class LipschitzBranch(nn.Module, ABC):
     * ``position_wise``: ``True`` if :math:`g` acts on every token independently (its Jacobian is
       block diagonal with ``N`` blocks of ``D x D``); the exact log-det engine then sums ``N``
       small ``slogdet`` s instead of one ``(N D) x (N D)`` determinant.
+    * ``receptive_radius``: for a position-mixing branch whose output token :math:`t` depends
+      only on the input tokens :math:`t - R, \dots, t + R`, the radius :math:`R` (an ``int``
+      attribute); ``None`` (the default) when any token may influence any other (attention).
+      The exact log-det engine then reads the banded Jacobian from :math:`(2R + 1) D`
+      vector-Jacobian products instead of :math:`N D`.
     * ``norm``: the vector norm (``"inf"`` or ``"2"``, on :math:`\mathrm{vec}(X)`) in which its
       certificate holds. Any induced norm bounds the spectral radius, so either suffices for the
       log-det series and the fixed-point inverse of :math:`x + g(x)`.
@@ -111,6 +116,7 @@ class LipschitzBranch(nn.Module, ABC):
 
     position_wise: ClassVar[bool]
     norm: ClassVar[Literal["inf", "2"]]
+    receptive_radius: int | None = None
 
     @abstractmethod
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
