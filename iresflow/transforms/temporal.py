@@ -181,14 +181,16 @@ class AutoregressiveLinear(DataInitializedTransform):
         lengths = _history_lengths(x, mask, p)
         # lags[..., (k - 1) D : k D] is x_{t-k} (zero where it is not history: never used below).
         lags = _history_windows(x, mask, p).flip(-1).transpose(-1, -2).reshape(*x.shape[:2], p * d)
+        # Real frames with h(t) = j and with h(t) >= j, read on the host once.
+        sub_models = torch.arange(p + 1, device=x.device)
+        exact = (real.unsqueeze(-1) & (lengths.unsqueeze(-1) == sub_models)).sum(dim=(0, 1))
+        counts = torch.stack([exact, exact.flip(0).cumsum(0).flip(0)]).tolist()
         identity = []
         for j in range(p + 1):
             needed = (j + 1) * d + 1
-            rows = real & (lengths == j)
-            if int(rows.sum()) < needed:
-                rows = real & (lengths >= j)
-            if int(rows.sum()) < needed:
-                identity.append(f"{j} ({int(rows.sum())} of {needed})")
+            rows = real & (lengths == j if counts[0][j] >= needed else lengths >= j)
+            if counts[1][j] < needed:
+                identity.append(f"{j} ({counts[1][j]} of {needed})")
                 self.lag_weights[j].zero_()
                 self.bias[j].zero_()
                 self.log_diag[j].zero_()
