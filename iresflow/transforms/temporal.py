@@ -86,8 +86,6 @@ class AutoregressiveLinear(DataInitializedTransform):
         True
     """
 
-    lag_mask: Tensor
-
     def __init__(self, features: int, order: int = 1) -> None:
         super().__init__()
         self.features = check_int(features, "features", 1)
@@ -97,11 +95,6 @@ class AutoregressiveLinear(DataInitializedTransform):
         self.bias = nn.Parameter(torch.zeros(p + 1, d))
         self.log_diag = nn.Parameter(torch.zeros(p + 1, d))
         self.lower = nn.Parameter(torch.zeros(p + 1, d, d))
-        # lag_mask[j, k - 1] is True when sub-model j uses lag k (k <= j).
-        lags = torch.arange(1, p + 1)
-        self.register_buffer(
-            "lag_mask", lags <= torch.arange(p + 1).unsqueeze(1), persistent=False
-        )
 
     def lag_matrices(self) -> Tensor:
         r"""The lag matrices :math:`A_{j,k}` at ``[j, k - 1]`` (zero for :math:`k > j`).
@@ -109,7 +102,9 @@ class AutoregressiveLinear(DataInitializedTransform):
         Returns:
             ``(p + 1, p, D, D)``.
         """
-        return self.lag_weights * self.lag_mask[..., None, None]
+        # used[j, k - 1] is True when sub-model j uses lag k, i.e. k <= j.
+        used = torch.ones(self.order + 1, self.order, dtype=torch.bool, device=self.bias.device)
+        return self.lag_weights * used.tril(-1)[..., None, None]
 
     def whitening_matrix(self) -> Tensor:
         r"""The lower-triangular :math:`L_j` (positive diagonal) at ``[j]``.
