@@ -4,6 +4,7 @@ composition with the convolution branch (docs/math.md#temporal-conv)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -75,59 +76,87 @@ def _ar_process(batch: int, length: int, device) -> torch.Tensor:
     return torch.stack(frames[2:], dim=1)
 
 
-def _history(x: torch.Tensor, mask: torch.Tensor | None, b: int, t: int, k: int):
-    """Frame ``t - k`` of sequence ``b`` if it exists and is real, else ``None``."""
-    s = t - k
-    if s < 0 or (mask is not None and not mask[b, s]):
-        return None
-    return x[b, s]
+def _gap_batch(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three float64 sequences ``(3, 7, 3)`` with end padding and gaps in the middle."""
+    x = torch.randn(3, 7, 3, dtype=F64, device=device)
+    mask = torch.tensor(
+        [
+            [True] * 7,
+            [True, True, False, True, True, True, False],
+            [False, True, False, True, True, True, True],
+        ],
+        device=device,
+    )
+    return x, mask
+
+
+def _past(mask: torch.Tensor | None, b: int, t: int, order: int) -> int:
+    """``h(t)``: real frames immediately before frame ``t`` of sequence ``b``, at most ``order``."""
+    h = 0
+    while h < order and t - h - 1 >= 0 and (mask is None or bool(mask[b, t - h - 1])):
+        h += 1
+    return h
+
+
+def _sub_model(layer: AutoregressiveLinear, h: int) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """Lags ``[A_{h,1}, ..., A_{h,h}]``, bias and whitening matrix of sub-model ``h``."""
+    whitening = torch.tril(layer.lower[h], -1) + torch.diag(layer.log_diag[h].exp())
+    return [layer.lag_weights[h, k - 1] for k in range(1, h + 1)], layer.bias[h], whitening
 
 
 # ---------------------------------------------------------------- AutoregressiveLinear
 
 
-def test_ar_forward_matches_the_frame_by_frame_definition(device):
+@pytest.mark.parametrize("use_mask", [False, True])
+def test_ar_forward_matches_the_frame_by_frame_definition(device, use_mask):
     layer = _random_ar(3, 2, device)
-    x, mask = padded_batch(device)
-    z, _ = layer(x, mask=mask)
-    whitening = torch.tril(layer.lower, -1) + torch.diag(layer.log_diag.exp())
+    x, mask = _gap_batch(device)
+    mask = mask if use_mask else None
+    z, logdet = layer(x, mask=mask)
+    expected_logdet = torch.zeros(3, dtype=F64, device=device)
     for b in range(x.shape[0]):
         for t in range(x.shape[1]):
-            if not mask[b, t]:
+            if mask is not None and not mask[b, t]:
                 assert torch.equal(z[b, t], x[b, t])
                 continue
-            prediction = layer.bias.clone()
-            for k in (1, 2):
-                past = _history(x, mask, b, t, k)
-                if past is not None:
-                    prediction = prediction + layer.lag_weights[k - 1] @ past
+            h = _past(mask, b, t, 2)
+            lags, bias, whitening = _sub_model(layer, h)
+            prediction = bias + sum((a @ x[b, t - k] for k, a in enumerate(lags, 1)), 0.0)
             torch.testing.assert_close(z[b, t], whitening @ (x[b, t] - prediction))
+            expected_logdet[b] += torch.linalg.slogdet(whitening)[1]
+    torch.testing.assert_close(logdet, expected_logdet)
 
 
+@pytest.mark.parametrize("batch", [padded_batch, _gap_batch])
 @pytest.mark.parametrize("use_mask", [False, True])
-def test_ar_logdet_matches_the_jacobian_oracle(device, use_mask):
+def test_ar_logdet_matches_the_jacobian_oracle(device, use_mask, batch):
     layer = _random_ar(3, 2, device)
-    x, mask = padded_batch(device)
+    x, mask = batch(device)
     mask = mask if use_mask else None
     _, logdet = layer(x, mask=mask)
     torch.testing.assert_close(logdet, _logabsdet(_transform_map(layer), x, mask))
 
 
-def test_ar_inverse_round_trip_and_padding(device):
-    layer = _random_ar(3, 3, device)
-    x, mask = padded_batch(device)
+@pytest.mark.parametrize("order", [1, 3])
+def test_ar_inverse_round_trip_and_padding(device, order):
+    layer = _random_ar(3, order, device)
+    x, mask = _gap_batch(device)
     z, logdet = layer(x, mask=mask)
     x_back, logdet_inv = layer.inverse(z, mask=mask)
     torch.testing.assert_close(x_back, x, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(logdet_inv, -logdet)
     assert torch.equal(z[~mask], x[~mask])
-    # Padded values change neither a real output nor the log-determinant.
+    # Padded values change neither a real output nor the log-determinant ...
     other = torch.where(mask[..., None], x, 50 * torch.randn_like(x))
     z_other, logdet_other = layer(other, mask=mask)
     assert torch.equal(z_other[mask], z[mask]) and torch.equal(logdet_other, logdet)
     # ... nor, in the inverse, a real input's preimage.
     z_noise = torch.where(mask[..., None], z, 50 * torch.randn_like(z))
     assert torch.equal(layer.inverse(z_noise, mask=mask)[0][mask], x_back[mask])
+    # Frames before a gap are no history: changing them leaves the frames after it alone.
+    moved = x.clone()
+    moved[1, :2] += 10.0  # sequence 1 has a gap at frame 2
+    assert torch.equal(layer(moved, mask=mask)[0][1, 3:], z[1, 3:])
 
 
 def test_ar_vectors_are_sequences_of_length_one(device):
@@ -137,98 +166,131 @@ def test_ar_vectors_are_sequences_of_length_one(device):
     z_seq, logdet_seq = layer(x.unsqueeze(1))
     torch.testing.assert_close(z, z_seq.squeeze(1))
     torch.testing.assert_close(logdet, logdet_seq)
+    _, bias, whitening = _sub_model(layer, 0)
+    torch.testing.assert_close(z, (x - bias) @ whitening.T)
     torch.testing.assert_close(layer.inverse(z)[0], x)
 
 
-def test_ar_initialisation_is_the_fitted_gaussian_autoregression(device):
-    """Layer + standard normal base == the closed-form AR(2) Gaussian fitted by least squares."""
-    p = 2
-    x = _ar_process(6, 9, device)
-    mask = torch.ones(6, 9, dtype=torch.bool, device=device)
+def _init_mask(batch: int, length: int, device) -> torch.Tensor:
+    mask = torch.ones(batch, length, dtype=torch.bool, device=device)
     mask[1, 6:] = False
-    mask[2, 3] = False  # a gap: frames 4 and 5 of sequence 2 have an incomplete history
+    mask[2, 3] = False  # a gap: frame 4 of sequence 2 starts a new history
     mask[3, 0] = False
+    return mask
+
+
+def _fitted_log_prob(x: torch.Tensor, mask: torch.Tensor, order: int) -> torch.Tensor:
+    """Log-density ``(B,)`` of the per-history-length conditional Gaussians, fitted here.
+
+    Sub-model ``j`` is fitted by the normal equations on the real frames with ``h(t) = j``, or on
+    those with ``h(t) >= j`` (first ``j`` lags) when there are fewer than ``(j + 1) D + 1``.
+    """
+    batch, length, d = x.shape
+    history = [[_past(mask, b, t, order) for t in range(length)] for b in range(batch)]
+    fits = []
+    for j in range(order + 1):
+        for pooled in (False, True):
+            frames = [
+                (b, t)
+                for b in range(batch)
+                for t in range(length)
+                if mask[b, t] and (history[b][t] >= j if pooled else history[b][t] == j)
+            ]
+            if len(frames) >= (j + 1) * d + 1:
+                break
+        design = torch.stack(
+            [torch.cat([*(x[b, t - k] for k in range(1, j + 1)), x.new_ones(1)]) for b, t in frames]
+        )
+        response = torch.stack([x[b, t] for b, t in frames])
+        coef = torch.linalg.solve(design.T @ design, design.T @ response)
+        residuals = response - design @ coef
+        fits.append((coef, residuals.T @ residuals / len(frames)))
+    log_prob = torch.zeros(batch, dtype=F64, device=x.device)
+    for b in range(batch):
+        for t in range(length):
+            if mask[b, t]:
+                h = history[b][t]
+                coef, covariance = fits[h]
+                mean = coef[-1] + sum((coef[(k - 1) * d : k * d].T @ x[b, t - k]
+                                       for k in range(1, h + 1)), 0.0)
+                normal = torch.distributions.MultivariateNormal(mean, covariance)
+                log_prob[b] += normal.log_prob(x[b, t])
+    return log_prob
+
+
+@pytest.mark.parametrize("shape", [(12, 9), (2, 30)])  # per-h fits; pooled fits for h < p
+def test_ar_initialisation_is_the_fitted_gaussian_autoregression(device, shape):
+    """Layer + standard normal base == the per-history-length Gaussian conditionals."""
+    p = 2
+    x = _ar_process(*shape, device)
+    mask = _init_mask(*shape, device) if shape[0] > 3 else torch.ones(shape, dtype=torch.bool)
+    mask = mask.to(device)
     layer = AutoregressiveLinear(2, p).to(device=device, dtype=F64).train()
-    z, logdet = layer(x, mask=mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every sub-model is fitted
+        z, logdet = layer(x, mask=mask)
     assert bool(layer.initialized)
     flow_log_prob = _standard_normal_log_prob(z, mask) + logdet
-
-    # Independent fit: normal equations on the full-history frames, built frame by frame.
-    rows, targets = [], []
-    for b in range(6):
-        for t in range(9):
-            past = [_history(x, mask, b, t, k) for k in range(1, p + 1)]
-            if mask[b, t] and all(f is not None for f in past):
-                rows.append(torch.cat([*past, torch.ones(1, dtype=F64, device=device)]))
-                targets.append(x[b, t])
-    design, response = torch.stack(rows), torch.stack(targets)
-    coef = torch.linalg.solve(design.T @ design, design.T @ response)
-    residuals = response - design @ coef
-    covariance = residuals.T @ residuals / len(rows)
-    lags = [coef[2 * (k - 1) : 2 * k].T for k in range(1, p + 1)]
-    expected = torch.zeros(6, dtype=F64, device=device)
-    for b in range(6):
-        for t in range(9):
-            if not mask[b, t]:
-                continue
-            mean = coef[-1].clone()
-            for k in range(1, p + 1):
-                past = _history(x, mask, b, t, k)
-                if past is not None:
-                    mean = mean + lags[k - 1] @ past
-            normal = torch.distributions.MultivariateNormal(mean, covariance)
-            expected[b] += normal.log_prob(x[b, t])
+    expected = _fitted_log_prob(x, mask, p)
     torch.testing.assert_close(flow_log_prob, expected, rtol=1e-10, atol=1e-10)
 
 
-def test_ar_initialisation_maximises_the_conditional_likelihood(device):
-    """At the initialisation the likelihood of the full-history frames is stationary."""
-    x = _ar_process(5, 8, device)
-    mask = torch.ones(5, 8, dtype=torch.bool, device=device)
-    mask[0, 5:] = False
-    layer = AutoregressiveLinear(2, 1).to(device=device, dtype=F64)
+def test_ar_initialisation_maximises_the_likelihood(device):
+    """With every sub-model fitted on the frames it maps, the likelihood is stationary."""
+    x = _ar_process(12, 9, device)
+    mask = _init_mask(12, 9, device)
+    layer = AutoregressiveLinear(2, 2).to(device=device, dtype=F64)
     layer.initialize(x, mask)
-    full = mask.clone()
-    full[:, 0] = False  # order 1: the first frame has no history
-    z, _ = layer(x, mask=mask)
-    log_lik = _standard_normal_log_prob(z, full).sum() + full.sum() * layer.log_diag.sum()
-    grads = torch.autograd.grad(log_lik, list(layer.parameters()))
+
+    def log_lik() -> torch.Tensor:
+        z, logdet = layer(x, mask=mask)
+        return (_standard_normal_log_prob(z, mask) + logdet).sum()
+
+    grads = torch.autograd.grad(log_lik(), list(layer.parameters()))
     for name, grad in zip([n for n, _ in layer.named_parameters()], grads, strict=True):
-        if name == "lower":
-            grad = torch.tril(grad, -1)  # only the strictly lower part is used
         torch.testing.assert_close(grad, torch.zeros_like(grad), atol=1e-9, rtol=0, msg=name)
     # ... and not trivially: the likelihood is not stationary at a perturbed point.
     with torch.no_grad():
         layer.bias.add_(0.1)
-    z, _ = layer(x, mask=mask)
-    log_lik = _standard_normal_log_prob(z, full).sum()
-    assert torch.autograd.grad(log_lik, layer.bias)[0].abs().max() > 1e-3
+    for grad in torch.autograd.grad(log_lik(), layer.bias)[0]:
+        assert grad.abs().max() > 1e-3
 
 
 def test_ar_initialisation_floors_the_residual_covariance(device):
-    x = _ar_process(4, 10, device)
+    x = _ar_process(12, 10, device)
     x = torch.cat([x, x[..., :1]], dim=-1)  # a third feature equal to the first: singular
     layer = AutoregressiveLinear(3, 1).to(device=device, dtype=F64).train()
     z, logdet = layer(x)
     assert torch.isfinite(z).all() and torch.isfinite(logdet).all()
     whitening = layer.whitening_matrix()
-    covariance = torch.linalg.inv(whitening.T @ whitening)
-    smallest = float(torch.linalg.eigvalsh(covariance.detach())[0])
-    assert smallest == pytest.approx(MIN_INIT_RESIDUAL_VARIANCE, rel=1e-6)
+    covariance = torch.linalg.inv(whitening.mT @ whitening)
+    smallest = torch.linalg.eigvalsh(covariance.detach())[:, 0]
+    torch.testing.assert_close(
+        smallest, torch.full_like(smallest, MIN_INIT_RESIDUAL_VARIANCE), rtol=1e-6, atol=0
+    )
 
 
-def test_ar_initialisation_without_enough_full_history_frames_is_the_identity(device):
-    for x in (
-        torch.randn(2, 4, 2, dtype=F64, device=device),  # 2 x 2 full-history frames < 7
-        torch.randn(20, 2, dtype=F64, device=device),  # vectors have no history
-    ):
+def test_ar_initialisation_without_enough_frames_starts_a_sub_model_as_the_identity(device):
+    # 2 x 4 frames, D = 2: sub-models 0 and 1 are pooled fits (8 >= 3, 6 >= 5 frames), sub-model
+    # 2 has 4 < 7 frames with two real predecessors.
+    x = torch.randn(2, 4, 2, dtype=F64, device=device)
+    # Vectors have no history: sub-model 0 is fitted, 1 and 2 start as the identity.
+    vectors = torch.randn(20, 2, dtype=F64, device=device)
+    for data, identity in ((x, [2]), (vectors, [1, 2])):
         layer = AutoregressiveLinear(2, 2).to(device=device, dtype=F64).train()
         with torch.no_grad():
-            layer.lag_weights.fill_(0.3)
-        with pytest.warns(UserWarning, match="needs at least"):
-            z, logabsdet = layer(x)
+            for p in layer.parameters():
+                p.fill_(0.3)
+        with pytest.warns(UserWarning, match=f"sub-models {identity[0]} "):
+            layer(data)
         assert bool(layer.initialized)
-        assert torch.equal(z, x) and torch.equal(logabsdet, torch.zeros_like(logabsdet))
+        for j in range(3):
+            is_identity = torch.equal(
+                layer.whitening_matrix()[j], torch.eye(2, dtype=F64, device=device)
+            ) and not layer.bias[j].any() and not layer.lag_weights[j].any()
+            assert is_identity == (j in identity), j
+    z, logabsdet = layer.eval()(x)  # frames with h(t) = 2 pass through sub-model 2 unchanged
+    assert torch.equal(z[:, 2:], x[:, 2:]) and not torch.equal(z[:, :2], x[:, :2])
 
 
 def test_ar_initialises_once_and_only_in_training_forward(device):
@@ -249,12 +311,21 @@ def test_ar_initialises_once_and_only_in_training_forward(device):
 
 def test_ar_gradients_reach_every_parameter(device):
     layer = _random_ar(3, 2, device)
-    x, mask = padded_batch(device)
+    x, mask = _gap_batch(device)  # frames with h(t) = 0, 1 and 2
     z, logdet = layer(x, mask=mask)
     (z.square().sum() + logdet.sum()).backward()
-    for name, p in layer.named_parameters():
-        grad = torch.tril(p.grad, -1) if name == "lower" else p.grad
-        assert grad.abs().sum() > 0, name
+    strictly_lower = torch.ones(3, 3, dtype=torch.bool, device=device).tril(-1)
+    for j in range(3):
+        used = {
+            "lag_weights": layer.lag_weights.grad[j, :j],
+            "bias": layer.bias.grad[j],
+            "log_diag": layer.log_diag.grad[j],
+            "lower": layer.lower.grad[j][strictly_lower],
+        }
+        for name, grad in used.items():
+            assert grad.numel() == 0 or (grad != 0).all(), (name, j)
+    # Lags a sub-model does not use get no gradient.
+    assert not layer.lag_weights.grad[0].any() and not layer.lag_weights.grad[1, 1].any()
 
 
 # ---------------------------------------------------------------- FeatureMixing

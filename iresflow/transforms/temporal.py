@@ -25,43 +25,52 @@ MIN_INIT_RESIDUAL_VARIANCE = 1e-6
 
 
 class AutoregressiveLinear(DataInitializedTransform):
-    r"""Whitening by an AR(p) model over frames: the flow form of a Gaussian autoregression.
+    r"""Whitening by a Gaussian AR(p) model over frames, with lower-order models for short pasts.
 
-    For every real frame :math:`x_t \in \mathbb R^D` (docs/math.md#temporal-linear),
+    For a real frame :math:`t` let :math:`h(t) \in \{0, \dots, p\}` be the number of consecutive
+    real frames immediately before it (:math:`t-1, t-2, \dots`, stopping at the start of the
+    sequence or at the first padded/missing frame), capped at :math:`p`. The layer holds
+    :math:`p + 1` sub-models :math:`j = 0, \dots, p` and maps every real frame
+    :math:`x_t \in \mathbb R^D` with sub-model :math:`h = h(t)` (docs/math.md#temporal-linear):
 
     .. math::
-        z_t = L\Big(x_t - b - \sum_{k=1}^{p} A_k \tilde x_{t-k}\Big), \qquad
-        \log|\det J| = n \sum_{d=1}^{D} \log L_{dd},
+        z_t = L_h\Big(x_t - b_h - \sum_{k=1}^{h} A_{h,k}\, x_{t-k}\Big), \qquad
+        \log|\det J| = \sum_{t \text{ real}} \sum_{d=1}^{D} \log (L_{h(t)})_{dd},
 
-    with :math:`L` lower triangular with positive diagonal (parameters ``log_diag`` and the
-    strictly lower part of ``lower``), lag matrices :math:`A_k` (``lag_weights[k - 1]``,
-    ``D x D``), bias :math:`b` and :math:`n` the number of real frames of the sequence. The
-    *history* :math:`\tilde x_s` is :math:`x_s` if frame :math:`s` exists and is real, and
-    :math:`0` if :math:`s < 0` (before the start) or frame :math:`s` is padding (``mask`` ``False``,
-    also in the middle of a sequence). The Jacobian is block lower triangular in time with the
-    block :math:`L` on the diagonal at every real frame, hence the log-determinant. Padded frames
-    are returned unchanged, add nothing to the log-determinant and never influence a real output.
-    A ``(B, D)`` batch of vectors is treated as sequences of length 1 (no history).
+    with :math:`L_j` lower triangular with positive diagonal (``log_diag[j]`` and the strictly
+    lower part of ``lower[j]``), bias :math:`b_j` (``bias[j]``) and lag matrices :math:`A_{j,k}`
+    (``lag_weights[j, k - 1]``, ``D x D``; entries with :math:`k > j` are unused, see
+    :meth:`lag_matrices`). Only real frames enter a history, so frames before a gap never
+    influence frames after it. The Jacobian over the real frames is block lower triangular in
+    time with diagonal blocks :math:`L_{h(t)}`, hence the log-determinant. Since :math:`h(t)`
+    depends on the mask only, the inverse is a forward substitution over time. Padded frames are
+    returned unchanged, add nothing to the log-determinant and never influence a real output.
+    A ``(B, D)`` batch of vectors is treated as sequences of length 1 (sub-model 0 only).
 
-    Followed by a standard normal base, the layer *is* the Gaussian AR(p) model
-    :math:`x_t \mid \tilde x_{<t} \sim \mathcal N(b + \sum_k A_k \tilde x_{t-k}, \Sigma)` with
-    :math:`\Sigma = (L^\top L)^{-1}`.
+    Followed by a standard normal base, the layer *is* the Gaussian autoregression
+    :math:`x_t \mid x_{<t} \sim \mathcal N(b_h + \sum_{k \le h} A_{h,k} x_{t-k}, \Sigma_h)`,
+    :math:`\Sigma_h = (L_h^\top L_h)^{-1}`, :math:`h = h(t)`: the AR(p) Gaussian whose frames with
+    fewer than :math:`p` real predecessors use their own lower-order conditional.
 
     Initialisation (:class:`~iresflow.transforms.actnorm.DataInitializedTransform`): the first
-    forward in training mode, or :meth:`initialize`, fits that model by conditional maximum
-    likelihood on the real frames :math:`t \ge p` whose :math:`p` predecessors are all real
-    ("full-history frames"): :math:`(A, b)` by least squares of :math:`x_t` on
-    :math:`[x_{t-1}, \dots, x_{t-p}, 1]` (minimum-norm solution if the regressors are
-    collinear), :math:`\Sigma` the mean outer product of the residuals, and
-    :math:`L = C^{-1}` with :math:`C` the Cholesky factor of :math:`\Sigma`, so that
-    :math:`L \Sigma L^\top = I`. This is exact (the maximiser of the conditional likelihood of
-    the full-history frames) unless an eigenvalue of :math:`\Sigma` is below
-    :data:`MIN_INIT_RESIDUAL_VARIANCE`, which is then raised to it. Frames with an incomplete
-    history do not enter the fit; the fitted model treats their missing predecessors as zeros,
-    as above. The fit needs at least :math:`(p + 1) D + 1` full-history frames; with fewer the
-    layer starts as the identity (:math:`A = 0`, :math:`b = 0`, :math:`L = I`) and warns (the
-    training loop initialises its model from a large batch, see
-    :meth:`~iresflow.models.flow.SequenceFlow.initialize`).
+    forward in training mode, or :meth:`initialize`, fits every sub-model :math:`j` by
+    conditional maximum likelihood: :math:`(A_{j,1..j}, b_j)` by least squares of :math:`x_t` on
+    :math:`[x_{t-1}, \dots, x_{t-j}, 1]` (minimum-norm solution if the regressors are
+    collinear), :math:`\Sigma_j` the mean outer product of the residuals, and
+    :math:`L_j = C_j^{-1}` with :math:`C_j` the Cholesky factor of :math:`\Sigma_j`. The frames
+    of the fit are, with :math:`m_j = (j + 1) D + 1`:
+
+    * the real frames with :math:`h(t) = j` exactly (for :math:`j = p`: every real frame with at
+      least :math:`p` real predecessors), if there are at least :math:`m_j` of them; this is the
+      exact maximiser of the likelihood of those frames, which sub-model :math:`j` maps;
+    * otherwise the real frames with :math:`h(t) \ge j`, using their first :math:`j` lags (a
+      pooled AR(j) fit), if there are at least :math:`m_j` of them;
+    * otherwise none: sub-model :math:`j` starts as the identity (:math:`A_{j,\cdot} = 0`,
+      :math:`b_j = 0`, :math:`L_j = I`) and a ``UserWarning`` says so (the training loop
+      initialises its model from a large batch, see
+      :meth:`~iresflow.models.flow.SequenceFlow.initialize`).
+
+    An eigenvalue of :math:`\Sigma_j` below :data:`MIN_INIT_RESIDUAL_VARIANCE` is raised to it.
 
     Args:
         features: Feature size ``D``.
@@ -70,7 +79,7 @@ class AutoregressiveLinear(DataInitializedTransform):
     Example:
         >>> layer = AutoregressiveLinear(2, order=1)
         >>> x = torch.cumsum(torch.randn(8, 10, 2), dim=1)  # random walks: strongly AR(1)
-        >>> z, logabsdet = layer(x)  # training mode: fits the AR(1) model first
+        >>> z, logabsdet = layer(x)  # training mode: fits the sub-models first
         >>> bool(layer.initialized), z.shape, logabsdet.shape
         (True, torch.Size([8, 10, 2]), torch.Size([8]))
         >>> torch.allclose(layer.inverse(z)[0], x, atol=1e-4)
@@ -81,99 +90,187 @@ class AutoregressiveLinear(DataInitializedTransform):
         super().__init__()
         self.features = check_int(features, "features", 1)
         self.order = check_int(order, "order", 1)
-        d = self.features
-        self.lag_weights = nn.Parameter(torch.zeros(self.order, d, d))
-        self.bias = nn.Parameter(torch.zeros(d))
-        self.log_diag = nn.Parameter(torch.zeros(d))
-        self.lower = nn.Parameter(torch.zeros(d, d))
+        p, d = self.order, self.features
+        self.lag_weights = nn.Parameter(torch.zeros(p + 1, p, d, d))
+        self.bias = nn.Parameter(torch.zeros(p + 1, d))
+        self.log_diag = nn.Parameter(torch.zeros(p + 1, d))
+        self.lower = nn.Parameter(torch.zeros(p + 1, d, d))
+
+    def lag_matrices(self) -> Tensor:
+        r"""The lag matrices :math:`A_{j,k}` at ``[j, k - 1]`` (zero for :math:`k > j`).
+
+        Returns:
+            ``(p + 1, p, D, D)``.
+        """
+        # used[j, k - 1] is True when sub-model j uses lag k, i.e. k <= j.
+        used = torch.ones(self.order + 1, self.order, dtype=torch.bool, device=self.bias.device)
+        return self.lag_weights * used.tril(-1)[..., None, None]
 
     def whitening_matrix(self) -> Tensor:
-        r"""The lower-triangular :math:`L` (positive diagonal), shape ``(D, D)``."""
+        r"""The lower-triangular :math:`L_j` (positive diagonal) at ``[j]``.
+
+        Returns:
+            ``(p + 1, D, D)``.
+        """
         return torch.tril(self.lower, -1) + torch.diag_embed(torch.exp(self.log_diag))
+
+    def _predictions(self, windows: Tensor) -> Tensor:
+        r"""Every sub-model's prediction :math:`b_j + \sum_{k \le j} A_{j,k} x_{t-k}`.
+
+        Args:
+            windows: Histories ``(..., D, p)`` whose entry ``[..., :, p - k]`` is lag ``k``.
+
+        Returns:
+            ``(..., p + 1, D)``.
+        """
+        lags = self.lag_matrices().flip(1)  # [j, p - k] holds A_{j,k}, matching the windows
+        return self.bias + torch.einsum("...ik,jkoi->...jo", windows, lags)
 
     def _forward(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
     ) -> tuple[Tensor, Tensor | None]:
-        r"""Map data to noise, :math:`z_t = L(x_t - b - \sum_k A_k \tilde x_{t-k})`."""
+        r"""Map data to noise, :math:`z_t = L_h(x_t - b_h - \sum_k A_{h,k} x_{t-k})`."""
         self._initialize_if_needed(inputs, mask)
         x = inputs.unsqueeze(1) if inputs.dim() == 2 else inputs
-        prediction = self.bias + torch.einsum(
-            "bndj,jod->bno", _history_windows(x, mask, self.order), self.lag_weights.flip(0)
-        )
-        outputs = (x - prediction) @ self.whitening_matrix().mT
-        outputs = outputs.reshape(inputs.shape)
-        return tokenwise_result(inputs, outputs, mask, self.log_diag.sum(), logdet)
+        residuals = x.unsqueeze(-2) - self._predictions(_history_windows(x, mask, self.order))
+        # Whiten with every sub-model (p + 1 small products per frame), then pick h(t).
+        whitened = torch.einsum("bnjd,jod->bnjo", residuals, self.whitening_matrix())
+        lengths = _history_lengths(x, mask, self.order)
+        outputs = _select(whitened, lengths).reshape(inputs.shape)
+        return _framewise_result(inputs, outputs, mask, self.log_diag.sum(-1)[lengths], logdet)
 
     def _inverse(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
     ) -> tuple[Tensor, Tensor | None]:
         r"""Map noise to data by forward substitution over time.
 
-        :math:`x_t = L^{-1} z_t + b + \sum_k A_k \tilde x_{t-k}` for :math:`t = 0, 1, \dots`;
-        the triangular solves of all frames are one batched call, then one step per frame
-        (batched over the sequences) adds the prediction from the frames already recovered.
+        :math:`x_t = L_h^{-1} z_t + b_h + \sum_{k \le h} A_{h,k} x_{t-k}`, :math:`h = h(t)`, for
+        :math:`t = 0, 1, \dots`: the triangular solves of all frames are one batched call, then
+        one step per frame (batched over the sequences) adds the prediction from the frames
+        already recovered.
         """
         z = inputs.unsqueeze(1) if inputs.dim() == 2 else inputs
         batch, length, d = z.shape
-        # Row vectors: L w_t = z_t  <=>  w_t^T L^T = z_t^T.
-        w = torch.linalg.solve_triangular(self.whitening_matrix().mT, z, upper=True, left=False)
-        w = w + self.bias
-        # history = [x~_{t-1}, ..., x~_{t-p}] flattened; rows (k - 1) D + j of lags hold A_k[:, j].
-        lags = self.lag_weights.transpose(1, 2).reshape(self.order * d, d)
-        history = z.new_zeros(batch, self.order * d)
+        lengths = _history_lengths(z, mask, self.order)
+        # Row vectors: L_j w = z  <=>  w^T L_j^T = z^T, solved for every sub-model, then h(t).
+        w = torch.linalg.solve_triangular(
+            self.whitening_matrix().mT, z[..., None, None, :], upper=True, left=False
+        )
+        w = _select(w.squeeze(-2), lengths)
+        history = z.new_zeros(batch, d, self.order)  # [:, :, p - k] holds x~_{t-k}
         frames = []
         for t in range(length):
-            frame = w[:, t] + history @ lags
+            frame = w[:, t] + _select(self._predictions(history), lengths[:, t])
             frames.append(frame)
-            if mask is not None:
+            if mask is not None:  # padded frames never enter a history
                 frame = torch.where(mask[:, t, None], frame, 0.0)
-            history = torch.cat([frame, history[:, : (self.order - 1) * d]], dim=1)
+            history = torch.cat([history[..., 1:], frame.unsqueeze(-1)], dim=-1)
         outputs = torch.stack(frames, dim=1).reshape(inputs.shape)
-        return tokenwise_result(inputs, outputs, mask, -self.log_diag.sum(), logdet)
+        return _framewise_result(inputs, outputs, mask, -self.log_diag.sum(-1)[lengths], logdet)
 
     def _initialize(self, inputs: Tensor, mask: Tensor | None) -> None:
         p, d = self.order, self.features
         x = inputs.unsqueeze(1) if inputs.dim() == 2 else inputs
         work = torch.promote_types(x.dtype, torch.float32)
         real = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask
-        # A frame has a full history when it and its p predecessors exist and are real.
-        full = F.pad(real, (p, 0), value=False).unfold(1, p + 1, 1).all(dim=-1)
-        rows = int(full.sum())
-        needed = (p + 1) * d + 1
-        if rows < needed:
+        lengths = _history_lengths(x, mask, p)
+        # lags[..., (k - 1) D : k D] is x_{t-k} (zero where it is not history: never used below).
+        lags = _history_windows(x, mask, p).flip(-1).transpose(-1, -2).reshape(*x.shape[:2], p * d)
+        # Real frames with h(t) = j and with h(t) >= j, read on the host once.
+        sub_models = torch.arange(p + 1, device=x.device)
+        exact = (real.unsqueeze(-1) & (lengths.unsqueeze(-1) == sub_models)).sum(dim=(0, 1))
+        counts = torch.stack([exact, exact.flip(0).cumsum(0).flip(0)]).tolist()
+        identity = []
+        for j in range(p + 1):
+            needed = (j + 1) * d + 1
+            rows = real & (lengths == j if counts[0][j] >= needed else lengths >= j)
+            if counts[1][j] < needed:
+                identity.append(f"{j} ({counts[1][j]} of {needed})")
+                self.lag_weights[j].zero_()
+                self.bias[j].zero_()
+                self.log_diag[j].zero_()
+                self.lower[j].zero_()
+                continue
+            targets = x[rows].to(work)
+            regressors = torch.cat([lags[rows][:, : j * d], targets.new_ones(len(targets), 1)], 1)
+            coefficients, whitening = _conditional_gaussian_fit(targets, regressors.to(work))
+            # coefficients[(k - 1) D + i, o] multiplies feature i of x_{t-k}: A_{j,k}[o, i].
+            self.lag_weights[j].zero_()
+            self.lag_weights[j, :j].copy_(coefficients[: j * d].reshape(j, d, d).transpose(1, 2))
+            self.bias[j].copy_(coefficients[j * d])
+            self.lower[j].copy_(torch.tril(whitening, -1))
+            self.log_diag[j].copy_(torch.log(torch.diagonal(whitening)))
+        if identity:
             warnings.warn(
-                f"AutoregressiveLinear(features={d}, order={p}) needs at least "
-                f"(order + 1) * features + 1 = {needed} real frames preceded by {p} real frames "
-                f"to fit its initialisation, got {rows} in this batch; it starts as the "
-                f"identity (call initialize() with a larger batch to fit it)",
+                f"AutoregressiveLinear(features={d}, order={p}): sub-model j needs at least "
+                f"(j + 1) * features + 1 real frames with at least j real predecessors to fit "
+                f"its initialisation; sub-models {', '.join(identity)} start as the identity "
+                f"(call initialize() with a larger batch to fit them)",
                 stacklevel=2,
             )
-            for parameter in (self.lag_weights, self.bias, self.log_diag, self.lower):
-                parameter.zero_()
-            return
-        windows = _history_windows(x, mask, p)[full]  # (R, D, p): frames t-p .. t-1
-        regressors = torch.cat(
-            [windows.transpose(1, 2).reshape(rows, p * d), windows.new_ones(rows, 1)], dim=1
-        ).to(work)
-        targets = x[full].to(work)
-        coefficients = torch.linalg.pinv(regressors) @ targets  # (p D + 1, D)
-        residuals = targets - regressors @ coefficients
-        covariance = residuals.mT @ residuals / rows
-        eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
-        eigenvalues = eigenvalues.clamp_min(MIN_INIT_RESIDUAL_VARIANCE)
-        covariance = (eigenvectors * eigenvalues) @ eigenvectors.mT
-        cholesky = torch.linalg.cholesky(covariance)
-        eye = torch.eye(d, dtype=work, device=x.device)
-        whitening = torch.linalg.solve_triangular(cholesky, eye, upper=False)
-        # coefficients[j D + i, o] multiplies frame t - p + j, feature i: (A_{p - j})[o, i].
-        lag_weights = coefficients[: p * d].reshape(p, d, d).transpose(1, 2).flip(0)
-        self.lag_weights.copy_(lag_weights)
-        self.bias.copy_(coefficients[p * d])
-        self.lower.copy_(torch.tril(whitening, -1))
-        self.log_diag.copy_(torch.log(torch.diagonal(whitening)))
 
     def extra_repr(self) -> str:
         return f"features={self.features}, order={self.order}"
+
+
+def _conditional_gaussian_fit(targets: Tensor, regressors: Tensor) -> tuple[Tensor, Tensor]:
+    r"""Maximum-likelihood Gaussian regression of ``targets`` on ``regressors``.
+
+    Args:
+        targets: ``(R, D)``.
+        regressors: ``(R, Q)`` (a column of ones for the bias).
+
+    Returns:
+        ``(coefficients (Q, D), whitening (D, D))``: the minimum-norm least-squares solution and
+        :math:`L = C^{-1}` for the Cholesky factor :math:`C` of the residual covariance, its
+        eigenvalues floored at :data:`MIN_INIT_RESIDUAL_VARIANCE`.
+    """
+    coefficients = torch.linalg.pinv(regressors) @ targets
+    residuals = targets - regressors @ coefficients
+    covariance = residuals.mT @ residuals / len(targets)
+    eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
+    eigenvalues = eigenvalues.clamp_min(MIN_INIT_RESIDUAL_VARIANCE)
+    cholesky = torch.linalg.cholesky((eigenvectors * eigenvalues) @ eigenvectors.mT)
+    eye = torch.eye(targets.shape[1], dtype=targets.dtype, device=targets.device)
+    return coefficients, torch.linalg.solve_triangular(cholesky, eye, upper=False)
+
+
+def _history_lengths(x: Tensor, mask: Tensor | None, order: int) -> Tensor:
+    r"""The capped history length :math:`h(t)` of every frame.
+
+    Args:
+        x: Sequences ``(B, N, D)``.
+        mask: Optional boolean padding mask ``(B, N)``.
+        order: The cap ``p``.
+
+    Returns:
+        ``(B, N)`` integers: the number of consecutive real frames immediately before frame
+        ``t`` (stopping at the start or at a padded frame), at most ``order``.
+    """
+    batch, length = x.shape[:2]
+    if mask is None:
+        positions = torch.arange(length, device=x.device).clamp(max=order)
+        return positions.expand(batch, length)
+    before = F.pad(mask, (order, 0), value=False).unfold(1, order, 1)[:, :length]
+    # before.flip(-1)[..., k - 1] is frame t - k; a run of real frames ends at the first gap.
+    return before.flip(-1).long().cumprod(dim=-1).sum(dim=-1)
+
+
+def _select(values: Tensor, index: Tensor) -> Tensor:
+    """Pick one sub-model per entry: ``values (..., p + 1, D)``, ``index (...)`` -> ``(..., D)``."""
+    index = index[..., None, None].expand(*index.shape, 1, values.shape[-1])
+    return torch.gather(values, -2, index).squeeze(-2)
+
+
+def _framewise_result(
+    inputs: Tensor, outputs: Tensor, mask: Tensor | None, per_frame: Tensor, logdet: LogDetRequest
+) -> tuple[Tensor, Tensor | None]:
+    """Padded frames take their input back; the log-determinant sums ``per_frame (B, N)`` over
+    the real frames (``None`` when ``logdet`` is ``False``)."""
+    if mask is not None:
+        outputs = torch.where(mask.unsqueeze(-1), outputs, inputs)
+        per_frame = torch.where(mask, per_frame, 0.0)
+    return outputs, None if logdet is False else per_frame.sum(dim=1)
 
 
 def _history_windows(x: Tensor, mask: Tensor | None, order: int) -> Tensor:
