@@ -148,16 +148,18 @@ def tokenwise_result(
     logdet_per_token: Tensor,
     logdet: LogDetRequest = True,
 ) -> tuple[Tensor, Tensor | None]:
-    """Outputs and log-determinant of a map with the same Jacobian determinant at every token.
+    """Outputs and log-determinant of a map whose Jacobian is block triangular over tokens.
 
-    Padded tokens take their input back; the log-determinant is the number of real tokens
-    times ``logdet_per_token`` (``None`` when ``logdet`` is ``False``).
+    Padded tokens take their input back; the log-determinant is the sum of the diagonal blocks'
+    log-determinants over the real tokens (``None`` when ``logdet`` is ``False``): the number
+    of real tokens times ``logdet_per_token`` when every token has the same block.
 
     Args:
         inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)`` (one token each).
         outputs: The map applied to every token, shape of ``inputs``.
         mask: Optional boolean padding mask ``(B, N)``.
-        logdet_per_token: 0-dim log-determinant of the map on one token.
+        logdet_per_token: Log-determinant of the block of one token: 0-dim (the same for
+            every token) or ``(B, N)`` (token by token; ``(B, 1)`` for vectors).
         logdet: The transform call's ``logdet`` argument.
 
     Returns:
@@ -168,6 +170,10 @@ def tokenwise_result(
         outputs = torch.where(mask.unsqueeze(-1), outputs, inputs)
     if logdet is False:
         return outputs, None
+    if logdet_per_token.dim() > 0:
+        if mask is not None:
+            logdet_per_token = torch.where(mask, logdet_per_token, 0.0)
+        return outputs, logdet_per_token.sum(dim=1)
     if mask is None:
         tokens = inputs.shape[1] if inputs.dim() == 3 else 1
         return outputs, logdet_per_token.expand(batch) * tokens

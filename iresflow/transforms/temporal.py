@@ -137,7 +137,7 @@ class AutoregressiveLinear(DataInitializedTransform):
         whitened = torch.einsum("bnjd,jod->bnjo", residuals, self.whitening_matrix())
         lengths = _history_lengths(x, mask, self.order)
         outputs = _select(whitened, lengths).reshape(inputs.shape)
-        return _framewise_result(inputs, outputs, mask, self.log_diag.sum(-1)[lengths], logdet)
+        return tokenwise_result(inputs, outputs, mask, self.log_diag.sum(-1)[lengths], logdet)
 
     def _inverse(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
@@ -166,7 +166,7 @@ class AutoregressiveLinear(DataInitializedTransform):
                 frame = torch.where(mask[:, t, None], frame, 0.0)
             history = torch.cat([history[..., 1:], frame.unsqueeze(-1)], dim=-1)
         outputs = torch.stack(frames, dim=1).reshape(inputs.shape)
-        return _framewise_result(inputs, outputs, mask, -self.log_diag.sum(-1)[lengths], logdet)
+        return tokenwise_result(inputs, outputs, mask, -self.log_diag.sum(-1)[lengths], logdet)
 
     def _initialize(self, inputs: Tensor, mask: Tensor | None) -> None:
         p, d = self.order, self.features
@@ -260,17 +260,6 @@ def _select(values: Tensor, index: Tensor) -> Tensor:
     """Pick one sub-model per entry: ``values (..., p + 1, D)``, ``index (...)`` -> ``(..., D)``."""
     index = index[..., None, None].expand(*index.shape, 1, values.shape[-1])
     return torch.gather(values, -2, index).squeeze(-2)
-
-
-def _framewise_result(
-    inputs: Tensor, outputs: Tensor, mask: Tensor | None, per_frame: Tensor, logdet: LogDetRequest
-) -> tuple[Tensor, Tensor | None]:
-    """Padded frames take their input back; the log-determinant sums ``per_frame (B, N)`` over
-    the real frames (``None`` when ``logdet`` is ``False``)."""
-    if mask is not None:
-        outputs = torch.where(mask.unsqueeze(-1), outputs, inputs)
-        per_frame = torch.where(mask, per_frame, 0.0)
-    return outputs, None if logdet is False else per_frame.sum(dim=1)
 
 
 def _history_windows(x: Tensor, mask: Tensor | None, order: int) -> Tensor:
