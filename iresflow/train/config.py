@@ -95,9 +95,9 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     # optimisation
     optimizer: str = setting("adam", "optimiser", ("adam", "adamw"))
-    lr: float = setting(6e-3, "learning rate")
+    lr: float = setting(5e-3, "learning rate")
     weight_decay: float = setting(0.0, "weight decay")
-    batch_size: int = setting(8, "sequences per minibatch")
+    batch_size: int = setting(32, "sequences per minibatch")
     epochs: int = setting(60, "maximum number of epochs")
     scheduler: str = setting(
         "cosine", "learning-rate schedule (plateau: halve on a stalled val NLL)",
