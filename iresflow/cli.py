@@ -29,7 +29,7 @@ from iresflow.train.epoch import TrainingDivergedError
 from iresflow.train.evaluate import evaluate_run, load_run, sample_run, write_plots
 from iresflow.train.loop import train
 from iresflow.train.paths import RunPaths, check_run_folder
-from iresflow.train.plots import plot_traces
+from iresflow.train.plots import PlotLabels, plot_traces
 
 __all__ = ["CLIError", "build_parser", "main", "parse_train_config"]
 
@@ -309,7 +309,7 @@ def _sample(args: argparse.Namespace) -> int:
     test = run.dataset.test
     figure = plot_traces(
         run.dataset.to_raw(test.x, test.mask), test.mask, samples.x, samples.mask,
-        out.with_suffix(".png"),
+        out.with_suffix(".png"), labels=PlotLabels.for_dataset(run.dataset.name),
     )
     diagnostics = samples.diagnostics
     print(

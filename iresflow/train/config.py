@@ -208,7 +208,7 @@ class TrainConfig:
         one definition.
 
         Example:
-            >>> [f.name for f, _ in TrainConfig.settings()][3:6]
+            >>> [f.name for f, _ in TrainConfig.settings()][4:7]
             ['max_eval', 'max_len', 'n_blocks']
         """
         model_hints = typing.get_type_hints(ModelConfig)
