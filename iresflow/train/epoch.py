@@ -11,6 +11,11 @@ estimator by default, with the Neumann-series gradient). After each epoch the va
 computed in the dataset's unit with the evaluation log-determinant, the invertibility of the model
 is checked on a few validation sequences, and the learning-rate schedule advances.
 
+Learning rate: a linear warm-up over the optimiser steps of the first ``warmup`` epochs
+(:class:`torch.optim.lr_scheduler.LinearLR`, from ``lr / (W + 1)`` to ``lr``), then the epoch
+schedule (cosine annealing over the remaining epochs, halving on a plateau, or constant). Early
+stopping counts an epoch without improvement only when :meth:`TrainingSession.patience_counts`.
+
 Numerical health: a step whose loss or gradient norm is not finite never reaches the optimiser;
 a non-finite validation NLL or an inverse that stops converging is detected after the epoch.
 With ``on_nan = "stop"`` (default) training ends with :class:`TrainingDivergedError`; with
@@ -18,10 +23,11 @@ With ``on_nan = "stop"`` (default) training ends with :class:`TrainingDivergedEr
 counts them). An epoch becomes ``best`` only with a finite validation NLL, a converging inverse
 and finite weights.
 
-Exact resume: :meth:`TrainingSession.state` holds the model, the optimiser, the schedule, the
-moving average of the weights, every random state (torch's global CPU and CUDA generators, the
-shuffling generator, the log-determinant's generator) and the metric history, so a session
-restored from it continues with the same losses as an uninterrupted one with the same seed.
+Exact resume: :meth:`TrainingSession.state` holds the model, the optimiser, the schedule and its
+warm-up, the moving average of the weights, every random state (torch's global CPU and CUDA
+generators, the shuffling generator, the log-determinant's generator) and the metric history, so
+a session restored from it continues with the same losses as an uninterrupted one with the same
+seed.
 """
 
 from __future__ import annotations
