@@ -28,7 +28,7 @@ from iresflow.train.config import USER_FILE_SUFFIXES, ConfigError, TrainConfig
 from iresflow.train.epoch import TrainingDivergedError
 from iresflow.train.evaluate import evaluate_run, load_run, sample_run, write_plots
 from iresflow.train.loop import train
-from iresflow.train.paths import RunPaths, check_run_folder
+from iresflow.train.paths import RunPaths
 from iresflow.train.plots import PlotLabels, plot_traces
 
 __all__ = ["CLIError", "build_parser", "main", "parse_train_config"]
@@ -266,7 +266,6 @@ def _train(args: argparse.Namespace) -> int:
     if out is None:
         name = Path(config.data).name.split(".")[0]
         out = Path("runs") / f"{name}-seed{config.seed}"
-    check_run_folder(RunPaths(out), resume=args.resume, overwrite=args.overwrite)
     result = train(
         config, out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet
     )
