@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import types
 import typing
@@ -23,17 +24,14 @@ import torch
 
 from iresflow.inverse.fixed_point import InversionError
 from iresflow.train.checkpoint import CheckpointError
-from iresflow.train.config import ConfigError, TrainConfig
+from iresflow.train.config import USER_FILE_SUFFIXES, ConfigError, TrainConfig
 from iresflow.train.epoch import TrainingDivergedError
 from iresflow.train.evaluate import evaluate_run, load_run, sample_run, write_plots
 from iresflow.train.loop import train
 from iresflow.train.paths import RunPaths
-from iresflow.train.plots import plot_traces
+from iresflow.train.plots import PlotLabels, plot_traces
 
 __all__ = ["CLIError", "build_parser", "main", "parse_train_config"]
-
-_USER_FILE_SUFFIXES = (".npz", ".ts", ".ts.gz")
-
 
 class CLIError(Exception):
     """A mistake in the command line, reported as one line without a traceback."""
@@ -47,7 +45,7 @@ class _Parser(argparse.ArgumentParser):
     """An argument parser that reports mistakes through :class:`CLIError`."""
 
     def error(self, message: str) -> NoReturn:
-        raise _UsageError(f"{self.prog}: {message}")
+        raise _UsageError(f"{message} (see '{self.prog} --help')")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -55,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Args:
         argv: Arguments without the program name (default: ``sys.argv[1:]``).
+
+    Without a command it prints the help to stderr and returns 2 (a command is required).
 
     Returns:
         The exit status: 0 on success, 1 for an error, 2 for a malformed command line, 130
@@ -65,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         1
     """
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        parser.print_help(sys.stderr)
+        return 2
     try:
         args = parser.parse_args(argv)
         return args.handler(args)
@@ -122,8 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_arguments(evaluate_parser)
     evaluate_parser.add_argument("--split", choices=("test", "val", "train"), default="test")
     evaluate_parser.add_argument(
-        "--method", choices=("exact", "roulette"), default="exact",
-        help="log-determinant: exact, or unbiased Russian-roulette estimates (default: exact)",
+        "--method", choices=("exact", "roulette", "auto"), default="exact",
+        help="log-determinant: exact, unbiased Russian-roulette estimates, or auto (exact when "
+        "affordable, else enough roulette estimates for a standard error below 0.01; what "
+        "train reports at its end) (default: exact)",
     )
     evaluate_parser.add_argument(
         "--n-samples", type=_positive_int, default=4,
@@ -255,9 +261,10 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
         base = TrainConfig.from_toml(RunPaths(args.out).config)
     else:
         base = TrainConfig.from_toml(args.config) if args.config is not None else TrainConfig()
-        data = overrides.get("data", base.data)
-        if data.lower().endswith(_USER_FILE_SUFFIXES):  # a run must find its file from anywhere
-            overrides["data"] = str(Path(data).expanduser().resolve())
+        for name in ("data", "test_data"):  # a run must find its files from anywhere
+            value = overrides.get(name, getattr(base, name))
+            if value is not None and value.lower().endswith(USER_FILE_SUFFIXES):
+                overrides[name] = str(Path(value).expanduser().resolve())
     return base.replace(**overrides)
 
 
@@ -276,8 +283,7 @@ def _train(args: argparse.Namespace) -> int:
     )
     run = load_run(out)
     evaluation = evaluate_run(
-        run, split="test", method=config.eval_method, n_samples=config.eval_n_samples,
-        seed=config.seed,
+        run, split="test", method="auto", n_samples=config.eval_n_samples, seed=config.seed
     )
     print(_describe_evaluation(evaluation))
     for path in write_plots(run, seed=config.seed):
@@ -297,13 +303,12 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
+    out = args.out if args.out is not None else args.run / "samples.npz"
+    _check_output_file(out)  # before the model loads
     run = load_run(args.run, checkpoint=args.checkpoint, device=args.device)
     if args.length is not None and args.length > run.model.max_len:
         raise CLIError(f"--length must be <= {run.model.max_len} for this model, got {args.length}")
     samples = sample_run(run, args.num, length=args.length, seed=args.seed)
-    out = args.out if args.out is not None else run.paths.root / "samples.npz"
-    if out.suffix != ".npz":
-        raise CLIError(f"--out must end in .npz, got {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
     np.savez(
         out, x=samples.x.numpy(), mask=samples.mask.numpy(), lengths=samples.lengths.numpy()
@@ -311,20 +316,36 @@ def _sample(args: argparse.Namespace) -> int:
     test = run.dataset.test
     figure = plot_traces(
         run.dataset.to_raw(test.x, test.mask), test.mask, samples.x, samples.mask,
-        out.with_suffix(".png"),
+        out.with_suffix(".png"), labels=PlotLabels.for_dataset(run.dataset.name),
     )
     diagnostics = samples.diagnostics
     print(
         f"sampled {args.num} sequences of lengths {int(samples.lengths.min())}.."
         f"{int(samples.lengths.max())} ({run.checkpoint} checkpoint, epoch {run.epoch})"
     )
+    verdict = "converged" if diagnostics["converged"] else "NOT converged: residual above tolerance"
     print(
-        f"inverse: at most {diagnostics['max_iterations']} iterations per block, max residual "
-        f"{diagnostics['max_residual']:.2e}, "
-        f"{'converged' if diagnostics['converged'] else 'NOT converged'}"
+        f"inverse: at most {diagnostics['max_iterations']} iterations per block; worst residual "
+        f"{diagnostics['residual']:.2e} against its tolerance {diagnostics['tolerance']:.2e}: "
+        f"{verdict}"
     )
     print(f"wrote {out} and {figure}")
     return 0
+
+
+def _check_output_file(out: Path) -> None:
+    """Refuse an ``--out`` file that cannot be written: wrong suffix, a folder, no write access."""
+    if out.suffix != ".npz":
+        raise CLIError(f"--out must end in .npz, got {out}")
+    if out.is_dir():
+        raise CLIError(f"--out {out} is a folder, not a file")
+    existing = next(parent for parent in out.parents if parent.exists())
+    if not existing.is_dir():
+        raise CLIError(f"cannot write --out {out}: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK) or (
+        out.exists() and not os.access(out, os.W_OK)
+    ):
+        raise CLIError(f"cannot write --out {out}: permission denied")
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -363,8 +384,8 @@ def _describe_evaluation(result: dict[str, Any]) -> str:
     text = f"{result['split']} NLL: {result['nll']:.4f}"
     if "stderr" in result:
         text += f" ± {result['stderr']:.4f} (standard error)"
-    details = f"{result['method']}"
-    if "n_samples" in result:
+    details = result.get("choice", result["method"])
+    if "n_samples" in result and "choice" not in result:
         details += f", {result['n_samples']} estimates per sequence"
     return (
         f"{text} {result['unit']} ({details}; {result['sequences']} sequences, "

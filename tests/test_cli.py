@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ from iresflow.cli import main
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint
 from iresflow.train.config import TrainConfig
-from iresflow.train.evaluate import load_run
+from iresflow.train.evaluate import Samples, load_run, sample_run
 
 TINY = [
     "--n-blocks", "1", "--hidden", "8", "--max-train", "12", "--max-eval", "6",
@@ -225,3 +226,130 @@ def test_edited_checkpoints_are_renormalised_or_refused(
     assert f"refusing {best}: {mlp} holds NaN or Inf values" in _error_line(capsys)
     with pytest.raises(CheckpointError, match="holds NaN"):
         load_run(copy)
+
+
+def _write_uea(path: Path, cases: list[np.ndarray]) -> None:
+    """A UEA/sktime ``.ts`` file: header, ``@data``, one case per line, dimensions split by ':'."""
+    lines = ["@problemName toy", f"@dimensions {cases[0].shape[1]}", "@classLabel true a b",
+             "@data"]
+    for i, case in enumerate(cases):
+        dims = [",".join(repr(float(v)) for v in case[:, d]) for d in range(case.shape[1])]
+        lines.append(":".join(dims) + (":a" if i % 2 else ":b"))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+@pytest.mark.filterwarnings("ignore:.*fewer than 30")
+def test_train_on_a_uea_train_test_pair(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    generator = np.random.default_rng(0)
+    train_cases = [generator.standard_normal((int(n), 2)) for n in generator.integers(4, 8, 36)]
+    test_cases = [generator.standard_normal((int(n), 2)) for n in generator.integers(4, 10, 7)]
+    _write_uea(tmp_path / "Toy_TRAIN.ts", train_cases)
+    _write_uea(tmp_path / "Toy_TEST.ts", test_cases)
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(tmp_path / "Toy_TRAIN.ts"), "--test-data",
+            str(tmp_path / "Toy_TEST.ts"), "--out", str(out), "--epochs", "1",
+            "--max-train", "none", "--max-eval", "none"] + TINY[:4] + ["--quiet"]
+    with pytest.warns(UserWarning, match="only 7 sequences"):
+        assert main(argv) == 0
+    config = TrainConfig.from_toml(out / "config.toml")
+    assert config.test_data == str((tmp_path / "Toy_TEST.ts").resolve())
+    evaluation = json.loads((out / "evaluation.json").read_text())["test"]["exact"]
+    assert evaluation["sequences"] == 7
+    run = load_run(out)
+    assert (len(run.dataset.train) + len(run.dataset.val), len(run.dataset.test)) == (36, 7)
+    assert run.dataset.max_len == max(len(c) for c in train_cases + test_cases)
+    assert "test NLL" in capsys.readouterr().out
+    # a test file needs a data file
+    assert main(["train", "--test-data", str(tmp_path / "Toy_TEST.ts"), "--out",
+                 str(tmp_path / "r2")]) == 1
+    assert "test_data needs data and test_data to be .npz or .ts files" in _error_line(capsys)
+
+
+def test_bare_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert "usage: iresflow" in captured.err and "commands:" in captured.err
+    assert "train" in captured.err and "Traceback" not in captured.err
+
+
+def test_usage_errors_name_the_command_once(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["evaluate"]) == 2
+    line = _error_line(capsys)
+    assert line == ("iresflow: error: the following arguments are required: RUN "
+                    "(see 'iresflow evaluate --help')")
+
+
+def test_bad_out_is_refused_before_loading(
+    run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("loaded although --out is unusable")
+
+    monkeypatch.setattr("iresflow.train.loop.load_data", never)
+    monkeypatch.setattr("iresflow.cli.load_run", never)
+    file = tmp_path / "file.txt"
+    file.write_text("not a folder")
+    assert main(["train", "--out", str(file)] + TINY) == 1
+    assert f"run folder {file} is a file, not a folder" in _error_line(capsys)
+    assert main(["train", "--out", str(file / "run")] + TINY) == 1
+    assert f"{file} is a file" in _error_line(capsys)
+    assert main(["train", "--out", str(run)] + TINY) == 1  # not empty: before loading too
+    assert "continue it with resume (--resume) or start again with overwrite (--overwrite)" in (
+        _error_line(capsys)
+    )
+    for out, message in [(file / "s.npz", f"{file} is a file"), (tmp_path / "s.csv", ".npz"),
+                         (tmp_path, "must end in .npz")]:
+        assert main(["sample", str(run), "--out", str(out)]) == 1
+        assert message in _error_line(capsys)
+    (tmp_path / "folder.npz").mkdir()
+    assert main(["sample", str(run), "--out", str(tmp_path / "folder.npz")]) == 1
+    assert "is a folder, not a file" in _error_line(capsys)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
+                    reason="permissions do not bind the superuser")
+def test_unwritable_out_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        assert main(["train", "--out", str(locked / "run")] + TINY) == 1
+        assert "is not writable" in _error_line(capsys)
+    finally:
+        locked.chmod(0o700)
+
+
+def test_sample_reports_residual_against_tolerance(
+    run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "samples.npz"
+    assert main(["sample", str(run), "--num", "2", "--out", str(out)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("inverse:"))
+    loaded = load_run(run)
+    samples = sample_run(loaded, 2)
+    residual, tolerance = samples.diagnostics["residual"], samples.diagnostics["tolerance"]
+    assert 0 <= residual < tolerance and samples.diagnostics["converged"]
+    assert f"worst residual {residual:.2e} against its tolerance {tolerance:.2e}: converged" in (
+        line
+    )
+    # the reported pair is the solve with the largest residual relative to its tolerance
+    ratios = [
+        (step.last_inverse_stats.residual / step.last_inverse_stats.tolerance).max()
+        for step in loaded.model.modules() if getattr(step, "last_inverse_stats", None)
+    ]
+    assert residual / tolerance == pytest.approx(float(max(ratios)))
+
+    def unconverged(*args: object, **kwargs: object) -> Samples:
+        diagnostics = {**samples.diagnostics, "converged": False, "residual": 2e-5,
+                       "tolerance": 1e-6}
+        return dataclasses.replace(samples, diagnostics=diagnostics)
+
+    monkeypatch.setattr("iresflow.cli.sample_run", unconverged)
+    assert main(["sample", str(run), "--num", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "residual 2.00e-05 against its tolerance 1.00e-06: NOT converged" in printed
+    assert ": converged" not in printed

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from iresflow.train.plots import plot_learning_curves, plot_marginals, plot_traces
+from iresflow.train.plots import PlotLabels, plot_learning_curves, plot_marginals, plot_traces
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -33,3 +33,24 @@ def test_plots_write_png_files(tmp_path: Path) -> None:
         plot_marginals(real, None, real, mask, tmp_path / "x.png")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="at least one epoch"):
         plot_learning_curves([], tmp_path / "x.png")
+
+
+def test_plot_labels_and_options(tmp_path: Path) -> None:
+    assert PlotLabels.for_dataset("japanese_vowels").feature.format(index=3) == (
+        "LPC cepstrum coefficient 3"
+    )
+    assert PlotLabels.for_dataset("co2_windows").value == "CO2 change (ppm/week)"
+    assert PlotLabels.for_dataset("motion_TRAIN.ts") == PlotLabels(data="motion_TRAIN.ts")
+    rows = [{"epoch": e, "train_nll": 1.0 / e, "val_nll": 1.0 + e, "lr": 1e-3} for e in (1, 2)]
+    assert plot_learning_curves(rows, tmp_path / "c.png", best_epoch=1).is_file()
+    with pytest.raises(ValueError, match="best_epoch 3 is not an epoch"):
+        plot_learning_curves(rows, tmp_path / "c.png", best_epoch=3)
+    # gaps inside sequences (missing frames) and any number of samples
+    x = torch.randn(2, 6, 1)
+    mask = torch.tensor([[True, False, True, True, True, False], [True] * 6])
+    x = torch.where(mask.unsqueeze(-1), x, 0.0)
+    labels = PlotLabels(time="day", value="temperature (°C)", feature="station", data="toy")
+    path = plot_traces(x, mask, x, mask, tmp_path / "t.png", labels=labels, max_sequences=1)
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    with pytest.raises(ValueError, match="max_sequences must be >= 1"):
+        plot_traces(x, mask, x, mask, tmp_path / "t.png", max_sequences=0)

@@ -12,6 +12,7 @@ A training checkpoint (:meth:`iresflow.train.epoch.TrainingSession.state`, writt
 :class:`~iresflow.models.config.ModelConfig` completed from the data, as a dict), ``model``,
 ``ema`` (the ``state_dict`` of the :class:`torch.optim.swa_utils.AveragedModel` of the weights,
 or ``None``; format 1 stored the averages by parameter name), ``optimizer``, ``scheduler``,
+``warmup`` (the state of the learning-rate warm-up, or ``None``; absent before warm-up existed),
 ``rng`` (every random state as a tensor: torch's global CPU generator, the CUDA generator of the
 training device, the minibatch-order and the log-determinant generators; iresflow draws no
 numbers from Python's ``random`` or NumPy), ``epoch``, ``best_epoch``, ``best_metric``,

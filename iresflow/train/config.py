@@ -11,9 +11,10 @@ The ``iresflow train`` command builds the configuration from an optional TOML fi
 applies its command-line flags, which take precedence. The configuration is written back into the
 run folder as ``config.toml`` and stored inside every checkpoint.
 
-Options that mean "off" or "automatic" use ``0`` (``ema``, ``clip``, ``patience``) or are simply
-omitted from the file (``heads``, ``max_len``, ``max_train``, ``max_eval``), so every setting has a
-TOML spelling and ``TrainConfig.from_toml`` inverts :meth:`TrainConfig.to_toml` exactly.
+Options that mean "off" or "automatic" use ``0`` (``ema``, ``clip``, ``warmup``, ``patience``) or
+are simply omitted from the file (``test_data``, ``heads``, ``max_len``, ``max_train``,
+``max_eval``), so every setting has a TOML spelling and ``TrainConfig.from_toml`` inverts
+:meth:`TrainConfig.to_toml` exactly.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "DEVICE_PATTERN",
     "MODEL_SETTINGS",
     "RESUMABLE_FIELDS",
+    "USER_FILE_SUFFIXES",
     "ConfigError",
     "TrainConfig",
     "read_toml",
@@ -48,6 +50,9 @@ RESUMABLE_FIELDS = frozenset(
 #: The model settings of a run: every :class:`~iresflow.models.config.ModelConfig` field but
 #: ``features``, which comes from the data.
 MODEL_SETTINGS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "features")
+
+#: Endings of ``data`` (and ``test_data``) that name a user file rather than a dataset.
+USER_FILE_SUFFIXES = (".npz", ".ts", ".ts.gz")
 
 #: Accepted spellings of the ``device`` setting.
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -85,6 +90,11 @@ class TrainConfig:
     val_fraction: float = setting(
         0.1, "fraction of the training sequences held out for validation"
     )
+    test_data: str | None = setting(
+        None,
+        "test file of data given as a file, in its format (e.g. the _TEST.ts of a UEA _TRAIN.ts)",
+        unset="10% of the data file",
+    )
     max_train: int | None = setting(
         None, "use at most this many training sequences (smoke tests)", unset="all"
     )
@@ -103,8 +113,14 @@ class TrainConfig:
         "cosine", "learning-rate schedule (plateau: halve on a stalled val NLL)",
         ("plateau", "cosine", "none"),
     )
+    warmup: int = setting(
+        2,
+        "epochs of linear learning-rate warm-up from 0 to lr, step by step (0: off)",
+    )
     patience: int = setting(
-        10, "stop after this many epochs without a better val NLL (0: never)"
+        10,
+        "stop after this many counted epochs without a better val NLL (0: never); epochs are "
+        "counted after the warm-up, and with the cosine schedule once lr has annealed to half",
     )
     ema: float = setting(0.0, "decay of an exponential moving average of the weights (0: off)")
     clip: float = setting(10.0, "clip the gradient norm to this value (0: off)")
@@ -121,10 +137,12 @@ class TrainConfig:
     device: str = setting("auto", "cpu, cuda, cuda:N or auto")
     # evaluation
     eval_method: str = setting(
-        "roulette", "log-determinant for validation and test", ("exact", "roulette")
+        "roulette", "log-determinant of the validation NLL", ("exact", "roulette")
     )
     eval_n_samples: int = setting(
-        4, "roulette estimates per sequence when eval_method is roulette (>= 2: standard error)"
+        4,
+        "roulette estimates per sequence for the validation NLL when eval_method is roulette, "
+        "and of the pilot of the final test NLL (>= 2: standard error)",
     )
     tensorboard: bool = setting(False, "also write TensorBoard event files")
 
@@ -159,12 +177,21 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.warmup < 0:
+            raise ConfigError(f"warmup must be >= 0 epochs (0: off), got {self.warmup}")
         if self.patience < 0:
             raise ConfigError(f"patience must be >= 0 (0: never stop early), got {self.patience}")
         if not DEVICE_PATTERN.match(self.device):
             raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
         if not self.data:
             raise ConfigError("data must name a dataset or a file")
+        if self.test_data is not None:
+            for name in ("data", "test_data"):
+                if not getattr(self, name).lower().endswith(USER_FILE_SUFFIXES):
+                    raise ConfigError(
+                        f"test_data needs data and test_data to be .npz or .ts files, got "
+                        f"{name} = {getattr(self, name)!r}"
+                    )
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names that are not attributes: the model settings read like the others.
@@ -181,7 +208,7 @@ class TrainConfig:
         one definition.
 
         Example:
-            >>> [f.name for f, _ in TrainConfig.settings()][3:6]
+            >>> [f.name for f, _ in TrainConfig.settings()][4:7]
             ['max_eval', 'max_len', 'ar_order']
         """
         model_hints = typing.get_type_hints(ModelConfig)

@@ -11,6 +11,11 @@ estimator by default, with the Neumann-series gradient). After each epoch the va
 computed in the dataset's unit with the evaluation log-determinant, the invertibility of the model
 is checked on a few validation sequences, and the learning-rate schedule advances.
 
+Learning rate: a linear warm-up over the optimiser steps of the first ``warmup`` epochs
+(:class:`torch.optim.lr_scheduler.LinearLR`, from ``lr / (W + 1)`` to ``lr``), then the epoch
+schedule (cosine annealing over the remaining epochs, halving on a plateau, or constant). Early
+stopping counts an epoch without improvement only when :meth:`TrainingSession.patience_counts`.
+
 Numerical health: a step whose loss or gradient norm is not finite never reaches the optimiser;
 a non-finite validation NLL or an inverse that stops converging is detected after the epoch.
 With ``on_nan = "stop"`` (default) training ends with :class:`TrainingDivergedError`; with
@@ -18,10 +23,11 @@ With ``on_nan = "stop"`` (default) training ends with :class:`TrainingDivergedEr
 counts them). An epoch becomes ``best`` only with a finite validation NLL, a converging inverse
 and finite weights.
 
-Exact resume: :meth:`TrainingSession.state` holds the model, the optimiser, the schedule, the
-moving average of the weights, every random state (torch's global CPU and CUDA generators, the
-shuffling generator, the log-determinant's generator) and the metric history, so a session
-restored from it continues with the same losses as an uninterrupted one with the same seed.
+Exact resume: :meth:`TrainingSession.state` holds the model, the optimiser, the schedule and its
+warm-up, the moving average of the weights, every random state (torch's global CPU and CUDA
+generators, the shuffling generator, the log-determinant's generator) and the metric history, so
+a session restored from it continues with the same losses as an uninterrupted one with the same
+seed.
 """
 
 from __future__ import annotations
@@ -55,6 +61,9 @@ PLATEAU_PATIENCE = 2
 COSINE_FLOOR = 0.01
 #: Leading training sequences the data-dependent layers are initialised from.
 INIT_SEQUENCES = 512
+#: With ``scheduler = "cosine"``, epochs count towards ``patience`` only once the learning rate
+#: is at most this fraction of ``lr`` (the second half of the schedule).
+PATIENCE_LR_FRACTION = 0.5
 
 
 class TrainingDivergedError(RuntimeError):
@@ -101,6 +110,14 @@ class TrainingSession:
         self.optimizer = optimizer_type(
             self.parameters, lr=config.lr, weight_decay=config.weight_decay
         )
+        # Warm-up first: it scales the starting lr, which the epoch schedule then multiplies.
+        self.warmup_steps = config.warmup * math.ceil(len(dataset.train) / config.batch_size)
+        self.warmup: torch.optim.lr_scheduler.LinearLR | None = None
+        if self.warmup_steps > 0:
+            self.warmup = torch.optim.lr_scheduler.LinearLR(
+                self.optimizer, start_factor=1.0 / (self.warmup_steps + 1),
+                total_iters=self.warmup_steps,
+            )
         self.scheduler: Any = None
         if config.scheduler == "plateau":
             self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
@@ -108,7 +125,7 @@ class TrainingSession:
             )
         elif config.scheduler == "cosine":
             self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
-                self.optimizer, T_max=config.epochs, eta_min=config.lr * COSINE_FLOOR
+                self.optimizer, T_max=self.cosine_epochs, eta_min=config.lr * COSINE_FLOOR
             )
         self.average = moving_average(model, config.ema) if config.ema > 0 else None
         self.shuffle = torch.Generator().manual_seed(config.seed)
@@ -121,6 +138,11 @@ class TrainingSession:
         self.best_metric = math.inf
         self.bad_epochs = 0
         self.history: list[dict[str, float]] = []
+
+    @property
+    def cosine_epochs(self) -> int:
+        """Epochs of the cosine annealing: those after the warm-up (at least one)."""
+        return max(1, self.config.epochs - self.config.warmup)
 
     # -- checkpoint state -------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -144,6 +166,7 @@ class TrainingSession:
             "ema": self.average.state_dict() if self.average is not None else None,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "warmup": self.warmup.state_dict() if self.warmup is not None else None,
             "rng": rng,
             "epoch": self.epoch,
             "best_epoch": self.best_epoch,
@@ -161,7 +184,12 @@ class TrainingSession:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
             if isinstance(self.scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):
-                self.scheduler.T_max = self.config.epochs  # a longer run keeps annealing
+                self.scheduler.T_max = self.cosine_epochs  # a longer run keeps annealing
+        if self.warmup is not None:
+            if state.get("warmup") is not None:
+                self.warmup.load_state_dict(state["warmup"])
+            else:  # a checkpoint of a run without warm-up: never warm up mid-run
+                self.warmup.last_epoch = self.warmup_steps
         if self.average is not None:
             load_average(self.average, state["ema"])
         rng = state["rng"] if self.world.size == 1 else state["rng_ranks"][self.world.rank]
@@ -220,6 +248,8 @@ class TrainingSession:
                 continue
             grad_norms.append(norm)
             self.optimizer.step()
+            if self.warmup is not None and self.warmup.last_epoch < self.warmup_steps:
+                self.warmup.step()
             if self.average is not None:
                 self.average.update_parameters(self.model)
             if weight > 0:
@@ -292,18 +322,34 @@ class TrainingSession:
         """Early-stopping bookkeeping and the learning-rate schedule.
 
         An epoch becomes ``best`` only with a finite validation NLL, a converging inverse and
-        finite weights, so a ``best`` checkpoint never holds a broken model.
+        finite weights, so a ``best`` checkpoint never holds a broken model. An epoch without
+        improvement counts towards ``patience`` only when :meth:`patience_counts`.
         """
         metric = row["val_nll"]
         candidate = math.isfinite(metric) and math.isfinite(row["reconstruction_error"])
         if candidate and metric < self.best_metric and self.healthy():
             self.best_metric, self.best_epoch, self.bad_epochs = metric, self.epoch, 0
-        else:
+        elif self.patience_counts():
             self.bad_epochs += 1
+        if self.epoch <= self.config.warmup:
+            return  # the plateau rule and the cosine start once the warm-up is over
         if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             self.scheduler.step(metric if math.isfinite(metric) else math.inf)
         elif self.scheduler is not None:
             self.scheduler.step()
+
+    def patience_counts(self) -> bool:
+        """Whether an epoch without a better validation NLL now counts towards ``patience``.
+
+        Not during the warm-up, and with the cosine schedule not before the learning rate has
+        annealed to half of ``lr``: while it is high, the validation NLL of a good run can
+        stall or rise for many epochs before it improves again at a smaller rate.
+        """
+        if self.epoch <= self.config.warmup:
+            return False
+        if self.config.scheduler == "cosine":
+            return self.optimizer.param_groups[0]["lr"] <= PATIENCE_LR_FRACTION * self.config.lr
+        return True
 
 
 class _LogProb(nn.Module):

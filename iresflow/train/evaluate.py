@@ -10,6 +10,7 @@ gets ``n_samples`` independent unbiased estimates and the NLL comes with its sta
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,22 +21,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from iresflow.data.datasets import SequenceDataset
+from iresflow.data.datasets import SequenceDataset, SequenceSplit
 from iresflow.models.config import ModelConfig
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.averaging import copy_parameters, load_average, moving_average
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.factories import load_data, resolve_device
-from iresflow.train.likelihood import split_log_prob
+from iresflow.train.likelihood import log_prob_cost, split_log_prob
 from iresflow.train.paths import RunPaths
-from iresflow.train.plots import plot_learning_curves, plot_marginals, plot_traces
+from iresflow.train.plots import PlotLabels, plot_learning_curves, plot_marginals, plot_traces
 
 __all__ = [
     "LoadedRun",
     "Samples",
     "check_guarantees",
     "evaluate_run",
+    "full_history",
     "load_run",
     "sample_run",
     "write_plots",
@@ -43,6 +45,13 @@ __all__ = [
 
 #: Sequences sampled for the figures of :func:`write_plots`.
 PLOT_SAMPLES = 64
+#: ``evaluate_run(method="auto")`` is exact up to this estimated cost (multiply-adds; about a
+#: minute on one CPU core).
+EXACT_BUDGET = 2e10
+#: Standard error, in the dataset's unit, that ``evaluate_run(method="auto")`` aims for.
+TARGET_STDERR = 0.01
+#: Most roulette estimates per sequence that ``evaluate_run(method="auto")`` draws.
+MAX_ROULETTE_SAMPLES = 256
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,10 @@ class Samples:
         mask: Padding mask ``(num, N)``, ``True`` for real frames.
         lengths: Length of every sample, ``(num,)``, int64.
         diagnostics: The model's ``inverse_diagnostics()`` after the inversion that produced
-            them (iterations and residuals of the fixed-point solves).
+            them (iterations and residuals of the fixed-point solves), with ``"residual"`` and
+            ``"tolerance"`` added: the true residual and the tolerance of the solve (over every
+            residual step and sample) whose residual is largest relative to its tolerance, so
+            ``"converged"`` holds iff ``residual < tolerance`` there.
     """
 
     x: Tensor
@@ -179,35 +191,59 @@ def evaluate_run(
     n_samples: int = 4,
     seed: int = 0,
     save: bool = True,
+    target_stderr: float = TARGET_STDERR,
 ) -> dict[str, Any]:
-    """Negative log-likelihood of a split in the dataset's unit.
+    r"""Negative log-likelihood of a split in the dataset's unit.
+
+    ``method="auto"`` (the end of ``iresflow train``) computes the NLL exactly when that is
+    affordable, i.e. when the estimated cost (:func:`~iresflow.train.likelihood.log_prob_cost`)
+    is at most :data:`EXACT_BUDGET` multiply-adds. Otherwise ``n_samples`` roulette estimates per
+    sequence give a pilot standard error :math:`s`; if it exceeds ``target_stderr``, the NLL is
+    recomputed with :math:`\lceil n_{\rm samples} (s / \text{target})^2 \rceil` estimates (at
+    most :data:`MAX_ROULETTE_SAMPLES`), or exactly if that is estimated to cost less.
 
     Args:
         run: A loaded run.
         split: ``"test"``, ``"val"`` or ``"train"``.
-        method: ``"exact"`` or ``"roulette"``.
-        n_samples: Roulette estimates per sequence (at least 2 for a standard error).
+        method: ``"exact"``, ``"roulette"`` or ``"auto"``.
+        n_samples: Roulette estimates per sequence (at least 2 for a standard error; for
+            ``"auto"``, those of the pilot).
         seed: Seed of the roulette estimates (torch's global generators are restored after).
-        save: Merge the result into ``evaluation.json`` of the run (keyed by split, then
-            method).
+        save: Merge the result into ``evaluation.json`` of the run (keyed by split, then the
+            method used).
+        target_stderr: Standard error, in the dataset's unit, that ``"auto"`` aims for.
 
     Returns:
-        ``{"split", "method", "nll", "unit", "sequences", "checkpoint", "epoch"}`` plus
-        ``"n_samples"`` and ``"stderr"`` for the roulette method.
+        ``{"split", "method", "nll", "unit", "sequences", "checkpoint", "epoch"}`` with the
+        method used, plus ``"n_samples"`` and ``"stderr"`` for the roulette method and
+        ``"choice"`` (why, in words) for ``"auto"``.
 
     Raises:
-        ValueError: unknown split or method, or ``n_samples < 1``.
+        ValueError: unknown split or method, ``n_samples < 1`` or ``target_stderr <= 0``.
     """
     if split not in ("test", "val", "train"):
         raise ValueError(f"split must be test, val or train, got {split!r}")
-    if method not in ("exact", "roulette"):
-        raise ValueError(f"method must be exact or roulette, got {method!r}")
+    if method not in ("exact", "roulette", "auto"):
+        raise ValueError(f"method must be exact, roulette or auto, got {method!r}")
+    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+        raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
+    if not target_stderr > 0:
+        raise ValueError(f"target_stderr must be > 0, got {target_stderr}")
     data = getattr(run.dataset, split)
+    choice = None
     with _seeded(run.model, seed):
-        log_prob, stderr = split_log_prob(
-            run.model, data, method=method, n_samples=n_samples,
-            batch_size=run.config.batch_size,
-        )
+        if method == "auto":
+            method, n_samples, choice, estimate = _choose_method(
+                run, data, n_samples, target_stderr
+            )
+        else:
+            estimate = None
+        if estimate is None:
+            estimate = split_log_prob(
+                run.model, data, method=method, n_samples=n_samples,
+                batch_size=run.config.batch_size,
+            )
+    log_prob, stderr = estimate
     result: dict[str, Any] = {
         "split": split,
         "method": method,
@@ -221,11 +257,49 @@ def evaluate_run(
         result["n_samples"] = n_samples
         if stderr is not None:
             result["stderr"] = run.dataset.nll_stderr(stderr, data)
+    if choice is not None:
+        result["choice"] = choice
     if save:
         results = _read_json(run.paths.evaluation)
         results.setdefault(split, {})[method] = result
         run.paths.evaluation.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return result
+
+
+def _choose_method(
+    run: LoadedRun, data: SequenceSplit, n_samples: int, target: float
+) -> tuple[str, int, str, tuple[Tensor, Tensor | None] | None]:
+    """``method="auto"``: the method, the estimates per sequence, the reason, and the
+    log-densities when the pilot already meets the target (else ``None``: compute them)."""
+    model, features = run.config.model, run.dataset.features
+    exact = log_prob_cost(model, features, data.mask, method="exact")
+    if exact <= EXACT_BUDGET:
+        return "exact", 1, f"exact: estimated cost {exact:.1e} <= {EXACT_BUDGET:.0e}", None
+    pilot_samples = max(2, n_samples)
+    pilot = split_log_prob(
+        run.model, data, method="roulette", n_samples=pilot_samples,
+        batch_size=run.config.batch_size,
+    )
+    assert pilot[1] is not None  # two or more estimates
+    stderr = run.dataset.nll_stderr(pilot[1], data)
+    needed = math.ceil(pilot_samples * (stderr / target) ** 2)
+    if needed <= pilot_samples:
+        return "roulette", pilot_samples, (
+            f"roulette: exact too costly ({exact:.1e} > {EXACT_BUDGET:.0e}); standard error "
+            f"{stderr:.2g} <= {target:g} with {pilot_samples} estimates"
+        ), pilot
+    roulette = log_prob_cost(model, features, data.mask, method="roulette", n_samples=needed)
+    if exact <= roulette:
+        return "exact", 1, (
+            f"exact: cheaper ({exact:.1e}) than the {needed} roulette estimates per sequence "
+            f"({roulette:.1e}) for a standard error of {target:g}"
+        ), None
+    samples = min(needed, MAX_ROULETTE_SAMPLES)
+    capped = "" if samples == needed else f" (capped; {needed} needed)"
+    return "roulette", samples, (
+        f"roulette: exact too costly ({exact:.1e} > {EXACT_BUDGET:.0e}); {samples} estimates "
+        f"per sequence for a standard error of {target:g}{capped}"
+    ), None
 
 
 def sample_run(
@@ -255,17 +329,19 @@ def sample_run(
     else:
         x, mask = run.model.sample(num, seq_len=length, generator=generator)
         lengths = torch.full((num,), length, dtype=torch.int64)
-    diagnostics = run.model.inverse_diagnostics()
+    diagnostics = {**run.model.inverse_diagnostics(), **_worst_solve(run.model)}
     return Samples(run.dataset.to_raw(x, mask).cpu(), mask.cpu(), lengths.cpu(), diagnostics)
 
 
 def write_plots(run: LoadedRun, *, seed: int = 0) -> list[Path]:
     """Write the run's figures into ``plots/``.
 
-    ``learning_curves.png`` (NLL and learning rate per epoch), ``samples.png`` (test sequences
-    and model samples as per-feature traces) and ``marginals.png`` (per-feature histograms of
-    all test frames and of the frames of :data:`PLOT_SAMPLES` sampled sequences), all in the
-    data's original units.
+    ``learning_curves.png`` (NLL and learning rate of every epoch of the run, from the ``last``
+    checkpoint, whichever checkpoint ``run`` holds, with the best epoch marked), ``samples.png``
+    (the :data:`PLOT_SAMPLES` sampled sequences, their lengths drawn from the training lengths,
+    and as many test sequences, as per-feature traces) and ``marginals.png`` (per-feature
+    histograms of all test frames and of the sampled frames), all in the data's original units
+    with the dataset's axis names (:meth:`~iresflow.train.plots.PlotLabels.for_dataset`).
 
     Args:
         run: A loaded run.
@@ -278,14 +354,59 @@ def write_plots(run: LoadedRun, *, seed: int = 0) -> list[Path]:
     samples = sample_run(run, PLOT_SAMPLES, seed=seed)
     real = run.dataset.to_raw(test.x, test.mask)
     folder = run.paths.plots
-    written = [] if not run.history else [
-        plot_learning_curves(run.history, folder / "learning_curves.png", unit=run.dataset.unit)
+    labels = PlotLabels.for_dataset(run.dataset.name)
+    history, best_epoch = full_history(run)
+    written = [] if not history else [
+        plot_learning_curves(
+            history, folder / "learning_curves.png", unit=run.dataset.unit, best_epoch=best_epoch
+        )
     ]
-    written.append(plot_traces(real, test.mask, samples.x, samples.mask, folder / "samples.png"))
-    written.append(
-        plot_marginals(real, test.mask, samples.x, samples.mask, folder / "marginals.png")
-    )
+    written.append(plot_traces(
+        real, test.mask, samples.x, samples.mask, folder / "samples.png", labels=labels
+    ))
+    written.append(plot_marginals(
+        real, test.mask, samples.x, samples.mask, folder / "marginals.png", labels=labels
+    ))
     return written
+
+
+def full_history(run: LoadedRun) -> tuple[list[dict[str, float]], int | None]:
+    """The metrics of every epoch of a run and its best epoch, from its ``last`` checkpoint.
+
+    A ``best`` checkpoint holds the history up to the best epoch only; the ``last`` one shows
+    what came after (e.g. a later degradation).
+
+    Args:
+        run: A loaded run.
+
+    Returns:
+        ``(history, best_epoch)``; ``best_epoch`` is ``None`` when no epoch qualified.
+
+    Raises:
+        CheckpointError: the ``last`` checkpoint is missing or unreadable.
+    """
+    state = load_checkpoint(run.paths.last)
+    history = list(state["history"])
+    best_epoch = int(state["best_epoch"]) or None
+    return history, best_epoch
+
+
+def _worst_solve(model: ResidualFlowTransformer) -> dict[str, float]:
+    """Residual and tolerance of the last inverse's solve closest to failing (largest ratio)."""
+    worst = {"residual": 0.0, "tolerance": math.inf}
+    for module in model.modules():
+        stats = getattr(module, "last_inverse_stats", None)
+        if stats is None:
+            continue
+        ratio = stats.residual.double() / stats.tolerance.double()
+        ratio = torch.where(torch.isnan(ratio), math.inf, ratio)  # a diverged solve is worst
+        index = int(ratio.argmax())
+        if float(ratio[index]) >= worst["residual"] / worst["tolerance"]:
+            worst = {
+                "residual": float(stats.residual[index]),
+                "tolerance": float(stats.tolerance[index]),
+            }
+    return worst
 
 
 @contextmanager

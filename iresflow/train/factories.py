@@ -48,6 +48,9 @@ def resolve_device(name: str) -> torch.device:
 def load_data(config: TrainConfig) -> SequenceDataset:
     """Load the dataset of a configuration, with random subsets of ``max_train``/``max_eval``.
 
+    A ``test_data`` file becomes the test split (:func:`~iresflow.data.datasets.load_dataset`
+    with ``test_path``).
+
     Raises:
         ConfigError: unknown dataset, missing or malformed file (the message of
             :func:`~iresflow.data.datasets.load_dataset`).
@@ -58,7 +61,10 @@ def load_data(config: TrainConfig) -> SequenceDataset:
         (10, 5, 5)
     """
     try:
-        dataset = load_dataset(config.data, seed=config.seed, val_fraction=config.val_fraction)
+        dataset = load_dataset(
+            config.data, seed=config.seed, val_fraction=config.val_fraction,
+            test_path=config.test_data,
+        )
     except (ValueError, OSError, ImportError) as error:
         raise ConfigError(f"cannot load dataset {config.data!r}: {error}") from None
 

@@ -29,7 +29,7 @@ from iresflow.train.distributed import broadcast_object, current_world, spawn
 from iresflow.train.epoch import TrainingSession
 from iresflow.train.factories import build_model, load_data, resolve_device
 from iresflow.train.metrics import epoch_summary, tensorboard_writer, write_metrics
-from iresflow.train.paths import RunPaths, prepare_run_folder
+from iresflow.train.paths import RunPaths, check_run_folder, prepare_run_folder
 
 __all__ = ["TrainResult", "train"]
 
@@ -92,6 +92,8 @@ def train(
     paths = RunPaths(Path(run_dir))
     device = resolve_device(config.device)
     world = current_world()
+    if world.main:  # a folder that cannot be used is refused before the data and model load
+        check_run_folder(paths, resume=resume, overwrite=overwrite)
     if config.nproc > 1 and world.size == 1:  # start the processes; each one calls train
         return spawn(
             train, config.nproc, device.type, config, run_dir, resume=resume,
@@ -171,7 +173,8 @@ def _run_epochs(session: TrainingSession, paths: RunPaths, progress: bool) -> Tr
             writer.close()
     if progress and stopped_early:
         tqdm.write(
-            f"early stop: no better validation NLL for {config.patience} epochs", file=sys.stderr
+            f"early stop: no better validation NLL for {config.patience} counted epochs",
+            file=sys.stderr,
         )
     return TrainResult(
         paths, session.epoch, session.best_epoch, session.best_metric, stopped_early,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 from iresflow.train.checkpoint import load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
 
-__all__ = ["RunPaths", "prepare_run_folder"]
+__all__ = ["RunPaths", "check_run_folder", "prepare_run_folder"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,50 @@ class RunPaths:
         return self.config.is_file() or self.checkpoints.is_dir()
 
 
+def check_run_folder(paths: RunPaths, *, resume: bool, overwrite: bool) -> None:
+    """Refuse a run folder that cannot be used, before anything is loaded or deleted.
+
+    Args:
+        paths: The run folder.
+        resume: Whether the run continues the one in the folder.
+        overwrite: Whether an existing run in the folder is to be replaced.
+
+    Raises:
+        ConfigError: ``resume`` and ``overwrite`` together; the path is a file or lies under
+            one; the folder (or the nearest existing folder above it) is not writable; a
+            non-empty folder without ``resume`` or ``overwrite``; a folder to overwrite that
+            does not hold a run.
+
+    Example:
+        >>> import tempfile
+        >>> file = Path(tempfile.mkdtemp()) / "notes.txt"
+        >>> _ = file.write_text("x")
+        >>> check_run_folder(RunPaths(file), resume=False, overwrite=False)
+        Traceback (most recent call last):
+        ...
+        iresflow._settings.ConfigError: run folder ... is a file, not a folder
+    """
+    if resume and overwrite:
+        raise ConfigError("resume and overwrite exclude each other (--resume, --overwrite)")
+    root = paths.root
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"run folder {root} is a file, not a folder")
+    existing = next(parent for parent in (root, *root.parents) if parent.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"cannot create run folder {root}: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write to run folder {root}: {existing} is not writable")
+    if resume or not (root.exists() and any(root.iterdir())):
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"run folder {root} is not empty; continue it with resume (--resume) or start "
+            "again with overwrite (--overwrite)"
+        )
+    if not paths.is_run():
+        raise ConfigError(f"refusing to overwrite {root}: it does not hold a run")
+
+
 def prepare_run_folder(
     paths: RunPaths, config: TrainConfig, *, resume: bool, overwrite: bool
 ) -> dict[str, Any] | None:
@@ -106,8 +151,7 @@ def prepare_run_folder(
         >>> paths.root.is_dir()
         True
     """
-    if resume and overwrite:
-        raise ConfigError("resume and overwrite exclude each other")
+    check_run_folder(paths, resume=resume, overwrite=overwrite)
     if resume:
         state = load_checkpoint(paths.last)
         saved = TrainConfig.from_dict(state["config"])
@@ -119,13 +163,6 @@ def prepare_run_folder(
             )
         return state
     if paths.root.exists() and any(paths.root.iterdir()):
-        if not overwrite:
-            raise ConfigError(
-                f"run folder {paths.root} is not empty; use resume to continue it or "
-                "overwrite to start again"
-            )
-        if not paths.is_run():
-            raise ConfigError(f"refusing to overwrite {paths.root}: it does not hold a run")
-        shutil.rmtree(paths.root)
+        shutil.rmtree(paths.root)  # check_run_folder: overwrite is set and it holds a run
     paths.root.mkdir(parents=True, exist_ok=True)
     return None

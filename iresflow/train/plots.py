@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from iresflow._validation import check_mask, check_sequence
 
-__all__ = ["plot_learning_curves", "plot_marginals", "plot_traces"]
+__all__ = ["PlotLabels", "plot_learning_curves", "plot_marginals", "plot_traces"]
 
 #: At most this many features get a panel (the first ones).
 MAX_PANELS = 16
@@ -27,8 +28,57 @@ _REAL = "tab:blue"
 _MODEL = "tab:orange"
 
 
+@dataclass(frozen=True)
+class PlotLabels:
+    """What the axes of the sample figures show.
+
+    Attributes:
+        time: Name of the sequence axis, e.g. ``"frame"`` or ``"week"``.
+        value: Quantity and unit of the values, e.g. ``"difference (ppm/week)"``.
+        feature: Name of one feature, ``{index}`` standing for its index (from 1), e.g.
+            ``"LPC cepstrum coefficient {index}"``.
+        data: Name of the data for the titles.
+
+    Example:
+        >>> PlotLabels.for_dataset("co2_windows").value
+        'CO2 change (ppm/week)'
+        >>> PlotLabels.for_dataset("mine.npz").feature.format(index=2)
+        'feature 2'
+    """
+
+    time: str = "frame"
+    value: str = "value (original units)"
+    feature: str = "feature {index}"
+    data: str = "data"
+
+    @classmethod
+    def for_dataset(cls, name: str) -> PlotLabels:
+        """The labels of a shipped dataset, or generic ones for a user file called ``name``."""
+        return _DATASET_LABELS.get(name, cls(data=name))
+
+
+_DATASET_LABELS = {
+    "japanese_vowels": PlotLabels(
+        time="frame (analysis window)", value="coefficient value",
+        feature="LPC cepstrum coefficient {index}", data="JapaneseVowels",
+    ),
+    "digits_rows": PlotLabels(
+        time="image row", value="pixel intensity (0-17, dequantised)",
+        feature="pixel column {index}", data="digits (rows as frames)",
+    ),
+    "co2_windows": PlotLabels(
+        time="week", value="CO2 change (ppm/week)", feature="weekly CO2 difference",
+        data="Mauna Loa CO2 (52-week windows)",
+    ),
+}
+
+
 def plot_learning_curves(
-    history: Sequence[dict[str, float]], path: str | Path, *, unit: str = ""
+    history: Sequence[dict[str, float]],
+    path: str | Path,
+    *,
+    unit: str = "",
+    best_epoch: int | None = None,
 ) -> Path:
     """Plot training and validation NLL, and the learning rate, against the epoch.
 
@@ -37,6 +87,7 @@ def plot_learning_curves(
             and, when validation is estimated, ``val_nll_stderr`` (drawn as a 2-sigma band).
         path: Destination ``.png``.
         unit: Unit of the NLL for the axis label, e.g. ``"nats/frame"``.
+        best_epoch: Epoch of the kept (best) checkpoint, marked in both panels.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -45,14 +96,17 @@ def plot_learning_curves(
         >>> import tempfile, pathlib
         >>> rows = [{"epoch": 1, "train_nll": 2.0, "val_nll": 2.1, "lr": 1e-3},
         ...         {"epoch": 2, "train_nll": 1.5, "val_nll": 1.7, "lr": 1e-3}]
-        >>> plot_learning_curves(rows, pathlib.Path(tempfile.mkdtemp()) / "c.png").exists()
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "c.png"
+        >>> plot_learning_curves(rows, path, best_epoch=2).exists()
         True
     """
     if not history:
         raise ValueError("history must contain at least one epoch")
     epochs = [row["epoch"] for row in history]
-    figure = Figure(figsize=(9, 3.5))
-    figure.subplots_adjust(left=0.08, right=0.98, bottom=0.14, top=0.9, wspace=0.3)
+    if best_epoch is not None and best_epoch not in epochs:
+        raise ValueError(f"best_epoch {best_epoch} is not an epoch of the history")
+    # constrained layout: it measures the tick labels, so no label overlaps them
+    figure = Figure(figsize=(9, 3.5), layout="constrained")
     FigureCanvasAgg(figure)
     nll_axes, lr_axes = figure.subplots(1, 2)
     nll_axes.plot(epochs, [row["train_nll"] for row in history], "o-", label="train", ms=3)
@@ -65,11 +119,18 @@ def plot_learning_curves(
             epochs, (centre - spread).tolist(), (centre + spread).tolist(),
             alpha=0.3, color="tab:orange", label="validation ± 2 s.e.",
         )
-    nll_axes.set(xlabel="epoch", ylabel=f"NLL ({unit})" if unit else "NLL",
-                 title="negative log-likelihood")
-    nll_axes.legend()
     lr_axes.plot(epochs, [row["lr"] for row in history], "o-", ms=3, color="tab:green")
-    lr_axes.set(xlabel="epoch", ylabel="learning rate", yscale="log", title="learning rate")
+    if best_epoch is not None:
+        for axes in (nll_axes, lr_axes):
+            axes.axvline(best_epoch, color="0.4", ls="--", lw=1,
+                         label=f"best (epoch {best_epoch})" if axes is nll_axes else None)
+        nll_axes.plot([best_epoch], [val[epochs.index(best_epoch)]], "*", ms=11,
+                      color="tab:red", zorder=3)
+    nll_axes.set(xlabel="epoch", ylabel=f"NLL ({unit})" if unit else "NLL",
+                 title=f"negative log-likelihood, {len(epochs)} epochs")
+    nll_axes.legend(fontsize=8)
+    lr_axes.set(xlabel="epoch", ylabel="learning rate", title="learning rate (end of epoch)")
+    lr_axes.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))  # one power of ten on top
     for axes in (nll_axes, lr_axes):
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     return _save(figure, path)
@@ -82,12 +143,14 @@ def plot_traces(
     sampled_mask: Tensor,
     path: str | Path,
     *,
-    max_sequences: int = 4,
+    max_sequences: int | None = None,
+    labels: PlotLabels | None = None,
 ) -> Path:
     """Draw real and sampled sequences as per-feature traces over time.
 
-    One panel per feature (the first :data:`MAX_PANELS`); each shows up to ``max_sequences``
-    real sequences in blue and as many sampled ones in orange, over their real frames only.
+    One panel per feature (the first :data:`MAX_PANELS`); each shows the sampled sequences in
+    orange and as many real sequences (the first ones) in blue, at their real frames (missing
+    frames are gaps). The title states how many of each are drawn.
 
     Args:
         real: Real sequences ``(B, N, D)``.
@@ -95,7 +158,8 @@ def plot_traces(
         sampled: Model samples ``(B', N', D)``.
         sampled_mask: Their padding mask ``(B', N')``.
         path: Destination ``.png``.
-        max_sequences: Sequences drawn from each set.
+        max_sequences: Sequences drawn from each set (default: all samples).
+        labels: Axis names and units (default: generic).
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -106,18 +170,34 @@ def plot_traces(
         >>> plot_traces(x, m, x, m, pathlib.Path(tempfile.mkdtemp()) / "t.png").exists()
         True
     """
-    real_rows = _frames(real, real_mask, "real")
-    sampled_rows = _frames(sampled, sampled_mask, "sampled")
+    real_mask = _checked_mask(real, real_mask, "real")
+    sampled_mask = _checked_mask(sampled, sampled_mask, "sampled")
     _check_same_features(real, sampled)
+    if max_sequences is not None and max_sequences < 1:
+        raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
+    labels = labels if labels is not None else PlotLabels()
+    count = len(sampled) if max_sequences is None else min(max_sequences, len(sampled))
+    sets = (
+        (real[:count], real_mask[:count], _REAL, "real"),
+        (sampled[:count], sampled_mask[:count], _MODEL, "sampled"),
+    )
     figure, axes = _panels(real.shape[-1], height=1.8)
     for feature, panel in enumerate(axes):
-        for rows, color, label in ((real_rows, _REAL, "real"), (sampled_rows, _MODEL, "sampled")):
-            for i, sequence in enumerate(rows[:max_sequences]):
-                panel.plot(sequence[:, feature], color=color, lw=1, alpha=0.8,
-                           label=label if i == 0 else None)
-        panel.set_title(f"feature {feature}", fontsize=9)
+        for x, mask, color, name in sets:
+            values = torch.where(mask, x[..., feature], torch.nan).double().cpu()
+            alpha = min(0.8, max(0.25, 4.0 / len(values)))  # many lines: lighter ones
+            for i, sequence in enumerate(values):
+                panel.plot(sequence, color=color, lw=0.8, alpha=alpha,
+                           label=name if i == 0 else None)
+        panel.set_title(_feature_title(labels, feature, real.shape[-1]), fontsize=9)
     axes[0].legend(fontsize=8)
-    figure.supxlabel("frame")
+    figure.supxlabel(labels.time, fontsize=9)
+    figure.supylabel(labels.value, fontsize=9)
+    shown = min(count, len(real))
+    figure.suptitle(
+        f"{labels.data}: {count} model samples and {shown} real test sequences"
+        + _panel_note(real.shape[-1]), fontsize=10,
+    )
     return _save(figure, path)
 
 
@@ -129,6 +209,7 @@ def plot_marginals(
     path: str | Path,
     *,
     bins: int = 40,
+    labels: PlotLabels | None = None,
 ) -> Path:
     """Compare per-feature marginal histograms of real and sampled frames.
 
@@ -139,6 +220,7 @@ def plot_marginals(
         sampled_mask: Their padding mask ``(B', N')``.
         path: Destination ``.png``.
         bins: Histogram bins, shared by both sets (over the real data's range).
+        labels: Axis names and units (default: generic).
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -152,6 +234,7 @@ def plot_marginals(
     real_values = real[_checked_mask(real, real_mask, "real")].double().cpu()
     sampled_values = sampled[_checked_mask(sampled, sampled_mask, "sampled")].double().cpu()
     _check_same_features(real, sampled)
+    labels = labels if labels is not None else PlotLabels()
     figure, axes = _panels(real.shape[-1], height=2.0)
     for feature, panel in enumerate(axes):
         column = real_values[:, feature]
@@ -162,9 +245,25 @@ def plot_marginals(
                    color=_REAL, label="real")
         panel.hist(sampled_values[:, feature].numpy(), bins=edges, density=True,
                    histtype="stepfilled", alpha=0.5, color=_MODEL, label="model")
-        panel.set_title(f"feature {feature}", fontsize=9)
+        panel.set_title(_feature_title(labels, feature, real.shape[-1]), fontsize=9)
     axes[0].legend(fontsize=8)
+    figure.supxlabel(labels.value, fontsize=9)
+    figure.supylabel("density", fontsize=9)
+    figure.suptitle(
+        f"{labels.data}: marginals of {len(real_values)} real test frames and "
+        f"{len(sampled_values)} sampled frames" + _panel_note(real.shape[-1]), fontsize=10,
+    )
     return _save(figure, path)
+
+
+def _feature_title(labels: PlotLabels, feature: int, features: int) -> str:
+    if features == 1 and "{index}" not in labels.feature:
+        return labels.feature
+    return labels.feature.format(index=feature + 1)
+
+
+def _panel_note(features: int) -> str:
+    return f" (first {MAX_PANELS} of {features} features)" if features > MAX_PANELS else ""
 
 
 def _checked_mask(x: Tensor, mask: Tensor, name: str) -> Tensor:
@@ -183,28 +282,20 @@ def _check_same_features(real: Tensor, sampled: Tensor) -> None:
         )
 
 
-def _frames(x: Tensor, mask: Tensor, name: str) -> list[Tensor]:
-    """Per-sequence ``(n_b, D)`` CPU tensors of the real frames."""
-    checked = _checked_mask(x, mask, name)
-    return [seq[keep].double().cpu() for seq, keep in zip(x, checked, strict=True)]
-
-
 def _panels(features: int, height: float) -> tuple[Figure, list]:
     shown = min(features, MAX_PANELS)
     columns = min(shown, 4)
     rows = math.ceil(shown / columns)
-    width, total_height = 3.2 * columns, height * rows + 0.9
+    width, total_height = max(3.2 * columns, 7.0), height * rows + 1.3
     figure = Figure(figsize=(width, total_height))
     # fixed margins (in inches): a layout engine would measure every tick label of every panel
-    figure.subplots_adjust(left=0.5 / width, right=1 - 0.1 / width, bottom=0.55 / total_height,
-                           top=1 - 0.35 / total_height, wspace=0.25, hspace=0.45)
+    figure.subplots_adjust(left=0.9 / width, right=1 - 0.15 / width, bottom=0.65 / total_height,
+                           top=1 - 0.65 / total_height, wspace=0.3, hspace=0.5)
     FigureCanvasAgg(figure)
     grid = figure.subplots(rows, columns, squeeze=False)
     axes = [panel for row in grid for panel in row]
     for unused in axes[shown:]:
         unused.set_visible(False)
-    if shown < features:
-        figure.suptitle(f"first {shown} of {features} features", fontsize=9)
     return figure, axes[:shown]
 
 

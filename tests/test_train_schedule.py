@@ -1,0 +1,113 @@
+"""The learning-rate warm-up, the schedule after it, and early stopping measured against it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from iresflow.train.config import ConfigError, TrainConfig
+from iresflow.train.epoch import COSINE_FLOOR, PATIENCE_LR_FRACTION, TrainingSession
+from iresflow.train.loop import train
+from tests.tiny_runs import TINY
+
+
+def _record_step_lrs(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The learning rate of every optimiser step, in order."""
+    seen: list[float] = []
+    original = torch.optim.Adam.step
+
+    def step(self: torch.optim.Adam, *args: object, **kwargs: object) -> object:
+        seen.append(self.param_groups[0]["lr"])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", step)
+    return seen
+
+
+def test_warmup_is_linear_per_step_then_cosine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = _record_step_lrs(monkeypatch)
+    lr = 0.01
+    # 12 sequences in batches of 6: 2 steps per epoch, so 2 warm-up epochs are 4 steps
+    config = TrainConfig(**TINY).replace(
+        epochs=5, warmup=2, lr=lr, scheduler="cosine", patience=0
+    )
+    result = train(config, tmp_path / "run", progress=False)
+    warm = [lr * k / 5 for k in range(1, 5)]  # step k of W = 4 runs at lr k / (W + 1)
+    floor = lr * COSINE_FLOOR
+    cosine = [floor + (lr - floor) * (1 + math.cos(math.pi * t / 3)) / 2 for t in range(3)]
+    expected = warm + [value for value in cosine for _ in range(2)]
+    assert seen == pytest.approx(expected, rel=1e-12)
+    # the recorded lr of an epoch is the lr after its last step (before the epoch schedule)
+    assert [row["lr"] for row in result.history] == pytest.approx(
+        [lr * 3 / 5, lr] + cosine, rel=1e-12
+    )
+
+
+def test_warmup_resumes_exactly(tmp_path: Path) -> None:
+    config = TrainConfig(**TINY).replace(warmup=3, scheduler="cosine", patience=0, epochs=1)
+    train(config, tmp_path / "a", progress=False)  # stops in the middle of the warm-up
+    resumed = train(config.replace(epochs=4), tmp_path / "a", resume=True, progress=False)
+    whole = train(config.replace(epochs=4), tmp_path / "b", progress=False)
+    assert [row["lr"] for row in resumed.history] == [row["lr"] for row in whole.history]
+    assert [row["train_nll"] for row in resumed.history] == [
+        row["train_nll"] for row in whole.history
+    ]
+
+
+def _worsening_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every epoch's validation NLL is worse than the one before: epoch 1 stays the best."""
+
+    def validate(self: TrainingSession) -> dict[str, float]:
+        return {"val_nll": float(self.epoch), "inverse_iterations": 1.0,
+                "inverse_residual": 0.0, "reconstruction_error": 0.0}
+
+    monkeypatch.setattr(TrainingSession, "validate", validate)
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "warmup", "epochs", "patience"),
+    [("none", 3, 20, 2), ("plateau", 0, 20, 3), ("cosine", 2, 12, 2), ("cosine", 0, 8, 1)],
+)
+def test_patience_counts_after_warmup_and_once_cosine_lr_is_half(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scheduler: str, warmup: int, epochs: int,
+    patience: int,
+) -> None:
+    _worsening_validation(monkeypatch)
+    config = TrainConfig(**TINY).replace(
+        scheduler=scheduler, warmup=warmup, epochs=epochs, patience=patience, lr=0.01
+    )
+    result = train(config, tmp_path / "run", progress=False)
+    # oracle: the first epoch that counts follows the best (1) and the warm-up and, for cosine,
+    # is the first whose learning rate is at most half of lr; the run stops `patience` counted
+    # epochs later
+    first = max(warmup + 1, 2)
+    if scheduler == "cosine":
+        floor, span = config.lr * COSINE_FLOOR, epochs - warmup
+
+        def rate(epoch: int) -> float:
+            t = epoch - warmup - 1
+            return floor + (config.lr - floor) * (1 + math.cos(math.pi * t / span)) / 2
+
+        first = next(e for e in range(first, epochs + 1)
+                     if rate(e) <= PATIENCE_LR_FRACTION * config.lr)
+    assert result.best_epoch == 1
+    assert result.stopped_early and result.epochs == first + patience - 1
+
+
+def test_warmup_and_test_data_settings_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="warmup must be >= 0"):
+        TrainConfig(warmup=-1)
+    with pytest.raises(ConfigError, match="test_data needs data and test_data to be .npz or .ts"):
+        TrainConfig(test_data="toy_TEST.ts")  # data is a shipped dataset
+    with pytest.raises(ConfigError, match="test_data = 'test.csv'"):
+        TrainConfig(data="toy_TRAIN.ts", test_data="test.csv")
+    config = TrainConfig(data="toy_TRAIN.ts", test_data="toy_TEST.ts", warmup=0)
+    path = tmp_path / "run.toml"
+    config.save(path)
+    assert TrainConfig.from_toml(path) == config
+    assert 'test_data = "toy_TEST.ts"' in path.read_text()
