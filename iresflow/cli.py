@@ -24,8 +24,10 @@ import torch
 from iresflow.inverse.fixed_point import InversionError
 from iresflow.train.checkpoint import CheckpointError
 from iresflow.train.config import ConfigError, TrainConfig
+from iresflow.train.distributed import current_world, run_rank, spawn, torchrun_launch
 from iresflow.train.epoch import TrainingDivergedError
 from iresflow.train.evaluate import evaluate_run, load_run, sample_run, write_plots
+from iresflow.train.factories import resolve_device
 from iresflow.train.loop import train
 from iresflow.train.paths import RunPaths
 from iresflow.train.plots import plot_traces
@@ -130,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="roulette estimates per sequence (>= 2 gives a standard error; default: 4)",
     )
     evaluate_parser.add_argument("--seed", type=int, default=0, help="seed of the estimates")
+    evaluate_parser.add_argument(
+        "--nproc", type=_positive_int, default=1,
+        help="processes sharing the split (gloo on the CPU, nccl with one GPU each; under "
+        "torchrun the launch decides; default: 1)",
+    )
 
     sample_parser = commands.add_parser(
         "sample", help="draw sequences from a trained run",
@@ -248,8 +255,11 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
     else:
         base = TrainConfig.from_toml(args.config) if args.config is not None else TrainConfig()
         data = overrides.get("data", base.data)
-        if data.lower().endswith(_USER_FILE_SUFFIXES):  # a run must find its file from anywhere
-            overrides["data"] = str(Path(data).expanduser().resolve())
+        if data.lower().endswith(_USER_FILE_SUFFIXES) or Path(data).expanduser().is_dir():
+            overrides["data"] = str(Path(data).expanduser().resolve())  # found from anywhere
+    launch = torchrun_launch()
+    if launch is not None and "nproc" not in overrides:  # under torchrun the launch decides
+        overrides["nproc"] = launch.world_size
     return base.replace(**overrides)
 
 
@@ -259,33 +269,77 @@ def _train(args: argparse.Namespace) -> int:
     if out is None:
         name = Path(config.data).name.split(".")[0]
         out = Path("runs") / f"{name}-seed{config.seed}"
+    launch = torchrun_launch()
+    if launch is not None and launch.world_size > 1:  # training and test NLL on every rank
+        return run_rank(
+            launch, resolve_device(config.device).type, _train_and_evaluate, config, out, args
+        )
+    return _train_and_evaluate(config, out, args)
+
+
+def _train_and_evaluate(config: TrainConfig, out: Path, args: argparse.Namespace) -> int:
+    """Train, then the test NLL (shared by the ranks of a torchrun launch) and the figures."""
     result = train(
         config, out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet
     )
-    print(
+    main = current_world().main
+    _say(
+        main,
         f"trained {result.epochs} epochs ({'stopped early' if result.stopped_early else 'done'}); "
-        f"best validation NLL {result.best_val_nll:.4f} at epoch {result.best_epoch}"
+        f"best validation NLL {result.best_val_nll:.4f} at epoch {result.best_epoch}",
     )
-    run = load_run(out)
+    run = load_run(out, device=_rank_device(config.device))
     evaluation = evaluate_run(
         run, split="test", method=config.eval_method, n_samples=config.eval_n_samples,
         seed=config.seed,
     )
-    print(_describe_evaluation(evaluation))
-    for path in write_plots(run, seed=config.seed):
-        print(f"wrote {path}")
-    print(f"run folder: {out}")
+    _say(main, _describe_evaluation(evaluation))
+    if main:
+        for path in write_plots(run, seed=config.seed):
+            print(f"wrote {path}")
+    _say(main, f"run folder: {out}")
     return 0
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    run = load_run(args.run, checkpoint=args.checkpoint, device=args.device)
+    launch = torchrun_launch()
+    if args.nproc == 1 and (launch is None or launch.world_size == 1):
+        return _evaluate_run(args)
+    paths = RunPaths(args.run)
+    if not paths.config.is_file():
+        raise CLIError(f"{args.run} is not a run folder (no config.toml)")
+    name = args.device if args.device is not None else TrainConfig.from_toml(paths.config).device
+    device_type = resolve_device(name).type
+    if launch is not None:
+        if args.nproc != 1:
+            raise CLIError("under torchrun the launch sets the processes; drop --nproc")
+        return run_rank(launch, device_type, _evaluate_run, args)
+    return spawn(_evaluate_run, args.nproc, device_type, args)
+
+
+def _evaluate_run(args: argparse.Namespace) -> int:
+    """``iresflow evaluate`` on one rank (or the only process); rank 0 reports and saves."""
+    run = load_run(args.run, checkpoint=args.checkpoint, device=_rank_device(args.device))
     result = evaluate_run(
         run, split=args.split, method=args.method, n_samples=args.n_samples, seed=args.seed
     )
-    print(_describe_evaluation(result))
-    print(f"saved to {run.paths.evaluation}")
+    main = current_world().main
+    _say(main, _describe_evaluation(result))
+    _say(main, f"saved to {run.paths.evaluation}")
     return 0
+
+
+def _rank_device(name: str | None) -> str | None:
+    """The device setting ``name``, pinned to this rank's GPU in a CUDA process group."""
+    if name is None or current_world().size == 1 or resolve_device(name).type != "cuda":
+        return name
+    return f"cuda:{torch.cuda.current_device()}"
+
+
+def _say(main: bool, line: str) -> None:
+    """Print ``line`` on rank 0 only."""
+    if main:
+        print(line)
 
 
 def _sample(args: argparse.Namespace) -> int:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +24,9 @@ from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.averaging import copy_parameters, load_average, moving_average
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
+from iresflow.train.distributed import current_world
 from iresflow.train.factories import load_data, model_from_config, resolve_device
-from iresflow.train.likelihood import split_log_prob
+from iresflow.train.likelihood import sharded_log_prob
 from iresflow.train.paths import RunPaths
 from iresflow.train.plots import plot_learning_curves, plot_marginals, plot_traces
 
@@ -189,7 +188,11 @@ def evaluate_run(
         n_samples: Roulette estimates per sequence (at least 2 for a standard error).
         seed: Seed of the roulette estimates (torch's global generators are restored after).
         save: Merge the result into ``evaluation.json`` of the run (keyed by split, then
-            method).
+            method); in a process group only rank 0 writes it.
+
+    In a process group (``iresflow evaluate --nproc N`` or under ``torchrun``) the ranks share
+    the batches of the split and every rank returns the same result, equal to one process's
+    (:func:`~iresflow.train.likelihood.sharded_log_prob`).
 
     Returns:
         ``{"split", "method", "nll", "unit", "sequences", "checkpoint", "epoch"}`` plus
@@ -203,11 +206,10 @@ def evaluate_run(
     if method not in ("exact", "roulette"):
         raise ValueError(f"method must be exact or roulette, got {method!r}")
     data = getattr(run.dataset, split)
-    with _seeded(run.model, seed):
-        log_prob, stderr = split_log_prob(
-            run.model, data, method=method, n_samples=n_samples,
-            batch_size=run.config.batch_size,
-        )
+    log_prob, stderr = sharded_log_prob(
+        run.model, data, method=method, n_samples=n_samples, batch_size=run.config.batch_size,
+        seed=seed,
+    )
     result: dict[str, Any] = {
         "split": split,
         "method": method,
@@ -221,7 +223,7 @@ def evaluate_run(
         result["n_samples"] = n_samples
         if stderr is not None:
             result["stderr"] = run.dataset.nll_stderr(stderr, data)
-    if save:
+    if save and current_world().main:
         results = _read_json(run.paths.evaluation)
         results.setdefault(split, {})[method] = result
         run.paths.evaluation.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
@@ -286,15 +288,6 @@ def write_plots(run: LoadedRun, *, seed: int = 0) -> list[Path]:
         plot_marginals(real, test.mask, samples.x, samples.mask, folder / "marginals.png")
     )
     return written
-
-
-@contextmanager
-def _seeded(model: ResidualFlowTransformer, seed: int) -> Iterator[None]:
-    """Seed torch's global generators (used by per-call estimators), restoring them on exit."""
-    device = next(model.parameters()).device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        yield
 
 
 def _read_json(path: Path) -> dict[str, Any]:

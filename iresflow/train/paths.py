@@ -91,12 +91,14 @@ def prepare_run_folder(
 
     Returns:
         The state of ``paths.last`` when resuming, else ``None`` (the folder then exists and is
-        empty).
+        empty). A run killed before its first checkpoint (``config.toml`` but no ``last.pt``)
+        resumes from its saved settings with ``None``: it starts from epoch 0.
 
     Raises:
         ConfigError: ``resume`` and ``overwrite`` together, changed settings, a non-empty folder
             without ``overwrite``, or a folder to overwrite that does not hold a run.
-        CheckpointError: the checkpoint to resume from is missing or unreadable.
+        CheckpointError: the checkpoint to resume from is missing (and no ``config.toml`` either)
+            or unreadable.
 
     Example:
         >>> import tempfile
@@ -109,8 +111,12 @@ def prepare_run_folder(
     if resume and overwrite:
         raise ConfigError("resume and overwrite exclude each other")
     if resume:
-        state = load_checkpoint(paths.last)
-        saved = TrainConfig.from_dict(state["config"])
+        # A run killed before its first checkpoint left only its config: it starts from that.
+        started = paths.config.is_file() and not paths.last.exists()
+        state = None if started else load_checkpoint(paths.last)
+        saved = TrainConfig.from_toml(paths.config) if started else TrainConfig.from_dict(
+            state["config"]
+        )
         changed = saved.incompatible_fields(config)
         if changed:
             raise ConfigError(
