@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from iresflow.data.datasets import SequenceSplit
+from iresflow.data.store import StoredSplit
 from iresflow.inverse.fixed_point import InversionError
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.distributed import all_gather_objects, current_world
@@ -29,7 +30,7 @@ INVERSE_CHECK_SEQUENCES = 8
 
 
 def trimmed_batch(
-    split: SequenceSplit, index: Tensor, device: torch.device
+    split: SequenceSplit | StoredSplit, index: Tensor, device: torch.device
 ) -> tuple[Tensor, Tensor]:
     """The sequences ``index`` of a split, trimmed to the longest of them, on ``device``.
 
@@ -51,6 +52,8 @@ def trimmed_batch(
         >>> x.shape, m.tolist()
         (torch.Size([1, 1, 1]), [[True]])
     """
+    if isinstance(split, StoredSplit):  # read from disk
+        return split.batch(index, device)
     mask = split.mask[index]
     longest = int(mask.sum(dim=1).max())
     return split.x[index, :longest].to(device), mask[:, :longest].to(device)
@@ -58,7 +61,7 @@ def trimmed_batch(
 
 def split_log_prob(
     model: ResidualFlowTransformer,
-    split: SequenceSplit,
+    split: SequenceSplit | StoredSplit,
     *,
     method: str,
     n_samples: int = 1,
@@ -94,7 +97,7 @@ def split_log_prob(
 
 def sharded_log_prob(
     model: ResidualFlowTransformer,
-    split: SequenceSplit,
+    split: SequenceSplit | StoredSplit,
     *,
     method: str,
     n_samples: int = 1,
@@ -154,8 +157,8 @@ def sharded_log_prob(
 
 
 def _batch_log_prob(
-    model: ResidualFlowTransformer, split: SequenceSplit, index: Tensor, device: torch.device,
-    method: str, n_samples: int,
+    model: ResidualFlowTransformer, split: SequenceSplit | StoredSplit, index: Tensor,
+    device: torch.device, method: str, n_samples: int,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-densities of the sequences ``index`` (and their standard errors, or ``None``)."""
     x, mask = trimmed_batch(split, index, device)
@@ -166,7 +169,9 @@ def _batch_log_prob(
     return model.log_prob(x, mask, method="roulette", n_samples=n_samples, return_stderr=True)
 
 
-def inverse_check(model: ResidualFlowTransformer, split: SequenceSplit) -> dict[str, float]:
+def inverse_check(
+    model: ResidualFlowTransformer, split: SequenceSplit | StoredSplit
+) -> dict[str, float]:
     """Map the first :data:`INVERSE_CHECK_SEQUENCES` sequences to noise and back.
 
     A fixed-point inverse that stops converging is reported, not raised (training goes on and

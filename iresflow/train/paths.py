@@ -121,7 +121,8 @@ def prepare_run_folder(
         if changed:
             raise ConfigError(
                 f"cannot resume {paths.root} with different settings: {', '.join(changed)} "
-                "(only epochs, patience, device, tensorboard, max_eval and on_nan may change)"
+                "(only epochs, patience, device, tensorboard, max_eval, on_nan and memory_cap may "
+                "change)"
             )
         return state
     if paths.root.exists() and any(paths.root.iterdir()):
