@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate_parser.add_argument("--seed", type=int, default=0, help="seed of the estimates")
     evaluate_parser.add_argument(
+        "--scores", type=Path,
+        help="also write the log-density of every sequence (original units, in the split's "
+        "order) to this .npz file",
+    )
+    evaluate_parser.add_argument(
         "--nproc", type=_positive_int, default=1,
         help="processes sharing the split (gloo on the CPU, nccl with one GPU each; under "
         "torchrun the launch decides; default: 1)",
@@ -302,6 +307,8 @@ def _train_and_evaluate(config: TrainConfig, out: Path, args: argparse.Namespace
 
 
 def _evaluate(args: argparse.Namespace) -> int:
+    if args.scores is not None and args.scores.suffix != ".npz":
+        raise CLIError(f"--scores must end in .npz, got {args.scores}")
     launch = torchrun_launch()
     if args.nproc == 1 and (launch is None or launch.world_size == 1):
         return _evaluate_run(args)
@@ -321,11 +328,14 @@ def _evaluate_run(args: argparse.Namespace) -> int:
     """``iresflow evaluate`` on one rank (or the only process); rank 0 reports and saves."""
     run = load_run(args.run, checkpoint=args.checkpoint, device=_rank_device(args.device))
     result = evaluate_run(
-        run, split=args.split, method=args.method, n_samples=args.n_samples, seed=args.seed
+        run, split=args.split, method=args.method, n_samples=args.n_samples, seed=args.seed,
+        scores=args.scores,
     )
     main = current_world().main
     _say(main, _describe_evaluation(result))
     _say(main, f"saved to {run.paths.evaluation}")
+    if args.scores is not None:
+        _say(main, f"wrote {args.scores}")
     return 0
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -178,6 +179,7 @@ def evaluate_run(
     n_samples: int = 4,
     seed: int = 0,
     save: bool = True,
+    scores: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Negative log-likelihood of a split in the dataset's unit.
 
@@ -189,6 +191,9 @@ def evaluate_run(
         seed: Seed of the roulette estimates (torch's global generators are restored after).
         save: Merge the result into ``evaluation.json`` of the run (keyed by split, then
             method); in a process group only rank 0 writes it.
+        scores: Also write the per-sequence scores to this ``.npz`` file (rank 0): ``log_prob``,
+            the log-density of every sequence of the split in original units (in the split's
+            order), and for roulette with ``n_samples >= 2`` its standard error ``stderr``.
 
     In a process group (``iresflow evaluate --nproc N`` or under ``torchrun``) the ranks share
     the batches of the split and every rank returns the same result, equal to one process's
@@ -199,8 +204,11 @@ def evaluate_run(
         ``"n_samples"`` and ``"stderr"`` for the roulette method.
 
     Raises:
-        ValueError: unknown split or method, or ``n_samples < 1``.
+        ValueError: unknown split or method, ``n_samples < 1``, or ``scores`` not ending in
+            ``.npz``.
     """
+    if scores is not None and not str(scores).endswith(".npz"):
+        raise ValueError(f"scores must name an .npz file, got {str(scores)!r}")
     if split not in ("test", "val", "train"):
         raise ValueError(f"split must be test, val or train, got {split!r}")
     if method not in ("exact", "roulette"):
@@ -223,6 +231,12 @@ def evaluate_run(
         result["n_samples"] = n_samples
         if stderr is not None:
             result["stderr"] = run.dataset.nll_stderr(stderr, data)
+    if scores is not None and current_world().main:
+        arrays = {"log_prob": (log_prob + data.log_jacobian).numpy()}
+        if stderr is not None:
+            arrays["stderr"] = stderr.numpy()
+        Path(scores).parent.mkdir(parents=True, exist_ok=True)
+        np.savez(scores, **arrays)
     if save and current_world().main:
         results = _read_json(run.paths.evaluation)
         results.setdefault(split, {})[method] = result
