@@ -148,7 +148,10 @@ def train(
                 stale.unlink()
             config.save(paths.config)
             write_metrics(paths, session.history)
-        return _run_epochs(session, paths, progress and world.main)
+        result = _run_epochs(session, paths, progress and world.main)
+        if world.size > 1:  # no rank returns before rank 0 has written the last files
+            torch.distributed.barrier()
+        return result
 
 
 def _run_epochs(session: TrainingSession, paths: RunPaths, progress: bool) -> TrainResult:
