@@ -552,8 +552,8 @@ def load_dataset(
         path: The user file for ``"npz"`` and ``"ts"``.
         val_fraction: Fraction in ``(0, 1)`` held out for validation.
         test_path: Optional test file of a user dataset, in the format of the training file.
-        memory_cap: For a store, megabytes of frames read before its memory map is re-opened,
-            which bounds the memory the data occupy (0: no cap; see
+        memory_cap: For a store, megabytes its memory map may keep resident before it is
+            re-opened, which bounds the memory the data occupy (0: no cap; see
             :class:`~iresflow.data.store.SequenceStore`).
 
     Returns:

@@ -12,8 +12,10 @@ before it. A store is written by :func:`write_store` (or by ``numpy.save`` of th
 read by :class:`SequenceStore`, which maps ``values.npy`` into memory with ``numpy.load(...,
 mmap_mode="r")`` and copies out only the sequences of a batch. The pages of a memory map that
 have been read stay resident until the map is closed; with ``memory_cap`` megabytes the store
-re-opens its map whenever that much has been read since the last opening, so the memory the data
-occupy in the process stays below the cap (the operating system's file cache is not part of it).
+re-opens its map whenever that much may have become resident since the last opening (it counts
+every 64 KiB window a read touches, the pages one fault can map), so the memory the data occupy
+in the process stays below the cap plus one read (the operating system's file cache is not part
+of it).
 
 :class:`StoredSplit` is a split of a store in model space (standardised on the fly); it offers
 what training and evaluation use of a :class:`~iresflow.data.datasets.SequenceSplit` (batches,
@@ -38,6 +40,8 @@ __all__ = ["STORE_FILES", "SequenceStore", "StoredSplit", "is_store", "write_sto
 #: The files of a store folder: the concatenated frames and the sequence lengths.
 STORE_FILES = ("values.npy", "lengths.npy")
 _MEGABYTE = 2**20
+#: Bytes a page fault of a memory map can make resident (Linux's default fault-around window).
+_FAULT_WINDOW = 2**16
 
 
 def is_store(path: str | os.PathLike) -> bool:
@@ -131,8 +135,8 @@ class SequenceStore:
 
     Args:
         path: The store folder.
-        memory_cap: Megabytes of frames read before the memory map is re-opened, which bounds
-            the pages it keeps resident (0: no cap, the pages stay until the store is closed).
+        memory_cap: Megabytes the memory map may make resident before it is re-opened, which
+            bounds the pages it keeps (0: no cap, the pages stay until the store is closed).
 
     Attributes:
         path: The folder.
@@ -187,14 +191,18 @@ class SequenceStore:
 
     def _open(self) -> np.memmap:
         self._values = np.load(self.path / STORE_FILES[0], mmap_mode="r", allow_pickle=False)
-        self._read_bytes = 0
+        self._mapped_bytes = 0
         return self._values
 
     def _frames(self, start: int, stop: int) -> np.ndarray:
         """A copy of frames ``start:stop`` (float64); re-opens the map past the cap."""
-        if self._cap and self._read_bytes > self._cap:
+        if self._cap and self._mapped_bytes > self._cap:
             self._open()  # the old map, and the pages it kept resident, are released
-        self._read_bytes += (stop - start) * self._bytes_per_frame
+        # A page fault maps the cached pages around it too (Linux maps the aligned window of
+        # fault_around_bytes, 64 KiB by default): count every window the frames touch.
+        first = (self._values.offset + start * self._bytes_per_frame) // _FAULT_WINDOW
+        last = (self._values.offset + stop * self._bytes_per_frame - 1) // _FAULT_WINDOW
+        self._mapped_bytes += (last - first + 1) * _FAULT_WINDOW
         return np.array(self._values[start:stop], dtype=np.float64)
 
     def read(self, index: Tensor) -> tuple[Tensor, Tensor]:

@@ -135,8 +135,8 @@ class TrainConfig:
         "similar lengths and little padding (0: plain shuffle)"
     )
     memory_cap: int = setting(
-        0, "with a sequence-store folder as data: megabytes of frames read before its memory "
-        "map is re-opened, bounding the memory the data occupy (0: no cap)"
+        0, "with a sequence-store folder as data: megabytes its memory map may keep resident "
+        "before it is re-opened, bounding the memory the data occupy (0: no cap)"
     )
 
     def __init__(self, model: ModelConfig | None = None, **settings: Any) -> None:
