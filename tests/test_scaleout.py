@@ -137,17 +137,22 @@ def test_sharded_log_prob_is_split_log_prob_in_one_process() -> None:
 
 @pytest.mark.slow
 def test_evaluation_on_two_processes_equals_one(tmp_path: Path) -> None:
+    # Per-batch seeds: the roulette scores of 2 processes are those of 1, not just close.
     run = tmp_path / "run"
     config = TrainConfig(n_blocks=1, hidden=8, max_train=8, max_eval=11, batch_size=3,
                          epochs=1, device="cpu", eval_method="exact", scheduler="plateau")
     train(config, run, progress=False)
     loaded = load_run(run)
-    for method in ("roulette", "exact"):
+    launchers = {  # --nproc for one method, torchrun for the other
+        "roulette": _iresflow("evaluate", "--nproc", "2"),
+        "exact": _torchrun("--standalone", "--nproc-per-node", "2") + ["evaluate"],
+    }
+    for method, launcher in launchers.items():
         single = evaluate_run(loaded, method=method, n_samples=2, seed=4, save=False,
                               scores=tmp_path / f"{method}-1.npz")
         subprocess.run(
-            _iresflow("evaluate", str(run), "--method", method, "--n-samples", "2", "--seed",
-                      "4", "--nproc", "2", "--scores", str(tmp_path / f"{method}-2.npz")),
+            launcher + [str(run), "--method", method, "--n-samples", "2", "--seed", "4",
+                        "--scores", str(tmp_path / f"{method}-2.npz")],
             cwd=ROOT, env=_environment(), check=True, timeout=300, capture_output=True,
         )
         one, two = np.load(tmp_path / f"{method}-1.npz"), np.load(tmp_path / f"{method}-2.npz")
