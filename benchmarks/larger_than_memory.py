@@ -3,13 +3,14 @@
 Writes a synthetic sequence store (:mod:`iresflow.data.store`) of ``--factor`` times ``--cap``
 megabytes of float32 frames to disk (random lengths in ``[max_len / 4, max_len]``, AR(1) frames),
 then trains one epoch of a small flow on it with ``memory_cap = --cap`` and length buckets. The
-training runs in a fresh process. A thread samples, every 10 ms, the resident pages of the
+training runs in a fresh process. A thread samples, every 20 ms, the resident pages of the
 store's memory maps (``/proc/self/smaps``, Linux): their peak is the memory the data occupy and
 is printed against the cap and the size of the data. The process's resident set size (RSS)
-before the training and at its peak (``ru_maxrss``) are printed too: their difference adds the
-model, the optimiser, the activations of a batch and the allocator's caches, which do not grow
-with the data. With ``--uncapped`` the same epoch runs again without a cap, for comparison (its
-data pages approach the size of the data when the machine has the memory to keep them).
+before the training and at its peak (``VmRSS`` and ``VmHWM``) are printed too: their
+difference adds the model, the optimiser, the activations of a batch and the allocator's
+caches, which do not grow with the data. With ``--uncapped`` the same epoch runs again without a
+cap, for comparison (its data pages approach the size of the data when the machine has the
+memory to keep them).
 
 Run: ``python benchmarks/larger_than_memory.py [--cap 16] [--factor 10] [--uncapped]``.
 The store is written to a temporary folder (or ``--folder``) and deleted afterwards unless
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import multiprocessing
-import resource
 import shutil
 import tempfile
 import threading
@@ -39,6 +39,8 @@ FEATURES = 8
 MAX_LEN = 64
 #: Frames generated (and written) per chunk.
 CHUNK_FRAMES = 2**18
+#: Interval of the thread that samples the resident pages of the store.
+SAMPLE_SECONDS = 0.02
 _MB = 2**20
 
 
@@ -75,15 +77,23 @@ def mapped_megabytes(path: Path) -> float:
     return total / 1024
 
 
+def status_megabytes(field: str) -> float:
+    """A memory field of ``/proc/self/status`` in MB: ``VmRSS`` (now) or ``VmHWM`` (peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
 def train_and_measure(store: str, cap: int, run: str) -> dict[str, float]:
     """One epoch on ``store`` in this (fresh) process.
 
     Returns the RSS in MB before the training and at its peak, and the peak of the store's
-    resident pages, sampled every 10 ms by a thread.
+    resident pages, sampled every :data:`SAMPLE_SECONDS` by a thread.
     """
     torch.set_num_threads(1)
     config = TrainConfig(
-        data=store, memory_cap=cap, bucket=8, batch_size=64, epochs=1, n_blocks=1, hidden=8,
+        data=store, memory_cap=cap, bucket=8, batch_size=256, epochs=1, n_blocks=1, hidden=8,
         max_eval=256, eval_method="roulette", eval_n_samples=1, device="cpu",
         scheduler="none", seed=0,
     )
@@ -92,18 +102,18 @@ def train_and_measure(store: str, cap: int, run: str) -> dict[str, float]:
     done = threading.Event()
 
     def sample() -> None:
-        while not done.wait(0.01):
+        while not done.wait(SAMPLE_SECONDS):
             mapped[0] = max(mapped[0], mapped_megabytes(values))
 
     sampler = threading.Thread(target=sample, daemon=True)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    before = status_megabytes("VmRSS")
     sampler.start()
     start = time.perf_counter()
     result = train(config, run, progress=False)
     seconds = time.perf_counter() - start
     done.set()
     sampler.join()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = status_megabytes("VmHWM")
     return {
         "before": before, "peak": peak, "mapped": mapped[0], "seconds": seconds,
         "train_nll": result.history[-1]["train_nll"], "val_nll": result.best_val_nll,

@@ -11,11 +11,14 @@ Sequence :math:`b` is ``values[o_b : o_b + lengths[b]]`` with :math:`o_b` the su
 before it. A store is written by :func:`write_store` (or by ``numpy.save`` of the two arrays) and
 read by :class:`SequenceStore`, which maps ``values.npy`` into memory with ``numpy.load(...,
 mmap_mode="r")`` and copies out only the sequences of a batch. The pages of a memory map that
-have been read stay resident until the map is closed; with ``memory_cap`` megabytes the store
-re-opens its map whenever that much may have become resident since the last opening (it counts
-every 64 KiB window a read touches, the pages one fault can map), so the memory the data occupy
-in the process stays below the cap plus one read (the operating system's file cache is not part
-of it).
+have been read stay resident until the map is closed, and one page fault can map far more than
+was read (the kernel maps the cached pages around it, a whole large folio or huge page on recent
+Linux). With ``memory_cap`` megabytes the store counts the aligned blocks of the largest such
+mapping (2 MiB with 4 KiB pages) its reads touched since the map was opened, and re-opens the
+map before a read would take that past the cap: the memory the data occupy in the process stays
+below the cap, whatever the kernel maps per fault (the operating system's file cache is not part
+of it), except while a single sequence longer than the cap is read. The cap is rounded down to
+whole blocks; a cap below one block re-opens the map for every sequence.
 
 :class:`StoredSplit` is a split of a store in model space (standardised on the fly); it offers
 what training and evaluation use of a :class:`~iresflow.data.datasets.SequenceSplit` (batches,
@@ -25,6 +28,7 @@ subsets, frame counts, log-Jacobians) without holding the frames in memory. See
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -40,8 +44,9 @@ __all__ = ["STORE_FILES", "SequenceStore", "StoredSplit", "is_store", "write_sto
 #: The files of a store folder: the concatenated frames and the sequence lengths.
 STORE_FILES = ("values.npy", "lengths.npy")
 _MEGABYTE = 2**20
-#: Bytes a page fault of a memory map can make resident (Linux's default fault-around window).
-_FAULT_WINDOW = 2**16
+#: The most a page fault of a memory map can make resident: a page-table page's worth of pages
+#: (a huge page, the largest folio of the page cache; 2 MiB with 4 KiB pages).
+_FAULT_BLOCK = mmap.PAGESIZE * (mmap.PAGESIZE // 8)
 
 
 def is_store(path: str | os.PathLike) -> bool:
@@ -135,8 +140,8 @@ class SequenceStore:
 
     Args:
         path: The store folder.
-        memory_cap: Megabytes the memory map may make resident before it is re-opened, which
-            bounds the pages it keeps (0: no cap, the pages stay until the store is closed).
+        memory_cap: Megabytes the memory map may keep resident: it is re-opened before its reads
+            could map more (0: no cap, the pages stay until the store is closed).
 
     Attributes:
         path: The folder.
@@ -191,18 +196,19 @@ class SequenceStore:
 
     def _open(self) -> np.memmap:
         self._values = np.load(self.path / STORE_FILES[0], mmap_mode="r", allow_pickle=False)
-        self._mapped_bytes = 0
+        self._blocks: set[int] = set()
         return self._values
 
     def _frames(self, start: int, stop: int) -> np.ndarray:
         """A copy of frames ``start:stop`` (float64); re-opens the map past the cap."""
-        if self._cap and self._mapped_bytes > self._cap:
+        # One page fault can map a whole huge page or large folio of the page cache around the
+        # address: count every block of that size the frames touch since the map was opened.
+        first = (self._values.offset + start * self._bytes_per_frame) // _FAULT_BLOCK
+        last = (self._values.offset + stop * self._bytes_per_frame - 1) // _FAULT_BLOCK
+        touched = range(first, last + 1)
+        if self._cap and len(self._blocks.union(touched)) * _FAULT_BLOCK > self._cap:
             self._open()  # the old map, and the pages it kept resident, are released
-        # A page fault maps the cached pages around it too (Linux maps the aligned window of
-        # fault_around_bytes, 64 KiB by default): count every window the frames touch.
-        first = (self._values.offset + start * self._bytes_per_frame) // _FAULT_WINDOW
-        last = (self._values.offset + stop * self._bytes_per_frame - 1) // _FAULT_WINDOW
-        self._mapped_bytes += (last - first + 1) * _FAULT_WINDOW
+        self._blocks.update(touched)
         return np.array(self._values[start:stop], dtype=np.float64)
 
     def read(self, index: Tensor) -> tuple[Tensor, Tensor]:
