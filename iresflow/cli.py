@@ -26,7 +26,13 @@ from iresflow.train.checkpoint import CheckpointError
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.distributed import current_world, run_rank, spawn, torchrun_launch
 from iresflow.train.epoch import TrainingDivergedError
-from iresflow.train.evaluate import evaluate_run, load_run, sample_run, write_plots
+from iresflow.train.evaluate import (
+    evaluate_run,
+    load_run,
+    plotted_test_sequences,
+    sample_run,
+    write_plots,
+)
 from iresflow.train.factories import resolve_device
 from iresflow.train.loop import train
 from iresflow.train.paths import RunPaths
@@ -364,11 +370,8 @@ def _sample(args: argparse.Namespace) -> int:
     np.savez(
         out, x=samples.x.numpy(), mask=samples.mask.numpy(), lengths=samples.lengths.numpy()
     )
-    test = run.dataset.test
-    figure = plot_traces(
-        run.dataset.to_raw(test.x, test.mask), test.mask, samples.x, samples.mask,
-        out.with_suffix(".png"),
-    )
+    real, mask = plotted_test_sequences(run)
+    figure = plot_traces(real, mask, samples.x, samples.mask, out.with_suffix(".png"))
     diagnostics = samples.diagnostics
     print(
         f"sampled {args.num} sequences of lengths {int(samples.lengths.min())}.."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import warnings
@@ -11,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from iresflow.cli import parse_train_config
+from iresflow.cli import main, parse_train_config
 from iresflow.data.batching import epoch_batches
 from iresflow.data.datasets import load_dataset
 from iresflow.data.preprocessing import Standardization
 from iresflow.data.store import SequenceStore, StoredSplit, is_store, write_store
 from iresflow.train.checkpoint import load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
+from iresflow.train.evaluate import load_run
 from iresflow.train.factories import load_data
 from iresflow.train.likelihood import trimmed_batch
 from iresflow.train.loop import train
@@ -243,3 +245,21 @@ def test_store_settings_from_the_command_line(
         warnings.simplefilter("ignore", UserWarning)
         dataset = load_data(TrainConfig(data=str(store), max_train=5))
     assert len(dataset.train) == 5 and isinstance(dataset.train, StoredSplit)
+
+
+def test_the_command_line_trains_evaluates_and_plots_a_store(tmp_path: Path) -> None:
+    store, _ = _store_and_npz(tmp_path, count=60)
+    run, scores = tmp_path / "run", tmp_path / "scores.npz"
+    tiny = ["--n-blocks", "1", "--hidden", "8", "--epochs", "1", "--batch-size", "8",
+            "--device", "cpu", "--eval-method", "exact", "--quiet", "--memory-cap", "1"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        assert main(["train", "--data", str(store), "--out", str(run), *tiny]) == 0
+        assert main(["evaluate", str(run), "--scores", str(scores)]) == 0
+        assert main(["sample", str(run), "--num", "2"]) == 0
+    assert (run / "plots" / "marginals.png").is_file() and (run / "samples.png").is_file()
+    evaluation = json.loads((run / "evaluation.json").read_text())["test"]["exact"]
+    log_prob = np.load(scores)["log_prob"]
+    assert log_prob.shape == (evaluation["sequences"],)
+    frames = float(load_run(run).dataset.test.frames.sum())
+    assert -log_prob.sum() / frames == pytest.approx(evaluation["nll"], rel=1e-9)

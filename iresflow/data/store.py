@@ -301,7 +301,9 @@ class StoredSplit:
         ([0.0, 1.0], [-1.3862943611198906])
     """
 
-    def __init__(self, store: SequenceStore, index: Tensor, standardization: Standardization):
+    def __init__(
+        self, store: SequenceStore, index: Tensor, standardization: Standardization
+    ) -> None:
         self.store = store
         self.index = store._check_index(index)
         self.standardization = standardization

@@ -27,7 +27,7 @@ from iresflow.train.checkpoint import CheckpointError, load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.distributed import current_world
 from iresflow.train.factories import load_data, model_from_config, resolve_device
-from iresflow.train.likelihood import sharded_log_prob
+from iresflow.train.likelihood import sharded_log_prob, trimmed_batch
 from iresflow.train.paths import RunPaths
 from iresflow.train.plots import plot_learning_curves, plot_marginals, plot_traces
 
@@ -37,12 +37,15 @@ __all__ = [
     "check_guarantees",
     "evaluate_run",
     "load_run",
+    "plotted_test_sequences",
     "sample_run",
     "write_plots",
 ]
 
 #: Sequences sampled for the figures of :func:`write_plots`.
 PLOT_SAMPLES = 64
+#: Test sequences shown in the figures at most (all of a smaller test split).
+PLOT_TEST_SEQUENCES = 1000
 
 
 @dataclass(frozen=True)
@@ -280,8 +283,8 @@ def write_plots(run: LoadedRun, *, seed: int = 0) -> list[Path]:
 
     ``learning_curves.png`` (NLL and learning rate per epoch), ``samples.png`` (test sequences
     and model samples as per-feature traces) and ``marginals.png`` (per-feature histograms of
-    all test frames and of the frames of :data:`PLOT_SAMPLES` sampled sequences), all in the
-    data's original units.
+    the frames of the test sequences of :func:`plotted_test_sequences` and of the frames of
+    :data:`PLOT_SAMPLES` sampled sequences), all in the data's original units.
 
     Args:
         run: A loaded run.
@@ -290,18 +293,33 @@ def write_plots(run: LoadedRun, *, seed: int = 0) -> list[Path]:
     Returns:
         The paths written.
     """
-    test = run.dataset.test
     samples = sample_run(run, PLOT_SAMPLES, seed=seed)
-    real = run.dataset.to_raw(test.x, test.mask)
+    real, mask = plotted_test_sequences(run)
     folder = run.paths.plots
     written = [] if not run.history else [
         plot_learning_curves(run.history, folder / "learning_curves.png", unit=run.dataset.unit)
     ]
-    written.append(plot_traces(real, test.mask, samples.x, samples.mask, folder / "samples.png"))
-    written.append(
-        plot_marginals(real, test.mask, samples.x, samples.mask, folder / "marginals.png")
-    )
+    written.append(plot_traces(real, mask, samples.x, samples.mask, folder / "samples.png"))
+    written.append(plot_marginals(real, mask, samples.x, samples.mask, folder / "marginals.png"))
     return written
+
+
+def plotted_test_sequences(run: LoadedRun) -> tuple[Tensor, Tensor]:
+    """The test sequences the figures show, in original units, on the CPU.
+
+    The first :data:`PLOT_TEST_SEQUENCES` of the test split (all of a smaller one), so a split
+    read from disk (:class:`~iresflow.data.store.StoredSplit`) is never loaded whole.
+
+    Args:
+        run: A loaded run.
+
+    Returns:
+        ``(x, mask)`` of shapes ``(b, n, D)`` and ``(b, n)``, ``n`` the longest of them.
+    """
+    test = run.dataset.test
+    index = torch.arange(min(len(test), PLOT_TEST_SEQUENCES))
+    x, mask = trimmed_batch(test, index, torch.device("cpu"))
+    return run.dataset.to_raw(x, mask), mask
 
 
 def _read_json(path: Path) -> dict[str, Any]:
