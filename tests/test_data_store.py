@@ -135,6 +135,17 @@ def test_stored_split_is_the_standardised_in_memory_split(tmp_path: Path) -> Non
     assert part.index.tolist() == [5, 9] and torch.equal(part.frames, lengths[[5, 9]])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_stored_batches_go_to_the_gpu(tmp_path: Path) -> None:
+    x, lengths, mask = _sequences(6, 5, 2, seed=5)
+    write_store(tmp_path, lengths, [x[mask]])
+    split = StoredSplit(SequenceStore(tmp_path), torch.arange(6), Standardization.fit(x, mask))
+    got, got_mask = trimmed_batch(split, torch.tensor([1, 4]), torch.device("cuda"))
+    assert got.is_cuda and got_mask.is_cuda
+    cpu, _ = trimmed_batch(split, torch.tensor([1, 4]), torch.device("cpu"))
+    torch.testing.assert_close(got.cpu(), cpu)
+
+
 def test_store_dataset_equals_the_npz_dataset(tmp_path: Path) -> None:
     store, npz = _store_and_npz(tmp_path)
     with warnings.catch_warnings():

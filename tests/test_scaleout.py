@@ -21,7 +21,7 @@ import torch
 from iresflow.cli import main
 from iresflow.data.datasets import SequenceSplit
 from iresflow.models.config import ModelConfig
-from iresflow.train.checkpoint import load_checkpoint
+from iresflow.train.checkpoint import CheckpointError, load_checkpoint
 from iresflow.train.config import TrainConfig
 from iresflow.train.distributed import Launch, backend_for, torchrun_launch
 from iresflow.train.evaluate import evaluate_run, load_run
@@ -113,7 +113,7 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_from_its_config(
     state = load_checkpoint(RunPaths(out).last)
     assert state["epoch"] == 1
     assert state["history"][0]["val_nll"] == reference.history[0]["val_nll"]
-    with pytest.raises(Exception, match="checkpoint not found"):  # no config, no checkpoint
+    with pytest.raises(CheckpointError, match="checkpoint not found"):  # no config either
         train(config, tmp_path / "empty", resume=True, progress=False)
 
 
@@ -133,6 +133,17 @@ def test_sharded_log_prob_is_split_log_prob_in_one_process() -> None:
     again = sharded_log_prob(model, split, method="roulette", n_samples=3, batch_size=3, seed=5)
     assert torch.equal(torch.get_rng_state(), state)  # the caller's random state is kept
     assert torch.equal(first[0], again[0]) and first[1] is not None and first[1].shape == (7,)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_sharded_log_prob_on_cuda_matches_the_cpu() -> None:
+    model = model_from_config(ModelConfig(features=2, max_len=4, n_blocks=1, hidden=4))
+    split = SequenceSplit(torch.randn(5, 4, 2, generator=torch.Generator().manual_seed(1)),
+                          torch.ones(5, 4, dtype=torch.bool), torch.zeros(5, dtype=torch.float64))
+    on_cpu, _ = sharded_log_prob(model, split, method="exact", batch_size=2)
+    on_gpu, _ = sharded_log_prob(model.to("cuda"), split, method="exact", batch_size=2)
+    assert on_gpu.device.type == "cpu"
+    torch.testing.assert_close(on_gpu, on_cpu, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow
