@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
+from iresflow.data.store import is_store
 from iresflow.inverse.fixed_point import InversionError
 from iresflow.train.checkpoint import CheckpointError
 from iresflow.train.config import ConfigError, TrainConfig
@@ -266,7 +267,7 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
     else:
         base = TrainConfig.from_toml(args.config) if args.config is not None else TrainConfig()
         data = overrides.get("data", base.data)
-        if data.lower().endswith(_USER_FILE_SUFFIXES) or Path(data).expanduser().is_dir():
+        if data.lower().endswith(_USER_FILE_SUFFIXES) or is_store(data):
             overrides["data"] = str(Path(data).expanduser().resolve())  # found from anywhere
     launch = torchrun_launch()
     if launch is not None and "nproc" not in overrides:  # under torchrun the launch decides
