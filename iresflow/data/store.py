@@ -18,8 +18,9 @@ mapping (2 MiB with 4 KiB pages) its reads touched since the map was opened, and
 map before a read would take that past the cap: the memory the data occupy in the process stays
 below the cap, whatever folio size the kernel maps per fault, up to the few pages its
 fault-around window (64 KiB by default) may map across a block edge, and except while a single
-sequence longer than the cap is read (the operating system's file cache is not part of it). The cap is rounded down to
-whole blocks; a cap below one block re-opens the map for every sequence.
+sequence longer than the cap is read (the operating system's file cache is not part of it).
+The cap is rounded down to whole blocks; a cap below one block re-opens the map for every
+sequence.
 
 :class:`StoredSplit` is a split of a store in model space (standardised on the fly); it offers
 what training and evaluation use of a :class:`~iresflow.data.datasets.SequenceSplit` (batches,
