@@ -24,9 +24,11 @@ demo: $(BIN)/.installed
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest
 
-# Multi-process checks (DDP, SIGKILL-and-resume) and the README example: slower, run in CI too.
+# Multi-process checks (DDP, torchrun on one and two simulated nodes, SIGKILL-and-resume,
+# sharded evaluation) and the README example: slower, run in CI too.
 test-reliability: $(BIN)/.installed
-	$(BIN)/python -m pytest -m slow tests/test_distributed.py tests/test_fault_tolerance.py tests/test_readme.py
+	$(BIN)/python -m pytest -m slow tests/test_distributed.py tests/test_fault_tolerance.py \
+		tests/test_scaleout.py tests/test_readme.py
 
 test-slow: $(BIN)/.installed
 	$(BIN)/python -m pytest -m slow

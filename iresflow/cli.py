@@ -22,11 +22,20 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
+from iresflow.data.store import is_store
 from iresflow.inverse.fixed_point import InversionError
 from iresflow.train.checkpoint import CheckpointError
 from iresflow.train.config import USER_FILE_SUFFIXES, ConfigError, TrainConfig
+from iresflow.train.distributed import current_world, run_rank, spawn, torchrun_launch
 from iresflow.train.epoch import TrainingDivergedError
-from iresflow.train.evaluate import evaluate_run, load_run, sample_run, write_plots
+from iresflow.train.evaluate import (
+    evaluate_run,
+    load_run,
+    plotted_test_sequences,
+    sample_run,
+    write_plots,
+)
+from iresflow.train.factories import resolve_device
 from iresflow.train.loop import train
 from iresflow.train.paths import RunPaths
 from iresflow.train.plots import PlotLabels, plot_traces
@@ -136,6 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="roulette estimates per sequence (>= 2 gives a standard error; default: 4)",
     )
     evaluate_parser.add_argument("--seed", type=int, default=0, help="seed of the estimates")
+    evaluate_parser.add_argument(
+        "--scores", type=Path,
+        help="also write the log-density of every sequence (original units, in the split's "
+        "order) to this .npz file",
+    )
+    evaluate_parser.add_argument(
+        "--nproc", type=_positive_int, default=1,
+        help="processes sharing the split (gloo on the CPU, nccl with one GPU each; under "
+        "torchrun the launch decides; default: 1)",
+    )
 
     sample_parser = commands.add_parser(
         "sample", help="draw sequences from a trained run",
@@ -263,8 +282,12 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
         base = TrainConfig.from_toml(args.config) if args.config is not None else TrainConfig()
         for name in ("data", "test_data"):  # a run must find its files from anywhere
             value = overrides.get(name, getattr(base, name))
-            if value is not None and value.lower().endswith(USER_FILE_SUFFIXES):
+            if value is not None and (value.lower().endswith(USER_FILE_SUFFIXES)
+                                      or is_store(value)):
                 overrides[name] = str(Path(value).expanduser().resolve())
+    launch = torchrun_launch()
+    if launch is not None and "nproc" not in overrides:  # under torchrun the launch decides
+        overrides["nproc"] = launch.world_size
     return base.replace(**overrides)
 
 
@@ -274,32 +297,81 @@ def _train(args: argparse.Namespace) -> int:
     if out is None:
         name = Path(config.data).name.split(".")[0]
         out = Path("runs") / f"{name}-seed{config.seed}"
+    launch = torchrun_launch()
+    if launch is not None and launch.world_size > 1:  # training and test NLL on every rank
+        return run_rank(
+            launch, resolve_device(config.device).type, _train_and_evaluate, config, out, args
+        )
+    return _train_and_evaluate(config, out, args)
+
+
+def _train_and_evaluate(config: TrainConfig, out: Path, args: argparse.Namespace) -> int:
+    """Train, then the test NLL (shared by the ranks of a torchrun launch) and the figures."""
     result = train(
         config, out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet
     )
-    print(
+    main = current_world().main
+    _say(
+        main,
         f"trained {result.epochs} epochs ({'stopped early' if result.stopped_early else 'done'}); "
-        f"best validation NLL {result.best_val_nll:.4f} at epoch {result.best_epoch}"
+        f"best validation NLL {result.best_val_nll:.4f} at epoch {result.best_epoch}",
     )
-    run = load_run(out)
+    run = load_run(out, device=_rank_device(config.device))
     evaluation = evaluate_run(
         run, split="test", method="auto", n_samples=config.eval_n_samples, seed=config.seed
     )
-    print(_describe_evaluation(evaluation))
-    for path in write_plots(run, seed=config.seed):
-        print(f"wrote {path}")
-    print(f"run folder: {out}")
+    _say(main, _describe_evaluation(evaluation))
+    if main:
+        for path in write_plots(run, seed=config.seed):
+            print(f"wrote {path}")
+    _say(main, f"run folder: {out}")
     return 0
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    run = load_run(args.run, checkpoint=args.checkpoint, device=args.device)
+    if args.scores is not None and args.scores.suffix != ".npz":
+        raise CLIError(f"--scores must end in .npz, got {args.scores}")
+    launch = torchrun_launch()
+    if args.nproc == 1 and (launch is None or launch.world_size == 1):
+        return _evaluate_run(args)
+    paths = RunPaths(args.run)
+    if not paths.config.is_file():
+        raise CLIError(f"{args.run} is not a run folder (no config.toml)")
+    name = args.device if args.device is not None else TrainConfig.from_toml(paths.config).device
+    device_type = resolve_device(name).type
+    if launch is not None:
+        if args.nproc != 1:
+            raise CLIError("under torchrun the launch sets the processes; drop --nproc")
+        return run_rank(launch, device_type, _evaluate_run, args)
+    return spawn(_evaluate_run, args.nproc, device_type, args)
+
+
+def _evaluate_run(args: argparse.Namespace) -> int:
+    """``iresflow evaluate`` on one rank (or the only process); rank 0 reports and saves."""
+    run = load_run(args.run, checkpoint=args.checkpoint, device=_rank_device(args.device))
     result = evaluate_run(
-        run, split=args.split, method=args.method, n_samples=args.n_samples, seed=args.seed
+        run, split=args.split, method=args.method, n_samples=args.n_samples, seed=args.seed,
+        scores=args.scores,
     )
-    print(_describe_evaluation(result))
-    print(f"saved to {run.paths.evaluation}")
+    main = current_world().main
+    _say(main, _describe_evaluation(result))
+    _say(main, f"saved to {run.paths.evaluation}")
+    if args.scores is not None:
+        _say(main, f"wrote {args.scores}")
     return 0
+
+
+def _rank_device(name: str | None) -> str | None:
+    """The device setting ``name``, pinned to this rank's GPU in a CUDA process group."""
+    if name is None or current_world().size == 1 or resolve_device(name).type != "cuda":
+        return name
+    return f"cuda:{torch.cuda.current_device()}"
+
+
+def _say(main: bool, line: str) -> None:
+    """Print ``line`` on rank 0 only."""
+    if main:
+        print(line)
 
 
 def _sample(args: argparse.Namespace) -> int:
@@ -313,10 +385,10 @@ def _sample(args: argparse.Namespace) -> int:
     np.savez(
         out, x=samples.x.numpy(), mask=samples.mask.numpy(), lengths=samples.lengths.numpy()
     )
-    test = run.dataset.test
+    real, mask = plotted_test_sequences(run)
     figure = plot_traces(
-        run.dataset.to_raw(test.x, test.mask), test.mask, samples.x, samples.mask,
-        out.with_suffix(".png"), labels=PlotLabels.for_dataset(run.dataset.name),
+        real, mask, samples.x, samples.mask, out.with_suffix(".png"),
+        labels=PlotLabels.for_dataset(run.dataset.name),
     )
     diagnostics = samples.diagnostics
     print(

@@ -43,6 +43,7 @@ from iresflow.data.readers import (
     read_ts,
     read_weekly_csv,
 )
+from iresflow.data.store import SequenceStore, StoredSplit, is_store
 
 __all__ = ["SequenceDataset", "SequenceSplit", "available_datasets", "load_dataset"]
 
@@ -108,6 +109,19 @@ class SequenceSplit:
     def __len__(self) -> int:
         return self.x.shape[0]
 
+    @property
+    def frames(self) -> Tensor:
+        """Real frames of every sequence, ``(B,)``, int64."""
+        return self.mask.sum(dim=1)
+
+    def batch_mask(self, index: Tensor) -> Tensor:
+        """The padding mask of the sequences ``index``, ``(b, N)``."""
+        return self.mask[index]
+
+    def subset(self, index: Tensor) -> SequenceSplit:
+        """The sequences ``index`` (positions or a boolean mask over the split) as a split."""
+        return SequenceSplit(self.x[index], self.mask[index], self.log_jacobian[index])
+
 
 @dataclass
 class SequenceDataset:
@@ -118,7 +132,8 @@ class SequenceDataset:
         features: Number of features ``D`` per frame.
         max_len: Padded length ``N``.
         unit: ``"nats/frame"`` or ``"bits/dim"``, the unit of :meth:`nll`.
-        train: Training split.
+        train: Training split (in memory, or a :class:`~iresflow.data.store.StoredSplit` of a
+            sequence store read from disk).
         val: Validation split.
         test: Test split.
         preprocessing: The map from raw to model space, inverted by :meth:`to_raw`; ``None``
@@ -134,16 +149,22 @@ class SequenceDataset:
     features: int
     max_len: int
     unit: str
-    train: SequenceSplit
-    val: SequenceSplit
-    test: SequenceSplit
+    train: SequenceSplit | StoredSplit
+    val: SequenceSplit | StoredSplit
+    test: SequenceSplit | StoredSplit
     preprocessing: Preprocessing | None = None
 
     def __post_init__(self) -> None:
         if self.unit not in _UNITS:
             raise ValueError(f"unit must be one of {_UNITS}, got {self.unit!r}")
         for label, split in (("train", self.train), ("val", self.val), ("test", self.test)):
-            if split.x.shape[1:] != (self.max_len, self.features):
+            if isinstance(split, StoredSplit):
+                if split.store.features != self.features or split.store.max_len > self.max_len:
+                    raise ValueError(
+                        f"{label} must hold sequences of at most {self.max_len} frames of "
+                        f"{self.features} features"
+                    )
+            elif split.x.shape[1:] != (self.max_len, self.features):
                 raise ValueError(
                     f"{label}.x must have shape (B, {self.max_len}, {self.features}), "
                     f"got {tuple(split.x.shape)}"
@@ -168,11 +189,13 @@ class SequenceDataset:
         frames = mask.sum(dim=1)
         return frames * self.features if self.unit == "bits/dim" else frames
 
-    def _scale(self, split: SequenceSplit) -> float:
-        total = float(self.units(split.mask).sum())
+    def _scale(self, split: SequenceSplit | StoredSplit) -> float:
+        total = float(split.frames.sum()) * (self.features if self.unit == "bits/dim" else 1)
         return total * (math.log(2.0) if self.unit == "bits/dim" else 1.0)
 
-    def _check_per_sequence(self, values: Tensor, split: SequenceSplit, name: str) -> Tensor:
+    def _check_per_sequence(
+        self, values: Tensor, split: SequenceSplit | StoredSplit, name: str
+    ) -> Tensor:
         if not isinstance(values, Tensor) or not values.is_floating_point():
             raise TypeError(f"{name} must be a floating-point torch.Tensor")
         if values.shape != (len(split),):
@@ -181,7 +204,7 @@ class SequenceDataset:
             )
         return check_finite(values, name)
 
-    def nll(self, log_prob: Tensor, split: SequenceSplit) -> float:
+    def nll(self, log_prob: Tensor, split: SequenceSplit | StoredSplit) -> float:
         r"""Negative log-likelihood of a split in the dataset's unit, in original units.
 
         .. math:: -\frac{\sum_b (\log p_b + \log|\det J_b|)}{\sum_b u_b}
@@ -205,7 +228,9 @@ class SequenceDataset:
         total = (log_prob.to(torch.float64) + split.log_jacobian.to(log_prob.device)).sum()
         return -float(total) / self._scale(split)
 
-    def nll_stderr(self, log_prob_stderr: Tensor, split: SequenceSplit) -> float:
+    def nll_stderr(
+        self, log_prob_stderr: Tensor, split: SequenceSplit | StoredSplit
+    ) -> float:
         r"""Standard error of :meth:`nll` from independent per-sequence standard errors.
 
         .. math:: \frac{\sqrt{\sum_b s_b^2}}{\sum_b u_b}
@@ -443,6 +468,29 @@ def _load_user(
         raise ValueError(f"{file}: {error}") from None
 
 
+def _load_store(folder: Path, seed: int, val_fraction: float, memory_cap: int) -> SequenceDataset:
+    store = SequenceStore(folder, memory_cap=memory_cap)
+    generator = torch.Generator().manual_seed(seed)
+    try:
+        indices = _random_split(len(store), val_fraction, TEST_FRACTION, generator)
+    except ValueError as error:
+        raise ValueError(f"{folder}: {error}") from None
+    _warn_small_splits(folder.name, indices)
+    # One streaming pass over the training frames (in chunks) fits the standardisation.
+    standardization = Standardization.fit_chunks(store.frame_chunks(indices[0]))
+    train, val, test = (StoredSplit(store, index, standardization) for index in indices)
+    return SequenceDataset(
+        name=folder.name,
+        features=store.features,
+        max_len=store.max_len,
+        unit="nats/frame",
+        train=train,
+        val=val,
+        test=test,
+        preprocessing=standardization,
+    )
+
+
 _LOADERS: dict[str, Callable[[int, float], SequenceDataset]] = {
     "japanese_vowels": _load_japanese_vowels,
     "digits_rows": _load_digits_rows,
@@ -471,8 +519,9 @@ def load_dataset(
     path: str | os.PathLike | None = None,
     val_fraction: float = 0.1,
     test_path: str | os.PathLike | None = None,
+    memory_cap: int = 0,
 ) -> SequenceDataset:
-    """Load a dataset by name, or user sequences from an ``.npz``/``.ts`` file.
+    """Load a dataset by name, user sequences from an ``.npz``/``.ts`` file, or a store folder.
 
     Every loader is offline and deterministic given ``seed``, which drives the random
     validation/test split and the dequantisation noise.
@@ -491,6 +540,10 @@ def load_dataset(
       Standardised with the statistics of the training split's observed frames; nats/frame.
       Missing frames (a boolean ``mask`` in ``.npz``, ``?``/``NaN`` in ``.ts``) are unobserved.
       A ``UserWarning`` names every split with fewer than :data:`MIN_SPLIT_SEQUENCES` sequences.
+    * a sequence-store folder (:mod:`iresflow.data.store`) given as ``name``: data larger than
+      memory, read batch by batch from disk (:class:`~iresflow.data.store.StoredSplit`). A
+      random split like a user file without a test file; standardised with statistics of the
+      training frames computed in one streaming pass; nats/frame.
 
     Args:
         name: One of :func:`available_datasets`, or a path ending in ``.npz``, ``.ts`` or
@@ -499,6 +552,9 @@ def load_dataset(
         path: The user file for ``"npz"`` and ``"ts"``.
         val_fraction: Fraction in ``(0, 1)`` held out for validation.
         test_path: Optional test file of a user dataset, in the format of the training file.
+        memory_cap: For a store, megabytes its memory map may keep resident before it is
+            re-opened, which bounds the memory the data occupy (0: no cap; see
+            :class:`~iresflow.data.store.SequenceStore`).
 
     Returns:
         The dataset.
@@ -523,6 +579,12 @@ def load_dataset(
     for label, value in (("path", path), ("test_path", test_path)):
         if value is not None and not isinstance(value, str | os.PathLike):
             raise TypeError(f"{label} must be a str or os.PathLike, got {type(value).__name__}")
+    if isinstance(memory_cap, bool) or not isinstance(memory_cap, int) or memory_cap < 0:
+        raise ValueError(f"memory_cap must be an int >= 0 (megabytes), got {memory_cap!r}")
+    if is_store(name):
+        if path is not None or test_path is not None:
+            raise ValueError(f"a store folder takes no path or test_path ({name!r})")
+        return _load_store(Path(name).expanduser(), seed, float(val_fraction), memory_cap)
     key = name
     lowered = name.lower()
     if lowered.endswith((".npz", ".ts", ".ts.gz")):
@@ -538,7 +600,7 @@ def load_dataset(
     if key not in _LOADERS:
         raise ValueError(
             f"unknown dataset {name!r}; available: {available_datasets()} "
-            "(or a path ending in .npz, .ts or .ts.gz)"
+            "(or a path ending in .npz, .ts or .ts.gz, or a sequence-store folder)"
         )
     for label, value in (("path", path), ("test_path", test_path)):
         if value is not None:

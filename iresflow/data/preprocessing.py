@@ -20,6 +20,7 @@ it contributes nothing to the log-Jacobian.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -109,14 +110,80 @@ class Standardization:
         frames = raw[mask].to(torch.float64)
         if frames.shape[0] < 2:
             raise ValueError("standardisation needs at least two real frames to fit")
-        mean = frames.mean(dim=0)
-        std = frames.std(dim=0, correction=0)
+        return cls._from_moments(frames.mean(dim=0), frames.std(dim=0, correction=0))
+
+    @classmethod
+    def fit_chunks(cls, chunks: Iterable[Tensor]) -> Standardization:
+        r"""Fit like :meth:`fit` in one streaming pass over chunks of real frames.
+
+        Each chunk's count, mean and sum of squared deviations are merged into the running ones
+        (Chan, Golub and LeVeque's pairwise update, stable in float64), so the data never need
+        to be in memory together.
+
+        Args:
+            chunks: Real frames in chunks of shape ``(t, D)``, ``t >= 1``.
+
+        Returns:
+            The fitted standardisation (float64 statistics on the CPU).
+
+        Raises:
+            ValueError: chunks of different ``D``, non-finite values, fewer than two frames, or a
+                constant feature.
+
+        Example:
+            >>> frames = torch.randn(100, 3, dtype=torch.float64)
+            >>> streamed = Standardization.fit_chunks(frames.split(7))
+            >>> mask = torch.ones(1, 100, dtype=torch.bool)
+            >>> whole = Standardization.fit(frames.unsqueeze(0), mask)
+            >>> torch.allclose(streamed.std, whole.std), torch.allclose(streamed.mean, whole.mean)
+            (True, True)
+        """
+        count, mean, squares = 0, None, None
+        for chunk in chunks:
+            if not isinstance(chunk, Tensor) or chunk.dim() != 2 or chunk.shape[0] == 0:
+                raise ValueError("every chunk of frames must be a tensor of shape (t, D), t >= 1")
+            chunk = check_finite(chunk.to(device="cpu", dtype=torch.float64), "chunk")
+            chunk_mean = chunk.mean(dim=0)
+            chunk_squares = (chunk - chunk_mean).square().sum(dim=0)
+            if mean is None or squares is None:
+                count, mean, squares = chunk.shape[0], chunk_mean, chunk_squares
+                continue
+            if chunk.shape[1] != mean.shape[0]:
+                raise ValueError(f"chunks must all have D = {mean.shape[0]} columns")
+            total = count + chunk.shape[0]
+            delta = chunk_mean - mean
+            mean = mean + delta * (chunk.shape[0] / total)
+            squares = squares + chunk_squares + delta.square() * (count * chunk.shape[0] / total)
+            count = total
+        if mean is None or squares is None or count < 2:
+            raise ValueError("standardisation needs at least two real frames to fit")
+        return cls._from_moments(mean, (squares / count).sqrt())
+
+    @classmethod
+    def _from_moments(cls, mean: Tensor, std: Tensor) -> Standardization:
         constant = (std <= 0).nonzero().flatten().tolist()
         if constant:
             raise ValueError(
                 f"feature(s) {constant} are constant over the training frames; cannot standardise"
             )
         return cls(mean=mean, std=std)
+
+    def log_jacobian(self, frames: Tensor) -> Tensor:
+        r"""Log-Jacobian :math:`-n \sum_d \log\sigma_d` of sequences of ``frames`` real frames.
+
+        Args:
+            frames: Real frames per sequence, shape ``(B,)``, integer.
+
+        Returns:
+            Shape ``(B,)``, float64.
+
+        Example:
+            >>> scale = Standardization(torch.zeros(1, dtype=torch.float64),
+            ...                         torch.full((1,), 2.0, dtype=torch.float64))
+            >>> scale.log_jacobian(torch.tensor([0, 1])).tolist()
+            [-0.0, -0.6931471805599453]
+        """
+        return -frames.to(torch.float64) * self.std.to(frames.device).log().sum()
 
     def forward(self, raw: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         """Standardise the real frames of ``raw``.
@@ -133,8 +200,7 @@ class Standardization:
         mean, std = self.mean.to(raw.device), self.std.to(raw.device)
         real = mask.unsqueeze(-1)
         x = torch.where(real, (raw.to(torch.float64) - mean) / std, 0.0).to(raw.dtype)
-        log_jacobian = -mask.sum(dim=1).to(torch.float64) * std.log().sum()
-        return x, log_jacobian
+        return x, self.log_jacobian(mask.sum(dim=1))
 
     def inverse(self, x: Tensor, mask: Tensor) -> Tensor:
         r"""Undo the standardisation, :math:`r = \mu + \sigma x` (zero at padding).

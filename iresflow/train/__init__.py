@@ -10,7 +10,7 @@
 - :mod:`~iresflow.train.loop`: :func:`~iresflow.train.loop.train`, the orchestration of a run.
 - :mod:`~iresflow.train.metrics`: metrics tables, TensorBoard events, progress lines.
 - :mod:`~iresflow.train.checkpoint`: atomic, code-free checkpoint files.
-- :mod:`~iresflow.train.distributed`: data-parallel processes.
+- :mod:`~iresflow.train.distributed`: data-parallel processes (``--nproc`` and ``torchrun``).
 - :mod:`~iresflow.train.evaluate`: reloading a run, its test NLL, samples and figures.
 - :mod:`~iresflow.train.plots`: the figures.
 """

@@ -44,7 +44,7 @@ __all__ = [
 
 # Settings that may change when a run is resumed; every other one must match the checkpoint.
 RESUMABLE_FIELDS = frozenset(
-    {"epochs", "patience", "device", "tensorboard", "max_eval", "on_nan"}
+    {"epochs", "patience", "device", "tensorboard", "max_eval", "on_nan", "memory_cap"}
 )
 
 #: The model settings of a run: every :class:`~iresflow.models.config.ModelConfig` field but
@@ -86,7 +86,9 @@ class TrainConfig:
     """
 
     # data
-    data: str = setting("japanese_vowels", "dataset name or path to a .npz/.ts file")
+    data: str = setting(
+        "japanese_vowels", "dataset name, path to a .npz/.ts file, or a sequence-store folder"
+    )
     val_fraction: float = setting(
         0.1, "fraction of the training sequences held out for validation"
     )
@@ -145,6 +147,15 @@ class TrainConfig:
         "and of the pilot of the final test NLL (>= 2: standard error)",
     )
     tensorboard: bool = setting(False, "also write TensorBoard event files")
+    # data larger than memory (docs/scaling.md)
+    bucket: int = setting(
+        0, "sort the sequences by length within windows of this many batches, so batches hold "
+        "similar lengths and little padding (0: plain shuffle)"
+    )
+    memory_cap: int = setting(
+        0, "with a sequence-store folder as data: megabytes its memory map may keep resident "
+        "before it is re-opened, bounding the memory the data occupy (0: no cap)"
+    )
 
     def __init__(self, model: ModelConfig | None = None, **settings: Any) -> None:
         check_keys(type(self), settings, extra=MODEL_SETTINGS)
@@ -173,6 +184,9 @@ class TrainConfig:
         for name in ("weight_decay", "clip"):
             if not 0.0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
+        for name in ("bucket", "memory_cap"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         for name in ("batch_size", "epochs", "eval_n_samples", "max_train", "max_eval", "nproc"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -22,6 +22,11 @@ buffers of rank 0 (power-iteration vectors, ActNorm state) before every forward 
 data-dependent ActNorm initialisation runs on the whole first global batch on every rank. Only
 rank 0 writes the run folder; checkpoints hold the random states of every rank, so a run resumes
 exactly with the same ``nproc``.
+
+Two launchers, one code path: :func:`spawn` (``--nproc N`` on one machine) and ``torchrun``
+(one or several machines, :func:`torchrun_launch` reads its ``env://`` rendezvous) both run each
+process through :func:`run_rank`, which pins the process to its local GPU, joins the process
+group with the backend of the device and runs the work of one rank. See ``docs/scaling.md``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +44,21 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
-__all__ = ["World", "all_gather_objects", "broadcast_object", "current_world", "shard", "spawn"]
+__all__ = [
+    "Launch",
+    "World",
+    "all_gather_objects",
+    "backend_for",
+    "broadcast_object",
+    "current_world",
+    "run_rank",
+    "shard",
+    "spawn",
+    "torchrun_launch",
+]
+
+#: Environment variables of the ``env://`` rendezvous that ``torchrun`` sets for every process.
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
@@ -69,6 +88,139 @@ def current_world() -> World:
     if dist.is_available() and dist.is_initialized():
         return World(dist.get_rank(), dist.get_world_size())
     return World(0, 1)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where a process to be started sits in a data-parallel run.
+
+    Attributes:
+        rank: Global rank, ``0 <= rank < world_size``.
+        world_size: Number of processes over all machines.
+        local_rank: Index of the process on its machine (its GPU on CUDA).
+        local_world_size: Number of processes on its machine (they share its CPU cores).
+
+    Example:
+        >>> Launch(rank=3, world_size=4, local_rank=1, local_world_size=2).rank
+        3
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.local_world_size <= self.world_size:
+            raise ValueError(
+                f"local_world_size must lie in [1, world_size={self.world_size}], got "
+                f"{self.local_world_size}"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must lie in [0, {self.world_size}), got {self.rank}")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(
+                f"local_rank must lie in [0, {self.local_world_size}), got {self.local_rank}"
+            )
+
+
+def torchrun_launch(environ: Mapping[str, str] | None = None) -> Launch | None:
+    """This process's place in a ``torchrun`` launch, read from its environment.
+
+    ``torchrun`` (``python -m torch.distributed.run``) sets ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` for every
+    process it starts; :func:`run_rank` then joins the group with ``init_method="env://"``.
+
+    Args:
+        environ: The environment (default: :data:`os.environ`).
+
+    Returns:
+        The :class:`Launch`, or ``None`` when ``RANK`` and ``WORLD_SIZE`` are both unset.
+
+    Raises:
+        ValueError: a partial rendezvous (some of :data:`TORCHRUN_VARIABLES` missing) or
+            values that are not integers in range.
+
+    Example:
+        >>> torchrun_launch({}) is None
+        True
+        >>> torchrun_launch({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+        ...                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+        Launch(rank=1, world_size=2, local_rank=1, local_world_size=2)
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" not in env and "WORLD_SIZE" not in env:
+        return None
+    missing = [name for name in TORCHRUN_VARIABLES if name not in env]
+    if missing:
+        raise ValueError(
+            f"incomplete torchrun environment: {', '.join(missing)} not set (launch with "
+            "torchrun, or unset RANK and WORLD_SIZE)"
+        )
+    values = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        text = env.get(name, env["WORLD_SIZE"])  # LOCAL_WORLD_SIZE: all ranks on one machine
+        try:
+            values[name] = int(text)
+        except ValueError:
+            raise ValueError(f"{name} must be an integer, got {text!r}") from None
+    return Launch(
+        values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"]
+    )
+
+
+def backend_for(device_type: str) -> str:
+    """The collective backend of a device type: ``nccl`` on CUDA, ``gloo`` elsewhere.
+
+    Example:
+        >>> backend_for("cpu")
+        'gloo'
+    """
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def run_rank(
+    launch: Launch, device_type: str, function: Callable[..., Any], *args: Any,
+    init_method: str = "env://", **kwargs: Any,
+) -> Any:
+    """Run ``function(*args, **kwargs)`` as one rank of a process group.
+
+    Pins the process to GPU ``local_rank`` on CUDA (else shares the machine's cores among its
+    ``local_world_size`` processes), joins the group with
+    :func:`backend_for` the device, runs ``function`` and leaves the group. Both launchers use
+    it: :func:`spawn` with a ``tcp://`` address on the loopback, ``torchrun`` with ``env://``.
+
+    Args:
+        launch: This process's rank, world size and local rank.
+        device_type: ``"cpu"`` or ``"cuda"``.
+        function: The work of one rank.
+        *args: Positional arguments of ``function``.
+        init_method: Rendezvous of :func:`torch.distributed.init_process_group`.
+        **kwargs: Keyword arguments of ``function``.
+
+    Returns:
+        What ``function`` returned on this rank.
+
+    Raises:
+        RuntimeError: CUDA requested but ``local_rank`` has no GPU.
+    """
+    if device_type == "cuda":
+        if torch.cuda.device_count() <= launch.local_rank:
+            raise RuntimeError(
+                f"local rank {launch.local_rank} needs GPU {launch.local_rank}, found "
+                f"{torch.cuda.device_count()} GPUs"
+            )
+        torch.cuda.set_device(launch.local_rank)
+    else:  # share the cores: more threads than cores stall in intra-op barriers
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
+    dist.init_process_group(
+        backend_for(device_type), init_method=init_method, rank=launch.rank,
+        world_size=launch.world_size,
+    )
+    # An exception leaves the group as it is: the launcher stops the ranks that wait for it.
+    result = function(*args, **kwargs)
+    dist.destroy_process_group()
+    return result
 
 
 def shard(index: Tensor, world: World) -> tuple[Tensor, float]:
@@ -137,13 +289,12 @@ def spawn(function: Callable[..., Any], nproc: int, device_type: str, *args: Any
         )
     context = mp.get_context("spawn")
     outcomes = context.SimpleQueue()
-    backend = "nccl" if device_type == "cuda" else "gloo"
     logger = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process ..."
     level = logger.level
     logger.setLevel(logging.ERROR)  # the other ranks of a failed run are stopped on purpose
     try:
         mp.start_processes(
-            _worker, args=(nproc, _free_port(), backend, outcomes, function, args, kwargs),
+            _worker, args=(nproc, _free_port(), device_type, outcomes, function, args, kwargs),
             nprocs=nproc, join=True, start_method="spawn",
         )
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as error:
@@ -164,26 +315,22 @@ def spawn(function: Callable[..., Any], nproc: int, device_type: str, *args: Any
 
 
 def _worker(
-    rank: int, size: int, port: int, backend: str, outcomes: Any,
+    rank: int, size: int, port: int, device_type: str, outcomes: Any,
     function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
 ) -> None:
-    """One process: join the group, run ``function``, report its result or error."""
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    else:  # share the cores: more threads than cores stall in intra-op barriers
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
-    )
+    """One process of :func:`spawn`: run its rank, report its result or error."""
+    launch = Launch(rank, size, rank, size)
     try:
-        result = function(*args, **kwargs)
+        result = run_rank(
+            launch, device_type, function, *args, init_method=f"tcp://127.0.0.1:{port}",
+            **kwargs,
+        )
     except Exception as error:  # re-raised in the parent; no traceback on stderr
         outcomes.put(("error", error))
         sys.stderr.flush()
         os._exit(1)  # the parent stops the other ranks, which may wait in a collective
     if rank == 0:
         outcomes.put(("result", result))
-    dist.destroy_process_group()
 
 
 def _free_port() -> int:

@@ -41,7 +41,8 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from iresflow.data.datasets import SequenceDataset, SequenceSplit
+from iresflow.data.batching import epoch_batches
+from iresflow.data.datasets import SequenceDataset
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.averaging import averaged_parameters, load_average, moving_average
 from iresflow.train.config import TrainConfig
@@ -213,13 +214,15 @@ class TrainingSession:
         """
         start = time.perf_counter()
         train = self.dataset.train
-        order = torch.randperm(len(train), generator=self.shuffle)
+        batches = epoch_batches(
+            train.frames, self.config.batch_size, self.shuffle, self.config.bucket
+        )
         log_prob = torch.zeros(len(train), dtype=torch.float64)
         kept = torch.ones(len(train), dtype=torch.bool)
         grad_norms = []
         self.model.train()
         world = self.world
-        for step, index in enumerate(order.split(self.config.batch_size), start=1):
+        for step, index in enumerate(batches, start=1):
             if step == 1 and self.epoch == 1:
                 # Data-dependent layers (ActNorm, the autoregressive fit) from the same leading
                 # training sequences on every rank, before the first step.
@@ -229,7 +232,7 @@ class TrainingSession:
             x, mask = trimmed_batch(train, part, self.device)
             batch_log_prob = self.replica(x, mask)
             # Global-batch normalisation; times W to undo DDP's gradient average.
-            units = float(self.dataset.units(train.mask[index]).sum())
+            units = float(self.dataset.units(train.batch_mask(index)).sum())
             loss = -batch_log_prob.sum() * (weight * world.size) / units
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -264,11 +267,11 @@ class TrainingSession:
         norms = torch.stack(grad_norms)
         if world.size > 1:  # each rank holds the log-densities of its shards
             torch.distributed.all_reduce(log_prob)
-        trained = SequenceSplit(train.x[kept], train.mask[kept], train.log_jacobian[kept])
+        trained = train.subset(kept)
         return {
             "epoch": self.epoch,
             "train_nll": self.dataset.nll(log_prob[kept], trained),
-            "skipped_steps": float(len(order.split(self.config.batch_size)) - len(grad_norms)),
+            "skipped_steps": float(len(batches) - len(grad_norms)),
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": float(norms.mean()),
             "grad_norm_max": float(norms.max()),

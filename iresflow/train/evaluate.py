@@ -12,23 +12,24 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from iresflow.data.datasets import SequenceDataset, SequenceSplit
+from iresflow.data.store import StoredSplit
 from iresflow.models.config import ModelConfig
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.averaging import copy_parameters, load_average, moving_average
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
+from iresflow.train.distributed import current_world
 from iresflow.train.factories import load_data, resolve_device
-from iresflow.train.likelihood import log_prob_cost, split_log_prob
+from iresflow.train.likelihood import log_prob_cost, sharded_log_prob, trimmed_batch
 from iresflow.train.paths import RunPaths
 from iresflow.train.plots import PlotLabels, plot_learning_curves, plot_marginals, plot_traces
 
@@ -39,6 +40,7 @@ __all__ = [
     "evaluate_run",
     "full_history",
     "load_run",
+    "plotted_test_sequences",
     "sample_run",
     "write_plots",
 ]
@@ -52,6 +54,8 @@ EXACT_BUDGET = 2e10
 TARGET_STDERR = 0.01
 #: Most roulette estimates per sequence that ``evaluate_run(method="auto")`` draws.
 MAX_ROULETTE_SAMPLES = 256
+#: Test sequences shown in the figures at most (all of a smaller test split).
+PLOT_TEST_SEQUENCES = 1000
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,7 @@ def evaluate_run(
     seed: int = 0,
     save: bool = True,
     target_stderr: float = TARGET_STDERR,
+    scores: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     r"""Negative log-likelihood of a split in the dataset's unit.
 
@@ -210,8 +215,15 @@ def evaluate_run(
             ``"auto"``, those of the pilot).
         seed: Seed of the roulette estimates (torch's global generators are restored after).
         save: Merge the result into ``evaluation.json`` of the run (keyed by split, then the
-            method used).
+            method used); in a process group only rank 0 writes it.
         target_stderr: Standard error, in the dataset's unit, that ``"auto"`` aims for.
+        scores: Also write the per-sequence scores to this ``.npz`` file (rank 0): ``log_prob``,
+            the log-density of every sequence of the split in original units (in the split's
+            order), and for roulette with ``n_samples >= 2`` its standard error ``stderr``.
+
+    In a process group (``iresflow evaluate --nproc N`` or under ``torchrun``) the ranks share
+    the batches of the split and every rank returns the same result, equal to one process's
+    (:func:`~iresflow.train.likelihood.sharded_log_prob`).
 
     Returns:
         ``{"split", "method", "nll", "unit", "sequences", "checkpoint", "epoch"}`` with the
@@ -219,8 +231,11 @@ def evaluate_run(
         ``"choice"`` (why, in words) for ``"auto"``.
 
     Raises:
-        ValueError: unknown split or method, ``n_samples < 1`` or ``target_stderr <= 0``.
+        ValueError: unknown split or method, ``n_samples < 1``, ``target_stderr <= 0``, or
+            ``scores`` not ending in ``.npz``.
     """
+    if scores is not None and not str(scores).endswith(".npz"):
+        raise ValueError(f"scores must name an .npz file, got {str(scores)!r}")
     if split not in ("test", "val", "train"):
         raise ValueError(f"split must be test, val or train, got {split!r}")
     if method not in ("exact", "roulette", "auto"):
@@ -231,18 +246,16 @@ def evaluate_run(
         raise ValueError(f"target_stderr must be > 0, got {target_stderr}")
     data = getattr(run.dataset, split)
     choice = None
-    with _seeded(run.model, seed):
-        if method == "auto":
-            method, n_samples, choice, estimate = _choose_method(
-                run, data, n_samples, target_stderr
-            )
-        else:
-            estimate = None
-        if estimate is None:
-            estimate = split_log_prob(
-                run.model, data, method=method, n_samples=n_samples,
-                batch_size=run.config.batch_size,
-            )
+    estimate = None
+    if method == "auto":
+        method, n_samples, choice, estimate = _choose_method(
+            run, data, n_samples, target_stderr, seed
+        )
+    if estimate is None:
+        estimate = sharded_log_prob(
+            run.model, data, method=method, n_samples=n_samples,
+            batch_size=run.config.batch_size, seed=seed,
+        )
     log_prob, stderr = estimate
     result: dict[str, Any] = {
         "split": split,
@@ -259,7 +272,13 @@ def evaluate_run(
             result["stderr"] = run.dataset.nll_stderr(stderr, data)
     if choice is not None:
         result["choice"] = choice
-    if save:
+    if scores is not None and current_world().main:
+        arrays = {"log_prob": (log_prob + data.log_jacobian).numpy()}
+        if stderr is not None:
+            arrays["stderr"] = stderr.numpy()
+        Path(scores).parent.mkdir(parents=True, exist_ok=True)
+        np.savez(scores, **arrays)
+    if save and current_world().main:
         results = _read_json(run.paths.evaluation)
         results.setdefault(split, {})[method] = result
         run.paths.evaluation.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
@@ -267,18 +286,19 @@ def evaluate_run(
 
 
 def _choose_method(
-    run: LoadedRun, data: SequenceSplit, n_samples: int, target: float
+    run: LoadedRun, data: SequenceSplit | StoredSplit, n_samples: int, target: float, seed: int
 ) -> tuple[str, int, str, tuple[Tensor, Tensor | None] | None]:
     """``method="auto"``: the method, the estimates per sequence, the reason, and the
     log-densities when the pilot already meets the target (else ``None``: compute them)."""
     model, features = run.config.model, run.dataset.features
-    exact = log_prob_cost(model, features, data.mask, method="exact")
+    mask = data.batch_mask(torch.arange(len(data)))
+    exact = log_prob_cost(model, features, mask, method="exact")
     if exact <= EXACT_BUDGET:
         return "exact", 1, f"exact: estimated cost {exact:.1e} <= {EXACT_BUDGET:.0e}", None
     pilot_samples = max(2, n_samples)
-    pilot = split_log_prob(
+    pilot = sharded_log_prob(
         run.model, data, method="roulette", n_samples=pilot_samples,
-        batch_size=run.config.batch_size,
+        batch_size=run.config.batch_size, seed=seed,
     )
     assert pilot[1] is not None  # two or more estimates
     stderr = run.dataset.nll_stderr(pilot[1], data)
@@ -288,7 +308,7 @@ def _choose_method(
             f"roulette: exact too costly ({exact:.1e} > {EXACT_BUDGET:.0e}); standard error "
             f"{stderr:.2g} <= {target:g} with {pilot_samples} estimates"
         ), pilot
-    roulette = log_prob_cost(model, features, data.mask, method="roulette", n_samples=needed)
+    roulette = log_prob_cost(model, features, mask, method="roulette", n_samples=needed)
     if exact <= roulette:
         return "exact", 1, (
             f"exact: cheaper ({exact:.1e}) than the {needed} roulette estimates per sequence "
@@ -339,9 +359,10 @@ def write_plots(run: LoadedRun, *, seed: int = 0) -> list[Path]:
     ``learning_curves.png`` (NLL and learning rate of every epoch of the run, from the ``last``
     checkpoint, whichever checkpoint ``run`` holds, with the best epoch marked), ``samples.png``
     (the :data:`PLOT_SAMPLES` sampled sequences, their lengths drawn from the training lengths,
-    and as many test sequences, as per-feature traces) and ``marginals.png`` (per-feature
-    histograms of all test frames and of the sampled frames), all in the data's original units
-    with the dataset's axis names (:meth:`~iresflow.train.plots.PlotLabels.for_dataset`).
+    and the test sequences of :func:`plotted_test_sequences`, as per-feature traces) and
+    ``marginals.png`` (per-feature histograms of the frames of those test sequences and of the
+    sampled frames), all in the data's original units with the dataset's axis names
+    (:meth:`~iresflow.train.plots.PlotLabels.for_dataset`).
 
     Args:
         run: A loaded run.
@@ -350,9 +371,8 @@ def write_plots(run: LoadedRun, *, seed: int = 0) -> list[Path]:
     Returns:
         The paths written.
     """
-    test = run.dataset.test
     samples = sample_run(run, PLOT_SAMPLES, seed=seed)
-    real = run.dataset.to_raw(test.x, test.mask)
+    real, mask = plotted_test_sequences(run)
     folder = run.paths.plots
     labels = PlotLabels.for_dataset(run.dataset.name)
     history, best_epoch = full_history(run)
@@ -362,12 +382,30 @@ def write_plots(run: LoadedRun, *, seed: int = 0) -> list[Path]:
         )
     ]
     written.append(plot_traces(
-        real, test.mask, samples.x, samples.mask, folder / "samples.png", labels=labels
+        real, mask, samples.x, samples.mask, folder / "samples.png", labels=labels
     ))
     written.append(plot_marginals(
-        real, test.mask, samples.x, samples.mask, folder / "marginals.png", labels=labels
+        real, mask, samples.x, samples.mask, folder / "marginals.png", labels=labels
     ))
     return written
+
+
+def plotted_test_sequences(run: LoadedRun) -> tuple[Tensor, Tensor]:
+    """The test sequences the figures show, in original units, on the CPU.
+
+    The first :data:`PLOT_TEST_SEQUENCES` of the test split (all of a smaller one), so a split
+    read from disk (:class:`~iresflow.data.store.StoredSplit`) is never loaded whole.
+
+    Args:
+        run: A loaded run.
+
+    Returns:
+        ``(x, mask)`` of shapes ``(b, n, D)`` and ``(b, n)``, ``n`` the longest of them.
+    """
+    test = run.dataset.test
+    index = torch.arange(min(len(test), PLOT_TEST_SEQUENCES))
+    x, mask = trimmed_batch(test, index, torch.device("cpu"))
+    return run.dataset.to_raw(x, mask), mask
 
 
 def full_history(run: LoadedRun) -> tuple[list[dict[str, float]], int | None]:
@@ -407,15 +445,6 @@ def _worst_solve(model: ResidualFlowTransformer) -> dict[str, float]:
                 "tolerance": float(stats.tolerance[index]),
             }
     return worst
-
-
-@contextmanager
-def _seeded(model: ResidualFlowTransformer, seed: int) -> Iterator[None]:
-    """Seed torch's global generators (used by per-call estimators), restoring them on exit."""
-    device = next(model.parameters()).device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        yield
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
+from iresflow.data.store import StoredSplit
 from iresflow.models.config import ModelConfig
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.config import DEVICE_PATTERN, ConfigError, TrainConfig
@@ -64,18 +65,20 @@ def load_data(config: TrainConfig) -> SequenceDataset:
         dataset = load_dataset(
             config.data, seed=config.seed, val_fraction=config.val_fraction,
             test_path=config.test_data,
+            memory_cap=config.memory_cap,
         )
     except (ValueError, OSError, ImportError) as error:
         raise ConfigError(f"cannot load dataset {config.data!r}: {error}") from None
 
     generator = torch.Generator().manual_seed(config.seed)
 
-    def subset(split: SequenceSplit, limit: int | None) -> SequenceSplit:
+    def subset(
+        split: SequenceSplit | StoredSplit, limit: int | None
+    ) -> SequenceSplit | StoredSplit:
         # A random subset: the splits of some datasets are ordered (e.g. by speaker).
         if limit is None or limit >= len(split):
             return split
-        index = torch.randperm(len(split), generator=generator)[:limit].sort().values
-        return SequenceSplit(split.x[index], split.mask[index], split.log_jacobian[index])
+        return split.subset(torch.randperm(len(split), generator=generator)[:limit].sort().values)
 
     return dataclasses.replace(
         dataset,

@@ -1,6 +1,7 @@
 """Whole splits through a flow: log-densities in batches and a check of the inverse.
 
-Used after every training epoch (validation) and by the evaluation of a finished run.
+Used after every training epoch (validation) and by the evaluation of a finished run, which
+shares the batches among the ranks of a process group (:func:`sharded_log_prob`).
 """
 
 from __future__ import annotations
@@ -11,14 +12,17 @@ import torch
 from torch import Tensor
 
 from iresflow.data.datasets import SequenceSplit
+from iresflow.data.store import StoredSplit
 from iresflow.inverse.fixed_point import InversionError
 from iresflow.models.config import ModelConfig
 from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.train.distributed import all_gather_objects, current_world
 
 __all__ = [
     "INVERSE_CHECK_SEQUENCES",
     "inverse_check",
     "log_prob_cost",
+    "sharded_log_prob",
     "split_log_prob",
     "trimmed_batch",
 ]
@@ -31,7 +35,7 @@ ROULETTE_PASSES = 12
 
 
 def trimmed_batch(
-    split: SequenceSplit, index: Tensor, device: torch.device
+    split: SequenceSplit | StoredSplit, index: Tensor, device: torch.device
 ) -> tuple[Tensor, Tensor]:
     """The sequences ``index`` of a split, trimmed to the longest of them, on ``device``.
 
@@ -53,6 +57,8 @@ def trimmed_batch(
         >>> x.shape, m.tolist()
         (torch.Size([1, 1, 1]), [[True]])
     """
+    if isinstance(split, StoredSplit):  # read from disk
+        return split.batch(index, device)
     mask = split.mask[index]
     longest = int(mask.sum(dim=1).max())
     return split.x[index, :longest].to(device), mask[:, :longest].to(device)
@@ -60,7 +66,7 @@ def trimmed_batch(
 
 def split_log_prob(
     model: ResidualFlowTransformer,
-    split: SequenceSplit,
+    split: SequenceSplit | StoredSplit,
     *,
     method: str,
     n_samples: int = 1,
@@ -85,17 +91,10 @@ def split_log_prob(
     values, errors = [], []
     with torch.no_grad():  # the estimators enable gradients where they need them
         for index in torch.arange(len(split)).split(batch_size):
-            x, mask = trimmed_batch(split, index, device)
-            if method == "exact":
-                value = model.log_prob(x, mask, method="exact")
-            elif n_samples == 1:
-                value = model.log_prob(x, mask, method="roulette")
-            else:
-                value, error = model.log_prob(
-                    x, mask, method="roulette", n_samples=n_samples, return_stderr=True
-                )
-                errors.append(error)
+            value, error = _batch_log_prob(model, split, index, device, method, n_samples)
             values.append(value)
+            if error is not None:
+                errors.append(error)
     log_prob = torch.cat(values).double().cpu()
     stderr = torch.cat(errors).double().cpu() if errors else None
     return log_prob, stderr
@@ -156,7 +155,83 @@ def log_prob_cost(
     return config.n_blocks * float(torch.as_tensor(per_block).sum())
 
 
-def inverse_check(model: ResidualFlowTransformer, split: SequenceSplit) -> dict[str, float]:
+def sharded_log_prob(
+    model: ResidualFlowTransformer,
+    split: SequenceSplit | StoredSplit,
+    *,
+    method: str,
+    n_samples: int = 1,
+    batch_size: int = 64,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`split_log_prob` shared among the ranks of a process group, gathered in order.
+
+    The split is cut into batches of ``batch_size`` consecutive sequences; rank ``r`` of ``W``
+    computes the batches ``r, r + W, ...`` and every rank receives all of them in the order of
+    the split. Before each batch torch's global generators (those of the per-call roulette
+    estimators) are seeded with the batch's own seed, drawn from ``seed``, so the result does not
+    depend on the number of processes: any ``W`` gives what one process gives. The caller's
+    random states are restored afterwards. Without a process group it runs every batch itself.
+
+    Args:
+        model: The flow (its device is used), the same on every rank.
+        split: Sequences ``(B, N, D)`` with their mask, the same on every rank.
+        method: ``"exact"`` or ``"roulette"``.
+        n_samples: Roulette estimates averaged per sequence (ignored by the exact method).
+        batch_size: Sequences per forward pass.
+        seed: Seed of the per-batch seeds.
+
+    Returns:
+        ``(log_prob, stderr)`` of shape ``(B,)`` on the CPU in float64, on every rank, as in
+        :func:`split_log_prob`.
+
+    Example:
+        >>> from iresflow.models.config import ModelConfig
+        >>> from iresflow.models.transformer import ResidualFlowTransformer
+        >>> model = ResidualFlowTransformer(features=2, max_len=3, n_blocks=1, hidden=4)
+        >>> split = SequenceSplit(torch.randn(5, 3, 2), torch.ones(5, 3, dtype=torch.bool),
+        ...                       torch.zeros(5, dtype=torch.float64))
+        >>> log_prob, _ = sharded_log_prob(model, split, method="exact", batch_size=2)
+        >>> torch.allclose(log_prob, split_log_prob(model, split, method="exact")[0])
+        True
+    """
+    device = next(model.parameters()).device
+    world = current_world()
+    batches = torch.arange(len(split)).split(batch_size)
+    seeds = torch.randint(
+        2**62, (len(batches),), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
+    mine = []
+    model.eval()
+    with torch.no_grad(), torch.random.fork_rng(
+        devices=[device] if device.type == "cuda" else []
+    ):
+        for k in range(world.rank, len(batches), world.size):
+            torch.manual_seed(seeds[k])
+            value, error = _batch_log_prob(model, split, batches[k], device, method, n_samples)
+            mine.append((k, value.double().cpu(), None if error is None else error.double().cpu()))
+    parts = sorted(part for rank_parts in all_gather_objects(mine) for part in rank_parts)
+    log_prob = torch.cat([value for _, value, _ in parts])
+    errors = [error for _, _, error in parts if error is not None]
+    return log_prob, torch.cat(errors) if errors else None
+
+
+def _batch_log_prob(
+    model: ResidualFlowTransformer, split: SequenceSplit | StoredSplit, index: Tensor,
+    device: torch.device, method: str, n_samples: int,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-densities of the sequences ``index`` (and their standard errors, or ``None``)."""
+    x, mask = trimmed_batch(split, index, device)
+    if method == "exact":
+        return model.log_prob(x, mask, method="exact"), None
+    if n_samples == 1:
+        return model.log_prob(x, mask, method="roulette"), None
+    return model.log_prob(x, mask, method="roulette", n_samples=n_samples, return_stderr=True)
+
+
+def inverse_check(
+    model: ResidualFlowTransformer, split: SequenceSplit | StoredSplit
+) -> dict[str, float]:
     """Map the first :data:`INVERSE_CHECK_SEQUENCES` sequences to noise and back.
 
     A fixed-point inverse that stops converging is reported, not raised (training goes on and

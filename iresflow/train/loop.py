@@ -25,7 +25,13 @@ from tqdm.auto import tqdm
 
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
-from iresflow.train.distributed import broadcast_object, current_world, spawn
+from iresflow.train.distributed import (
+    broadcast_object,
+    current_world,
+    run_rank,
+    spawn,
+    torchrun_launch,
+)
 from iresflow.train.epoch import TrainingSession
 from iresflow.train.factories import build_model, load_data, resolve_device
 from iresflow.train.metrics import epoch_summary, tensorboard_writer, write_metrics
@@ -77,6 +83,9 @@ def train(
     With ``config.nproc > 1`` and no process group yet, ``nproc`` processes are started
     (:func:`~iresflow.train.distributed.spawn`), each runs this function as one rank of a
     data-parallel run, and rank 0's result is returned; an error of any rank is re-raised here.
+    In a process started by ``torchrun`` (:func:`~iresflow.train.distributed.torchrun_launch`)
+    this function joins the ``env://`` process group as its rank instead
+    (:func:`~iresflow.train.distributed.run_rank`); ``nproc`` must then equal ``WORLD_SIZE``.
 
     Returns:
         A :class:`TrainResult`.
@@ -92,6 +101,12 @@ def train(
     paths = RunPaths(Path(run_dir))
     device = resolve_device(config.device)
     world = current_world()
+    launch = torchrun_launch()
+    if launch is not None and launch.world_size > 1 and world.size == 1:  # under torchrun
+        return run_rank(
+            launch, device.type, train, config, run_dir, resume=resume, overwrite=overwrite,
+            progress=progress,
+        )
     if world.main:  # a folder that cannot be used is refused before the data and model load
         check_run_folder(paths, resume=resume, overwrite=overwrite)
     if config.nproc > 1 and world.size == 1:  # start the processes; each one calls train
@@ -100,7 +115,10 @@ def train(
             overwrite=overwrite, progress=progress,
         )
     if world.size != config.nproc:
-        raise ConfigError(f"nproc={config.nproc} but the process group has {world.size} ranks")
+        raise ConfigError(
+            f"nproc={config.nproc} but the process group has {world.size} ranks (under torchrun, "
+            "nproc must equal WORLD_SIZE)"
+        )
     if world.size > 1 and device.type == "cuda":  # one GPU per process
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":  # deterministic cuBLAS; must be set before the first CUDA matmul
@@ -112,16 +130,17 @@ def train(
         torch.manual_seed(config.seed)
         model = build_model(config, dataset).to(device)  # settings checked before any deletion
         outcome: Any = None
+        state: dict[str, Any] | None = None
         if world.main:  # only rank 0 touches the folder; the others learn the outcome
             try:
                 state = prepare_run_folder(paths, config, resume=resume, overwrite=overwrite)
             except (ConfigError, CheckpointError, OSError) as error:
                 outcome = error
-        outcome = broadcast_object(outcome)
+        outcome, resumed = broadcast_object((outcome, state is not None))
         if outcome is not None:
             raise outcome
-        if not world.main:
-            state = load_checkpoint(paths.last) if resume else None
+        if not world.main and resumed:
+            state = load_checkpoint(paths.last)
         session = TrainingSession(config, dataset, model, device, world)
         if state is not None:
             session.restore(state)
@@ -131,7 +150,10 @@ def train(
                 stale.unlink()
             config.save(paths.config)
             write_metrics(paths, session.history)
-        return _run_epochs(session, paths, progress and world.main)
+        result = _run_epochs(session, paths, progress and world.main)
+        if world.size > 1:  # no rank returns before rank 0 has written the last files
+            torch.distributed.barrier()
+        return result
 
 
 def _run_epochs(session: TrainingSession, paths: RunPaths, progress: bool) -> TrainResult:

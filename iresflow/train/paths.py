@@ -136,12 +136,14 @@ def prepare_run_folder(
 
     Returns:
         The state of ``paths.last`` when resuming, else ``None`` (the folder then exists and is
-        empty).
+        empty). A run killed before its first checkpoint (``config.toml`` but no ``last.pt``)
+        resumes from its saved settings with ``None``: it starts from epoch 0.
 
     Raises:
         ConfigError: ``resume`` and ``overwrite`` together, changed settings, a non-empty folder
             without ``overwrite``, or a folder to overwrite that does not hold a run.
-        CheckpointError: the checkpoint to resume from is missing or unreadable.
+        CheckpointError: the checkpoint to resume from is missing (and no ``config.toml`` either)
+            or unreadable.
 
     Example:
         >>> import tempfile
@@ -153,13 +155,18 @@ def prepare_run_folder(
     """
     check_run_folder(paths, resume=resume, overwrite=overwrite)
     if resume:
-        state = load_checkpoint(paths.last)
-        saved = TrainConfig.from_dict(state["config"])
+        # A run killed before its first checkpoint left only its config: it starts from that.
+        started = paths.config.is_file() and not paths.last.exists()
+        state = None if started else load_checkpoint(paths.last)
+        saved = TrainConfig.from_toml(paths.config) if started else TrainConfig.from_dict(
+            state["config"]
+        )
         changed = saved.incompatible_fields(config)
         if changed:
             raise ConfigError(
                 f"cannot resume {paths.root} with different settings: {', '.join(changed)} "
-                "(only epochs, patience, device, tensorboard, max_eval and on_nan may change)"
+                "(only epochs, patience, device, tensorboard, max_eval, on_nan and memory_cap may "
+                "change)"
             )
         return state
     if paths.root.exists() and any(paths.root.iterdir()):
