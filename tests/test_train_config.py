@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,22 @@ def _setting_definitions(path: Path) -> dict[str, list[int]]:
             if isinstance(node.value, ast.Constant):
                 found.setdefault(node.arg, []).append(node.value.lineno)
     return found
+
+
+def test_the_cli_docs_table_states_every_default() -> None:
+    """docs/cli.md lists every setting with its default; automatic settings as words."""
+    table = {}
+    for line in (Path(__file__).parents[1] / "docs" / "cli.md").read_text().splitlines():
+        match = re.match(r"^\| `([a-z_]+)`(?:, `([a-z_]+)`)? \| ([^|]+) \|", line)
+        if match:
+            for name in filter(None, match.group(1, 2)):
+                table[name] = match.group(3).strip().strip("`")
+    for name, value in TrainConfig().to_dict().items():
+        assert name in table, f"docs/cli.md does not list {name}"
+        if value is None or isinstance(value, bool):
+            continue
+        text = ",".join(value) if isinstance(value, tuple) else str(value)
+        if isinstance(value, float):
+            assert float(table[name]) == value, name
+        else:
+            assert table[name] == text, name
