@@ -1,4 +1,5 @@
-r"""How tight is Kim's :math:`\infty`-norm bound on L2 self-attention? (Kim Fig. 2, MATH.md E1, H7)
+r"""How tight is Kim's :math:`\infty`-norm bound on L2 self-attention? (Kim Fig. 2,
+docs/math.md#experiments (E1), check H7 (docs/math.md#checks))
 
 L2-MHA with :math:`H = D = 1` and every weight fixed to 1 is the map
 :math:`F(x)_i = \sum_j P_{ij} x_j` with :math:`P_{ij} = \mathrm{softmax}_j(-(x_i - x_j)^2)` on
@@ -23,7 +24,7 @@ the best :math:`x` by reverse-mode autograd through the library's
 JSON records the difference to the closed form. For small :math:`N` the JSON also holds the dense
 :math:`\|J_F\|_\infty` at that point (:func:`iresflow.nn.diagnostics.jacobian_norm`) and the
 result of the library's own search, :func:`iresflow.nn.diagnostics.empirical_lipschitz`, from the
-first starts with MATH.md E1's budget. Everything runs in float64.
+first starts with the budget of docs/math.md#experiments (E1). Everything runs in float64.
 
 Run: ``python examples/bound_tightness.py`` (about a minute; writes
 ``docs/figures/bound_tightness.{json,png}``) or ``--quick`` (seconds).
@@ -49,7 +50,8 @@ from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
 NAME = "bound_tightness"
 DTYPE = torch.float64
 # check_*: the library's dense-Jacobian search (empirical_lipschitz) from the first starts, run
-# for N <= check_max_n with MATH.md E1's budget (8 starts x 400 steps) in the full run.
+# for N <= check_max_n with the budget of docs/math.md#experiments (E1; 8 starts x 400 steps) in the
+# full run.
 FULL = {"lengths": [10, 30, 100, 300, 1000], "inits": 50, "steps": 3000,
         "check_max_n": 30, "check_inits": 8, "check_steps": 400}
 QUICK = {"lengths": [10, 30, 100], "inits": 4, "steps": 150,

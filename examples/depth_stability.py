@@ -1,4 +1,5 @@
-r"""Deep attention stacks at a fixed learning rate (Kim App. M, Dasoulas Sec. 6; MATH.md E3, F10).
+r"""Deep attention stacks at a fixed learning rate (Kim App. M, Dasoulas Sec. 6;
+docs/math.md#experiments (E3), #lipschitznorm (F10)).
 
 A stack of ``L`` residual attention blocks :math:`h \leftarrow h + \mathrm{attn}_l(h)` between a
 linear embedding and a linear read-out is trained with Adam at a fixed learning rate (no warm-up,
@@ -6,7 +7,7 @@ no gradient clipping) for four choices of the attention:
 
 * ``dot-product``: :class:`~iresflow.nn.attention.DotProductMultiheadAttention` (not Lipschitz);
 * ``dot-product + LipschitzNorm``: the same with ``lipschitz_norm="transformer"``, :math:`\alpha=1`
-  (MATH.md F6);
+  (docs/math.md#lipschitznorm (F6));
 * ``L2 (tied)``: :class:`~iresflow.nn.attention.L2MultiheadAttention`, raw (Lipschitz, not
   normalised);
 * ``contractive L2``: :class:`~iresflow.nn.attention.ContractiveL2MultiheadAttention`,

@@ -1,4 +1,5 @@
-r"""Can :math:`x + c f(x)` be inverted by fixed-point iteration? (Kim Fig. 3, MATH.md E2, H8)
+r"""Can :math:`x + c f(x)` be inverted by fixed-point iteration? (Kim Fig. 3,
+docs/math.md#experiments (E2), check H8 (docs/math.md#checks))
 
 For :math:`g(x) = x + c\,f(x)` with :math:`f` = dot-product MHA (not Lipschitz, Kim Thm 3.1) or
 L2-MHA (Lipschitz, Thm 3.2), both raw (not normalised) with 8 heads, :math:`N = D = 64`, weights
@@ -6,8 +7,9 @@ drawn as ``nn.Linear`` does (:math:`U[-1/\sqrt D, 1/\sqrt D]`, the library defau
 :math:`c \in \{0.5, 0.7, 0.9\}`, we invert :math:`y = g(x)` by the plain iteration
 :math:`x^{k+1} = y - c f(x^k)`, :math:`x^0 = y`, and record the reconstruction error
 :math:`\max_b \|x^k_b - x_b\|_\infty` (largest absolute entry error over the batch of 128) at
-every iteration. Inputs follow MATH.md A's pathological case: in every sequence one token (at a
-random position) is zero and the others are :math:`U[-10, 10]`. float32 throughout.
+every iteration. Inputs follow the pathological case of docs/math.md#dot-product-attention: in every
+sequence one token (at a random position) is zero and the others are :math:`U[-10, 10]`. float32
+throughout.
 
 The same problems are then handed to the library's inverse engine,
 :func:`iresflow.inverse.fixed_point.fixed_point_inverse` (plain and Anderson-accelerated, default

@@ -1,4 +1,5 @@
-"""Paper reproductions in ``examples/`` (MATH.md E1-E3, checks H7, H8), run in ``--quick`` mode."""
+"""Paper reproductions in ``examples/`` (docs/math.md#experiments (E1-E3), checks H7,
+H8 (docs/math.md#checks)), run in ``--quick`` mode."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ shape or device, all-padding sequences, sequences longer than a learned position
 low-precision and mismatched dtypes, and non-contiguous views. Bad input must raise
 ``ValueError``/``TypeError`` naming the argument; good input in an unusual layout must give the
 result of its contiguous copy. Hand-edited weights that violate a Lipschitz constraint must not
-break the certificate: the normalisation is structural (MATH.md D, G7).
+break the certificate: the normalisation is structural (docs/math.md#contractive-attention,
+#spectral-norm).
 
 Dtype decisions (one per entry point, enforced below):
 

@@ -1,4 +1,5 @@
-"""The fixed-point inverse engine (MATH.md D, G8; check H9) on maps with known constants."""
+"""The fixed-point inverse engine (docs/math.md#contractive-attention, #fixed-point-inverse;
+check H9 (docs/math.md#checks)) on maps with known constants."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Linearization fast path of the log-det engines (MATH.md G5, checks H13, H14).
+"""Linearization fast path of the log-det engines (docs/math.md#neumann-gradient, checks H13,
+H14 (docs/math.md#checks)).
 
 The fast path (:meth:`iresflow.nn.base.LipschitzBranch.linearize`, used by the memory-efficient
 Neumann Function and by graph-free estimates) must give the values, gradients and buffer states

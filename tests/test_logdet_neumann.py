@@ -1,4 +1,5 @@
-"""Neumann-gradient surrogate and its memory-efficient Function (MATH.md G5, checks H13, H14)."""
+"""Neumann-gradient surrogate and its memory-efficient Function (docs/math.md#neumann-gradient,
+checks H13, H14 (docs/math.md#checks))."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""RouletteLogDet: count distributions, weights, unbiasedness (MATH.md G4, check H12)."""
+"""RouletteLogDet: count distributions, weights, unbiasedness (docs/math.md#roulette, check H12
+(docs/math.md#checks))."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def test_tail_probability_matches_scipy(estimator):
     for j in range(0, 40):
         expected = dist.sf(j - 1)  # P(N >= j)
         assert estimator.tail_probability(j) == pytest.approx(expected, rel=1e-12, abs=0)
-    if estimator.distribution == "poisson":  # the MATH.md G4 form, where it does not cancel
+    # the docs/math.md#roulette form, where it does not cancel
+    if estimator.distribution == "poisson":
         for j in range(1, 8):
             partial = sum(estimator.lam**i / math.factorial(i) for i in range(j))
             expected = 1 - math.exp(-estimator.lam) * partial

@@ -1,4 +1,5 @@
-"""SeriesLogDet: exact-trace series, truncation bound, Hutchinson traces (MATH.md G2, G3)."""
+"""SeriesLogDet: exact-trace series, truncation bound, Hutchinson traces (docs/math.md#hutchinson,
+#truncation)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The sequence residual-flow Transformer and its positional encodings (MATH.md D, G1, G9)."""
+"""The sequence residual-flow Transformer and its positional encodings
+(docs/math.md#contractive-attention, #change-of-variables, #actnorm)."""
 
 from __future__ import annotations
 

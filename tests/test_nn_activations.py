@@ -1,4 +1,4 @@
-"""Tests of LipSwish (MATH.md G6, check H15)."""
+"""Tests of LipSwish (docs/math.md#lipswish, check H15 (docs/math.md#checks))."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_max_derivative_h15(device, beta):
     assert slope.min() >= -1.0
     torch.testing.assert_close(slope.max().item(), top / 1.1, rtol=0, atol=1e-9)
     torch.testing.assert_close(slope.min().item(), low / 1.1, rtol=0, atol=1e-9)
-    assert abs(top / 1.1 - 0.99985) < 1e-5  # MATH.md G6
+    assert abs(top / 1.1 - 0.99985) < 1e-5  # docs/math.md#lipswish
 
 
 def test_matches_silu_formula(device, dtype):

@@ -1,4 +1,6 @@
-"""Attention: L2-MHA (MATH.md B, C; checks H1, H3-H6), DP-MHA (A), contractive branches (D, F)."""
+"""Attention: L2-MHA (docs/math.md#l2-attention, #l2-bounds; checks H1,
+H3-H6 (docs/math.md#checks)), DP-MHA (#dot-product-attention), contractive branches
+(#contractive-attention, #lipschitznorm)."""
 
 from __future__ import annotations
 
@@ -168,7 +170,8 @@ def test_h5_degree_two_in_query_weights(dtype, device):
 
 
 def dp_j00_closed_form(attn: DotProductMultiheadAttention, x: torch.Tensor) -> torch.Tensor:
-    """d F_0 / d x_0 at x_0 = 0 (MATH.md A): sum_h W^{O,h T} W^{V,h T} (Sigma A_h^T + I / N)."""
+    """d F_0 / d x_0 at x_0 = 0 (docs/math.md#dot-product-attention): sum_h W^{O,h T} W^{V,h T}
+    (Sigma A_h^T + I / N)."""
     n, d = x.shape
     dh = d // attn.heads
     centred = x - x.mean(0)

@@ -1,4 +1,5 @@
-"""Kim Theorem 3.2 bounds and the Lambert-W function phi^{-1} (MATH.md C; checks H2, H5, H7)."""
+"""Kim Theorem 3.2 bounds and the Lambert-W function phi^{-1} (docs/math.md#l2-bounds; checks H2,
+H5, H7 (docs/math.md#checks))."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch.func import vmap
 from iresflow.nn.attention import L2MultiheadAttention, lipschitz_bound
 from iresflow.nn.bounds import l2_attention_bound, phi, phi_inv
 
-# MATH.md C, reference values of phi^{-1}(N - 1).
+# docs/math.md#l2-bounds, reference values of phi^{-1}(N - 1).
 TABLE = {
     2: 0.278465,
     10: 1.101003,

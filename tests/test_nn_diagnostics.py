@@ -1,4 +1,4 @@
-"""Empirical Lipschitz lower bounds (MATH.md section 0 and E1)."""
+"""Empirical Lipschitz lower bounds (docs/math.md#conventions and #experiments (E1))."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tests of SpectralLinear and InfNormLinear (MATH.md 0, G7, check H16)."""
+"""Tests of SpectralLinear and InfNormLinear (docs/math.md#conventions, #spectral-norm, check H16
+(docs/math.md#checks))."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""LipschitzNorm scores and certificates (MATH.md F3, F5-F8; checks H18, H19)."""
+"""LipschitzNorm scores and certificates (docs/math.md#lipschitznorm (F3, F5-F8); checks H18,
+H19 (docs/math.md#checks))."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tests of LipschitzMLP (MATH.md 0, G6, G7; checks H15, H16)."""
+"""Tests of LipschitzMLP (docs/math.md#conventions, #lipswish, #spectral-norm; checks H15,
+H16 (docs/math.md#checks))."""
 
 from __future__ import annotations
 

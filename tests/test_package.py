@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import iresflow
@@ -80,3 +81,19 @@ def test_import_graph_sees_the_package():
 
 def test_import_graph_is_acyclic():
     assert find_cycle(import_graph()) is None
+
+
+def test_docs_and_docstrings_cite_only_pages_the_repo_ships() -> None:
+    """Every mathematical reference points into docs/ (no external specification)."""
+    root = Path(__file__).resolve().parents[1]
+    sources = [root / "README.md", *root.glob("docs/*.md")]
+    for folder in ("iresflow", "tests", "benchmarks", "examples"):
+        sources += (root / folder).rglob("*.py")
+    spec = "MATH" + ".md"
+    offenders = [str(p.relative_to(root)) for p in sources if spec in p.read_text("utf-8")]
+    assert offenders == []
+    anchors = set(re.findall(r"\{#([a-z0-9-]+)\}", (root / "docs" / "math.md").read_text("utf-8")))
+    cited = set()
+    for path in sources:
+        cited |= set(re.findall(r"docs/math\.md#([a-z0-9-]+)", path.read_text("utf-8")))
+    assert cited and cited <= anchors, sorted(cited - anchors)

@@ -1,4 +1,4 @@
-"""ActNorm for sequences: MATH.md G9, check H17."""
+"""ActNorm for sequences: docs/math.md#actnorm, check H17 (docs/math.md#checks)."""
 
 from __future__ import annotations
 

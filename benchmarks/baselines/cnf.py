@@ -68,7 +68,7 @@ def hutchinson_divergence(
     r"""Hutchinson estimate :math:`\varepsilon^\top (\partial v/\partial x)\,\varepsilon`.
 
     Unbiased for the divergence when :math:`\mathbb E\varepsilon=0`,
-    :math:`\mathrm{Cov}\,\varepsilon = I` (MATH.md G2).
+    :math:`\mathrm{Cov}\,\varepsilon = I` (docs/math.md#hutchinson).
 
     Args:
         v: Velocities, shape ``(B, N, D)``, computed from ``x`` with autograd enabled.

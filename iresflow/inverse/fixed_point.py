@@ -1,4 +1,5 @@
-r"""The single inverse engine: solve :math:`x + g(x) = y` by fixed-point iteration (MATH.md D, G8).
+r"""The single inverse engine: solve :math:`x + g(x) = y` by fixed-point iteration
+(docs/math.md#contractive-attention, #fixed-point-inverse).
 
 For a contractive residual branch, :math:`\mathrm{lip}(g) \le L < 1`, the map
 :math:`T_y(x) = y - g(x)` is a contraction, so the inverse of :math:`x \mapsto x + g(x)` is its
@@ -135,7 +136,8 @@ def fixed_point_inverse(
     on_failure: Literal["raise", "warn"] = "raise",
     x0: Tensor | None = None,
 ) -> tuple[Tensor, InverseStats]:
-    r"""Solve :math:`x + g(x) = y` per sample by fixed-point iteration (MATH.md G8, check H9).
+    r"""Solve :math:`x + g(x) = y` per sample by fixed-point iteration
+    (docs/math.md#fixed-point-inverse, check H9 (docs/math.md#checks)).
 
     Iterates :math:`x \leftarrow T_y(x) = y - g(x)` from :math:`x^0 = y` (``solver="plain"``) or
     Anderson-accelerates the same map (``solver="anderson"``, see

@@ -1,4 +1,5 @@
-r"""Hutchinson probes and the vector-Jacobian power chain (MATH.md G2, G4, G5).
+r"""Hutchinson probes and the vector-Jacobian power chain (docs/math.md#hutchinson, #roulette,
+#neumann-gradient).
 
 For probes :math:`v` (``E v = 0``, ``Cov v = I``) the chain :math:`w_0 = v`,
 :math:`w_k^\top = w_{k-1}^\top J_g` gives :math:`\operatorname{tr}(J_g^k) = \mathbb E[w_k^\top v]`.

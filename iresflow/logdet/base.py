@@ -1,4 +1,4 @@
-r"""The log-determinant engine interface (MATH.md G1).
+r"""The log-determinant engine interface (docs/math.md#change-of-variables).
 
 Every residual block :math:`F(x) = x + g(x)` of iresflow obtains its log-Jacobian-determinant
 

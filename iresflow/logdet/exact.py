@@ -1,4 +1,5 @@
-r"""Exact log-determinant from the dense branch Jacobian (MATH.md G1, checks H10).
+r"""Exact log-determinant from the dense branch Jacobian (docs/math.md#change-of-variables,
+checks H10 (docs/math.md#checks)).
 
 The Jacobian rows are vector-Jacobian products with one-hot cotangents. All rows of a chunk of
 samples come from a single forward and backward pass on a repeated batch: copy :math:`i` of sample
@@ -185,7 +186,8 @@ def _banded_jacobian(rows: Tensor, radius: int) -> Tensor:
 
 
 class ExactLogDet(LogDetEstimator):
-    r"""Exact :math:`\log\det(I + J_g(x))` by ``slogdet`` of the dense Jacobian (MATH.md G1).
+    r"""Exact :math:`\log\det(I + J_g(x))` by ``slogdet`` of the dense Jacobian
+    (docs/math.md#change-of-variables).
 
     Position-wise branches use per-token :math:`D \times D` blocks summed over real tokens
     (cost :math:`O(B N D^3)`); position-mixing branches use the full :math:`ND \times ND`

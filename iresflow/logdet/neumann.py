@@ -1,4 +1,5 @@
-r"""Neumann-series gradient of the log-determinant (MATH.md G5, checks H13, H14).
+r"""Neumann-series gradient of the log-determinant (docs/math.md#neumann-gradient, checks H13,
+H14 (docs/math.md#checks)).
 
 **Surrogate.** Differentiating :math:`\log\det(I + J) = \sum_{k\ge1}\frac{(-1)^{k+1}}{k}
 \operatorname{tr}(J^k)` term by term gives, for any variable :math:`\theta` (a parameter or the
@@ -215,7 +216,7 @@ def neumann_logdet(
     *,
     memory_efficient: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    r"""Roulette log-det value with the Neumann-surrogate gradient (MATH.md G5).
+    r"""Roulette log-det value with the Neumann-surrogate gradient (docs/math.md#neumann-gradient).
 
     Args:
         branch: The branch :math:`g`.

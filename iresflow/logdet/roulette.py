@@ -1,4 +1,5 @@
-r"""Unbiased Russian-roulette log-determinant (MATH.md G4, G5; checks H12-H14).
+r"""Unbiased Russian-roulette log-determinant (docs/math.md#roulette, #neumann-gradient;
+checks H12-H14 (docs/math.md#checks)).
 
 With a random count :math:`n \sim p(N)`, ``m`` = ``n_exact_terms`` and :math:`K = n + m`,
 
@@ -46,7 +47,7 @@ DISTRIBUTIONS = ("geometric", "poisson")
 
 
 class RouletteLogDet(LogDetEstimator):
-    r"""Unbiased Russian-roulette estimator of :math:`\log\det(I + J_g)` (MATH.md G4).
+    r"""Unbiased Russian-roulette estimator of :math:`\log\det(I + J_g)` (docs/math.md#roulette).
 
     In training mode (``branch.training``) the first ``n_exact_terms`` terms always have weight
     1; in evaluation mode ``eval_exact_terms`` do (more exact terms, lower variance). Traces are

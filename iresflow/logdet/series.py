@@ -1,4 +1,5 @@
-r"""Truncated power-series log-determinant (MATH.md G2, G3; checks H10, H11).
+r"""Truncated power-series log-determinant (docs/math.md#hutchinson, #truncation; checks H10,
+H11 (docs/math.md#checks)).
 
 .. math:: \log\det(I + J_g) \approx \sum_{k=1}^{n} \frac{(-1)^{k+1}}{k} \operatorname{tr}(J_g^k),
 

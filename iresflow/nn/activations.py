@@ -1,4 +1,4 @@
-r"""1-Lipschitz activations for residual branches (MATH.md G6)."""
+r"""1-Lipschitz activations for residual branches (docs/math.md#lipswish)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ __all__ = ["LipSwish"]
 
 
 class LipSwish(nn.Module):
-    r"""Learnable Swish rescaled to be 1-Lipschitz (Residual Flows; MATH.md G6, check H15).
+    r"""Learnable Swish rescaled to be 1-Lipschitz (Residual Flows; docs/math.md#lipswish, check H15
+    (docs/math.md#checks)).
 
     .. math:: \mathrm{LipSwish}(z) = \frac{z\,\sigma(\beta z)}{1.1},
         \qquad \beta = \mathrm{softplus}(\beta'),

@@ -4,10 +4,10 @@ All modules are batch-first: inputs ``(B, N, D)`` with an optional boolean paddi
 (``True`` = real token). Padded keys get no attention weight (masked before the softmax), outputs at
 padded positions are exactly zero, and padded inputs never influence real outputs.
 
-Weights are plain ``(D, D)`` parameters in the *math orientation* of MATH.md section 0: tokens are
-rows and a weight acts by right multiplication, ``X @ W``; head ``h`` uses the columns
+Weights are plain ``(D, D)`` parameters in the *math orientation* of docs/math.md#conventions:
+tokens are rows and a weight acts by right multiplication, ``X @ W``; head ``h`` uses the columns
 ``h * d_h : (h + 1) * d_h`` of the query/key/value weights and ``d_h = D / H``. There are no biases:
-Kim's Theorem 3.2 bound assumes none (MATH.md A, B).
+Kim's Theorem 3.2 bound assumes none (docs/math.md#dot-product-attention, #l2-attention).
 
 Execution path: when no autograd graph is recorded (``torch.no_grad``, e.g. fixed-point inversion
 and sampling) and no ``torch.func`` transform is active, attention runs through
@@ -48,7 +48,8 @@ __all__ = [
 
 
 class L2MultiheadAttention(nn.Module):
-    r"""L2 multi-head self-attention with tied query/key weights (Kim Eq. (8), MATH.md B).
+    r"""L2 multi-head self-attention with tied query/key weights (Kim Eq. (8),
+    docs/math.md#l2-attention).
 
     .. math::
         P^h_{ij} = \mathrm{softmax}_j\Big(-\frac{\|x_i^\top W^{Q,h} - x_j^\top W^{Q,h}\|_2^2}
@@ -58,13 +59,13 @@ class L2MultiheadAttention(nn.Module):
     with :math:`A_h = W^{Q,h} W^{Q,h\top} / \sqrt{d_h}`. Tying :math:`W^K = W^Q` is what makes the
     map Lipschitz (Kim Lemma F.1), so there is no key weight; there are no biases either (the
     Theorem 3.2 bound assumes none). Computed without the
-    :math:`N \times N \times d_h` differences (MATH.md B): with :math:`Q^h = X W^{Q,h}` and
-    :math:`s_j = \|q^h_j\|^2`, :math:`P^h = \mathrm{softmax}_{\mathrm{row}}((2 Q^h Q^{h\top} -
-    \mathbf 1 s^\top) / \sqrt{d_h})` and the head output is
-    :math:`P^h Q^h (W^{Q,h\top} W^{V,h}) / \sqrt{d_h} = P^h X (A_h W^{V,h})`, whose value map
-    :math:`A_h W^{V,h}` (:math:`D \times d_h`) is formed through the :math:`d_h \times d_h` product
-    without :math:`A_h`; cost :math:`O(N^2 D + N D^2)`. Its Lipschitz bounds are
-    :func:`lipschitz_bound`.
+    :math:`N \times N \times d_h` differences (docs/math.md#l2-attention): with
+    :math:`Q^h = X W^{Q,h}` and :math:`s_j = \|q^h_j\|^2`,
+    :math:`P^h = \mathrm{softmax}_{\mathrm{row}}((2 Q^h Q^{h\top} - \mathbf 1 s^\top) / \sqrt{d_h})`
+    and the head output is :math:`P^h Q^h (W^{Q,h\top} W^{V,h}) / \sqrt{d_h} = P^h X (A_h W^{V,h})`,
+    whose value map :math:`A_h W^{V,h}` (:math:`D \times d_h`) is formed through the
+    :math:`d_h \times d_h` product without :math:`A_h`; cost :math:`O(N^2 D + N D^2)`. Its Lipschitz
+    bounds are :func:`lipschitz_bound`.
 
     Args:
         dim: Token dimension ``D``.
@@ -120,18 +121,20 @@ class L2MultiheadAttention(nn.Module):
 
 
 class DotProductMultiheadAttention(nn.Module):
-    r"""Dot-product multi-head self-attention (MATH.md A), optionally with LipschitzNorm (F6).
+    r"""Dot-product multi-head self-attention (docs/math.md#dot-product-attention), optionally with
+    LipschitzNorm (F6).
 
     .. math::
         \mathrm{DP}^h(X) = \mathrm{softmax}\Big(\frac{X W^{Q,h} (X W^{K,h})^\top}{\sqrt{d_h}}\Big)
             X W^{V,h},\qquad \mathrm{MHA}(X) = [\mathrm{DP}^1(X), \dots, \mathrm{DP}^H(X)] W^O .
 
     It is **not** Lipschitz (Kim Thm 3.1): a baseline, not a residual branch. With
-    ``lipschitz_norm="transformer"`` the scores of each head become (Das, MATH.md F6)
-    :math:`\alpha Q K^\top / \max\{uv, uw, vw\}` with :math:`u = \|Q\|_F`,
-    :math:`v = \max_j \|k_j\|`, :math:`w = \max_j \|v_j\|` over the real tokens, replacing the
-    :math:`1/\sqrt{d_h}` scaling; scores are then bounded by :math:`\alpha` and the map has the
-    certificate of :func:`iresflow.nn.lipschitz_norm.transformer_head_bound` per head.
+    ``lipschitz_norm="transformer"`` the scores of each head become (Das,
+    docs/math.md#lipschitznorm (F6)) :math:`\alpha Q K^\top / \max\{uv, uw, vw\}` with
+    :math:`u = \|Q\|_F`, :math:`v = \max_j \|k_j\|`, :math:`w = \max_j \|v_j\|` over the real
+    tokens, replacing the :math:`1/\sqrt{d_h}` scaling; scores are then bounded by :math:`\alpha`
+    and the map has the certificate of :func:`iresflow.nn.lipschitz_norm.transformer_head_bound` per
+    head.
 
     Args:
         dim: Token dimension ``D``.
@@ -246,14 +249,16 @@ class _ContractiveAttention(LipschitzBranch):
 
 
 class ContractiveL2MultiheadAttention(_ContractiveAttention):
-    r"""Contractive L2-MHA residual branch (MATH.md D): :math:`c\,F(X) / B(\theta, N)`.
+    r"""Contractive L2-MHA residual branch (docs/math.md#contractive-attention):
+    :math:`c\,F(X) / B(\theta, N)`.
 
     :math:`F` is :class:`L2MultiheadAttention` and :math:`B` its Kim Theorem 3.2 bound for the
     current weights (:math:`\infty`-norm by default), recomputed in every forward and
-    differentiated through (no update call; MATH.md D), so the branch is :math:`c`-Lipschitz in
-    that norm for any weights. With a mask and ``length="actual"`` the bound uses each sequence's
-    real length (real outputs only see real tokens, so the bound of the shorter sequence holds);
-    ``length="max"`` uses the padded length, also valid because :math:`\varphi^{-1}` increases.
+    differentiated through (no update call; docs/math.md#contractive-attention), so the branch is
+    :math:`c`-Lipschitz in that norm for any weights. With a mask and ``length="actual"`` the bound
+    uses each sequence's real length (real outputs only see real tokens, so the bound of the shorter
+    sequence holds); ``length="max"`` uses the padded length, also valid because
+    :math:`\varphi^{-1}` increases.
 
     Args:
         dim: Token dimension ``D``.
@@ -306,8 +311,8 @@ class ContractiveLipschitzNormAttention(_ContractiveAttention):
     r"""Contractive LipschitzNorm attention branch: :math:`c\,\mathrm{MHA}_{LN}(X) / B(\theta, N)`.
 
     :math:`\mathrm{MHA}_{LN}` is :class:`DotProductMultiheadAttention` with
-    ``lipschitz_norm="transformer"`` (MATH.md F6) and :math:`B` the 2-norm certificate obtained by
-    combining the per-head F6 bounds with F7:
+    ``lipschitz_norm="transformer"`` (docs/math.md#lipschitznorm (F6)) and :math:`B` the 2-norm
+    certificate obtained by combining the per-head F6 bounds with F7:
     :math:`B = \|W^O\|_2 (\sum_h L_h^2)^{1/2}`,
     :math:`L_h = \sqrt{32\alpha^2 + (s_{\max}(N) + 2\alpha)^2}\,
     \|[W^{Q,h}, W^{K,h}, W^{V,h}]\|_2`. Recomputed and differentiated in every forward; with a

@@ -14,9 +14,9 @@ class Linearization(ABC):
     r"""A branch's map with its effective parameters fixed, for hand-written Jacobian products.
 
     Returned by :meth:`LipschitzBranch.linearize` for branches that can apply their Jacobian
-    :math:`J = \partial g / \partial x` without autograd (MATH.md G5). It holds only
-    parameter-sized state: the *effective parameters* ``params`` of one forward (for example the
-    normalised weights), computed from the module's parameters under the grad mode in which
+    :math:`J = \partial g / \partial x` without autograd (docs/math.md#neumann-gradient). It holds
+    only parameter-sized state: the *effective parameters* ``params`` of one forward (for example
+    the normalised weights), computed from the module's parameters under the grad mode in which
     :meth:`~LipschitzBranch.linearize` ran, so they carry a graph back to the parameters. Engines
     pass ``params`` to their custom autograd Functions as inputs and return the gradients of
     :meth:`LinearizedPoint.surrogate_backward` for them; autograd carries them on to the

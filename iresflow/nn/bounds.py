@@ -1,7 +1,7 @@
 r"""Lipschitz bounds of L2 multi-head self-attention (Kim et al., Theorem 3.2).
 
-The bounds of MATH.md section C, evaluated on weight matrices in the *math orientation* of
-MATH.md section 0 (tokens are rows, weights act by right multiplication, ``X @ W``):
+The bounds of docs/math.md#l2-bounds, evaluated on weight matrices in the *math orientation* of
+docs/math.md#conventions (tokens are rows, weights act by right multiplication, ``X @ W``):
 
 .. math::
     \mathrm{lip}_\infty(F) \le \Big(4\varphi^{-1}(N-1) + \frac{1}{\sqrt{d_h}}\Big)
@@ -13,8 +13,9 @@ MATH.md section 0 (tokens are rows, weights act by right multiplication, ``X @ W
         \Big(\sum_h \|W^{Q,h}\|_2^4 \|W^{V,h}\|_2^2\Big)^{1/2} \|W^O\|_2 ,
 
 with :math:`\varphi(x) = x e^{x+1}` and :math:`\varphi^{-1}(N-1) = W_0((N-1)/e)` (principal Lambert
-W branch; the off-by-one :math:`W_0(N/e)` of third-party code is looser, MATH.md C.1). The power 4
-in the 2-bound is the degree-consistent form (MATH.md C.2, check H5).
+W branch; the off-by-one :math:`W_0(N/e)` of third-party code is looser,
+docs/math.md#l2-bounds (C.1)). The power 4 in the 2-bound is the degree-consistent form
+(docs/math.md#l2-bounds (C.2), check H5 (docs/math.md#checks)).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ _HALLEY_STEPS = 4
 
 
 def phi(x: float | Tensor) -> float | Tensor:
-    r"""The function :math:`\varphi(x) = x e^{x+1}` of Kim's Theorem 3.2 (MATH.md C).
+    r"""The function :math:`\varphi(x) = x e^{x+1}` of Kim's Theorem 3.2 (docs/math.md#l2-bounds).
 
     Args:
         x: Non-negative number or tensor of any shape.
@@ -74,7 +75,7 @@ def phi_inv(y: float | Tensor) -> float | Tensor:
         ValueError: ``y`` is negative, NaN or infinite.
 
     Example:
-        >>> round(phi_inv(9.0), 6)  # N = 10 in MATH.md C
+        >>> round(phi_inv(9.0), 6)  # N = 10 in docs/math.md#l2-bounds
         1.101003
         >>> phi_inv(torch.tensor([1.0, 9.0], dtype=torch.float64))
         tensor([0.2785, 1.1010], dtype=torch.float64)
@@ -103,12 +104,12 @@ def l2_attention_bound(
     seq_len: int | Tensor,
     p: Literal["inf", "2"] | float = "inf",
 ) -> Tensor:
-    r"""Kim's Theorem 3.2 bound of L2-MHA from its weights (MATH.md C, boxed forms).
+    r"""Kim's Theorem 3.2 bound of L2-MHA from its weights (docs/math.md#l2-bounds, boxed forms).
 
     Head ``h`` uses the columns ``h * d_h : (h + 1) * d_h`` of ``w_query`` and ``w_value``
     (:math:`W^{Q,h}, W^{V,h} \in \mathbb R^{D \times d_h}`); ``w_out`` is :math:`W^O`. Norm glossary
-    (MATH.md C): :math:`\|W^{Q,h}\|_\infty` is the max abs row sum of :math:`W^{Q,h}`, and
-    :math:`\|W^{Q,h\top}\|_\infty`, :math:`\|W^{V,h\top}\|_\infty`, :math:`\|W^{O\top}\|_\infty`
+    (docs/math.md#l2-bounds): :math:`\|W^{Q,h}\|_\infty` is the max abs row sum of :math:`W^{Q,h}`,
+    and :math:`\|W^{Q,h\top}\|_\infty`, :math:`\|W^{V,h\top}\|_\infty`, :math:`\|W^{O\top}\|_\infty`
     are max abs column sums. The bound is differentiable in the weights (abs/max are
     sub-differentiable) and carries no gradient in ``seq_len``.
 

@@ -1,10 +1,11 @@
-r"""Empirical lower bounds on Lipschitz constants by maximising Jacobian norms (MATH.md E1).
+r"""Empirical lower bounds on Lipschitz constants by maximising Jacobian norms
+(docs/math.md#experiments (E1)).
 
-For a differentiable map, :math:`\mathrm{lip}_p(f) = \sup_X \|J_f(X)\|_p` (MATH.md section 0), so
-every evaluated :math:`\|J_f(X)\|_p` is a lower bound and gradient ascent over :math:`X` tightens
-it (Kim Fig. 2 / App. H). Maps act on a batch whose samples are independent (e.g.
-``(B, N, D) -> (B, N', D')`` attention over each sequence); the batch holds independent starting
-points of the search, and a padding mask can be closed over by ``f``.
+For a differentiable map, :math:`\mathrm{lip}_p(f) = \sup_X \|J_f(X)\|_p`
+(docs/math.md#conventions), so every evaluated :math:`\|J_f(X)\|_p` is a lower bound and gradient
+ascent over :math:`X` tightens it (Kim Fig. 2 / App. H). Maps act on a batch whose samples are
+independent (e.g. ``(B, N, D) -> (B, N', D')`` attention over each sequence); the batch holds
+independent starting points of the search, and a padding mask can be closed over by ``f``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-r"""Linear maps with a built-in Lipschitz certificate (MATH.md sections 0 and G7).
+r"""Linear maps with a built-in Lipschitz certificate (docs/math.md#conventions and #spectral-norm).
 
 Both layers keep an unconstrained parameter :math:`W` (PyTorch orientation, ``out x in``) and use
 the softly rescaled weight
@@ -148,7 +148,8 @@ class _NormalizedLinear(nn.Module, ABC):
 
 
 class SpectralLinear(_NormalizedLinear):
-    r"""Linear map with spectral norm at most ``coeff`` (MATH.md G7, check H16).
+    r"""Linear map with spectral norm at most ``coeff`` (docs/math.md#spectral-norm, check H16
+    (docs/math.md#checks)).
 
     The effective weight is :math:`\tilde W = W / \max(1, \sigma / c)`. Which :math:`\sigma`:
 
@@ -301,13 +302,15 @@ class SpectralLinear(_NormalizedLinear):
 
 
 class InfNormLinear(_NormalizedLinear):
-    r"""Linear map with :math:`\infty\to\infty` operator norm at most ``coeff`` (MATH.md 0, G7).
+    r"""Linear map with :math:`\infty\to\infty` operator norm at most ``coeff``
+    (docs/math.md#conventions, #spectral-norm).
 
     For :math:`x \mapsto W x` the induced :math:`\infty`-norm is the maximum absolute row sum of
     ``weight`` (``out x in``), :math:`\|W\|_\infty = \max_i \sum_j |W_{ij}|`. It is exact and
     cheap, so the effective weight :math:`\tilde W = W / \max(1, \|W\|_\infty / c)` is the same
     in training and evaluation mode and needs no iteration. Position-wise, this is also the
-    Lipschitz constant on sequences in the entrywise :math:`\infty`-norm of MATH.md section 0.
+    Lipschitz constant on sequences in the entrywise :math:`\infty`-norm of
+    docs/math.md#conventions.
 
     Args:
         in_features: Size ``D_in`` of the input's last dimension.

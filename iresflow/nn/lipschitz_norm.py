@@ -1,6 +1,6 @@
 r"""LipschitzNorm (Dasoulas et al.): normalised attention scores and their certificates.
 
-MATH.md section F, moved to the row orientation of the rest of iresflow (tokens are rows,
+docs/math.md#lipschitznorm, moved to the row orientation of the rest of iresflow (tokens are rows,
 :math:`X \in \mathbb R^{n \times d}`; Das write columns). For row-stochastic
 :math:`S = \mathrm{softmax}_{\mathrm{row}}(g(X)) \in \mathbb R^{m \times n}` the attention output is
 :math:`S X`. Scores are divided by norms of their inputs so that they are bounded by
@@ -41,7 +41,8 @@ __all__ = [
 def lipschitz_norm_scale(
     q: Tensor, k: Tensor, v: Tensor, alpha: float = 1.0, mask: Tensor | None = None
 ) -> Tensor:
-    r"""Factor :math:`c` with LipschitzNorm scores :math:`g = c\,Q K^\top` (MATH.md F6).
+    r"""Factor :math:`c` with LipschitzNorm scores :math:`g = c\,Q K^\top`
+    (docs/math.md#lipschitznorm (F6)).
 
     .. math::
         g = \alpha \frac{Q K^\top}{\max\{uv, uw, vw\}},\quad u = \|Q\|_F,\
@@ -99,7 +100,8 @@ def _vector_norm(t: Tensor) -> Tensor:
 
 
 def chi2_to_uniform(probs: Tensor) -> Tensor:
-    r""":math:`\chi^2` divergence of each row of a row-stochastic matrix from uniform (MATH.md F3).
+    r""":math:`\chi^2` divergence of each row of a row-stochastic matrix from uniform
+    (docs/math.md#lipschitznorm (F3)).
 
     .. math::
         d_{\chi^2}(S_i, U_n) = \sum_j \frac1n (n S_{ij} - 1)^2 ,\qquad
@@ -122,7 +124,8 @@ def chi2_to_uniform(probs: Tensor) -> Tensor:
 
 
 def softmax_norm_bound(alpha: float, seq_len: int | Tensor, queries: int | None = None) -> Tensor:
-    r"""Bound :math:`s_{\max}` on :math:`\|S\|_2` for scores bounded by :math:`\alpha` (MATH.md F3).
+    r"""Bound :math:`s_{\max}` on :math:`\|S\|_2` for scores bounded by :math:`\alpha`
+    (docs/math.md#lipschitznorm (F3)).
 
     .. math::
         \|S\|_2 \le \sqrt{\|S\|_1 \|S\|_\infty} \le
@@ -154,7 +157,8 @@ def softmax_norm_bound(alpha: float, seq_len: int | Tensor, queries: int | None 
 
 
 def linear_score_bound(alpha: float, adjacency: Tensor) -> Tensor:
-    r"""Certificate of :class:`LinearScoreAttention` in the 2-norm (MATH.md F5, F8).
+    r"""Certificate of :class:`LinearScoreAttention` in the 2-norm
+    (docs/math.md#lipschitznorm (F5, F8)).
 
     .. math::
         \mathrm{lip}_2(f) \le s_{\max}(\mathcal N) + 4\alpha,\qquad
@@ -195,7 +199,8 @@ def transformer_head_bound(
     w_value: Tensor,
     heads: int,
 ) -> Tensor:
-    r"""Per-head 2-norm certificate of LipschitzNorm'd dot-product attention (MATH.md F6).
+    r"""Per-head 2-norm certificate of LipschitzNorm'd dot-product attention
+    (docs/math.md#lipschitznorm (F6)).
 
     For head :math:`h` with :math:`(Q, K, V) = (X W^{Q,h}, X W^{K,h}, X W^{V,h})` and the scores
     of :func:`lipschitz_norm_scale` (self-attention, :math:`m = n = N`):
@@ -204,8 +209,8 @@ def transformer_head_bound(
         L_h = \sqrt{32\alpha^2 + (s_{\max} + 2\alpha)^2}\,
             \big\|[W^{Q,h}, W^{K,h}, W^{V,h}]\big\|_2 ,
 
-    the stacked spectral norm of MATH.md F6 (transposed to the row orientation, which leaves it
-    unchanged). Differentiable in the weights.
+    the stacked spectral norm of docs/math.md#lipschitznorm (F6; transposed to the row orientation,
+    which leaves it unchanged). Differentiable in the weights.
 
     Args:
         alpha: Score bound :math:`\alpha > 0`.
@@ -239,7 +244,8 @@ def transformer_head_bound(
 
 
 def multihead_bound(head_bounds: Tensor, w_out: Tensor) -> Tensor:
-    r"""Combine per-head 2-norm certificates through the output projection (MATH.md F7).
+    r"""Combine per-head 2-norm certificates through the output projection
+    (docs/math.md#lipschitznorm (F7)).
 
     .. math::
         \mathrm{lip}_2(\mathrm{MHA}) \le \|W^O\|_2 \Big(\sum_h L_h^2\Big)^{1/2},
@@ -274,7 +280,8 @@ def _spectral_norm(w: Tensor) -> Tensor:
 
 
 class LinearScoreAttention(nn.Module):
-    r"""Attention with LipschitzNorm'd linear scores (Das Eq. (17), MATH.md F5, F8).
+    r"""Attention with LipschitzNorm'd linear scores (Das Eq. (17),
+    docs/math.md#lipschitznorm (F5, F8)).
 
     ``queries`` learned vectors :math:`q_i` attend over the tokens :math:`x_j` of a sequence (or
     over the neighbourhood :math:`\mathcal N(i)` given by an adjacency mask, graph attention):

@@ -1,4 +1,5 @@
-r"""Position-wise Lipschitz feed-forward branch (MATH.md sections 0, G6, G7)."""
+r"""Position-wise Lipschitz feed-forward branch (docs/math.md#conventions, #lipswish,
+#spectral-norm)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ class LipschitzMLP(LipschitzBranch):
 
     .. math:: \mathrm{lip}_p(g) \le \prod_{l=1}^{L} \|\tilde W_l\|_p \le c^L < 1.
 
-    On sequences the norm is the entrywise one of MATH.md section 0, for which a token-wise map
-    has the same constant as on a single token.
+    On sequences the norm is the entrywise one of docs/math.md#conventions, for which a token-wise
+    map has the same constant as on a single token.
 
     The instance attribute ``norm`` records the constructor's choice and shadows the class
     default ``"2"``, so engines reading ``branch.norm`` see the norm of this instance.
@@ -274,9 +275,9 @@ class _MLPPoint(LinearizedPoint):
     def surrogate_backward(
         self, grad_out: Tensor, u: Tensor, v: Tensor
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        # Notation of MATH.md G5 in layer form: tangent tau_l (J v up to layer l), alpha_l its
-        # pre-activation; kappa_l, rho_l cotangents of the tangent chain from u; gamma_l
-        # cotangent of a_l in the primal chain, which receives rho * alpha * phi'' (the
+        # Notation of docs/math.md#neumann-gradient in layer form: tangent tau_l (J v up to layer
+        # l), alpha_l its pre-activation; kappa_l, rho_l cotangents of the tangent chain from u;
+        # gamma_l cotangent of a_l in the primal chain, which receives rho * alpha * phi'' (the
         # dependence of the slopes on a_l).
         weights, betas = self.lin.weights, self.lin.betas
         n = len(weights)

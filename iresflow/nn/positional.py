@@ -1,4 +1,5 @@
-r"""Positional encodings added *inside* a residual branch (MATH.md D, "iresflow block").
+r"""Positional encodings added *inside* a residual branch (docs/math.md#contractive-attention,
+"iresflow block").
 
 A residual branch :math:`g` that sees :math:`X + E` instead of :math:`X`, for a table
 :math:`E\in\mathbb R^{N\times D}` that does not depend on :math:`X`, has the same Jacobian
@@ -158,9 +159,9 @@ class PositionalBranch(LipschitzBranch):
     r"""A branch evaluated on position-shifted inputs: :math:`g_E(X) = g(X + E)`.
 
     Since :math:`J_{g_E}(X) = J_g(X + E)`, the wrapped branch's certificate holds unchanged
-    (MATH.md D); :attr:`position_wise`, :attr:`norm` and :meth:`lipschitz_constant` delegate to
-    it. Padded positions also receive :math:`E`, but the wrapped branch ignores padded inputs
-    and returns zeros there, so the mask contract is kept.
+    (docs/math.md#contractive-attention); :attr:`position_wise`, :attr:`norm` and
+    :meth:`lipschitz_constant` delegate to it. Padded positions also receive :math:`E`, but the
+    wrapped branch ignores padded inputs and returns zeros there, so the mask contract is kept.
 
     Args:
         branch: The wrapped branch (typically contractive attention).

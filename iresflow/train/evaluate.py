@@ -161,7 +161,7 @@ def check_guarantees(model: ResidualFlowTransformer, source: str | os.PathLike) 
     certificates of :meth:`~iresflow.models.transformer.ResidualFlowTransformer.lipschitz_report`
     are recomputed from them. The model is refused when a parameter or buffer is NaN or
     infinite, or when a certified Lipschitz constant is not finite and below 1 (the residual
-    steps would not be invertible, MATH.md A).
+    steps would not be invertible, docs/math.md#dot-product-attention).
 
     Args:
         model: The loaded flow.

@@ -1,4 +1,4 @@
-r"""Activation normalisation for sequences (MATH.md G9; Kingma & Dhariwal, 2018)."""
+r"""Activation normalisation for sequences (docs/math.md#actnorm; Kingma & Dhariwal, 2018)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from iresflow.transforms.base import LogDetRequest, SequenceTransform
 
 __all__ = ["ActNorm", "DataInitializedTransform"]
 
-#: Variance floor of the data-dependent initialisation (MATH.md G9).
+#: Variance floor of the data-dependent initialisation (docs/math.md#actnorm).
 MIN_INIT_VARIANCE = 0.2
 
 
@@ -76,7 +76,7 @@ class DataInitializedTransform(SequenceTransform):
 class ActNorm(DataInitializedTransform):
     r"""Per-feature affine map shared over positions, with data-dependent initialisation.
 
-    For every real token :math:`x_i \in \mathbb R^D` of a sequence (MATH.md G9),
+    For every real token :math:`x_i \in \mathbb R^D` of a sequence (docs/math.md#actnorm),
 
     .. math::
         y_i = (x_i + b) \odot e^{s}, \qquad x_i = y_i \odot e^{-s} - b, \qquad

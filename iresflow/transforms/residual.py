@@ -1,4 +1,5 @@
-r"""The invertible residual block :math:`x \mapsto x + g(x)` (MATH.md D, G1, G8; check H9)."""
+r"""The invertible residual block :math:`x \mapsto x + g(x)` (docs/math.md#contractive-attention,
+#change-of-variables, #fixed-point-inverse; check H9 (docs/math.md#checks))."""
 
 from __future__ import annotations
 
@@ -19,17 +20,18 @@ __all__ = ["ResidualTransform"]
 class ResidualTransform(SequenceTransform):
     r"""Invertible residual block :math:`f(x) = x + g(x)` with a contractive branch :math:`g`.
 
-    Since the branch certifies :math:`\mathrm{lip}(g) \le L < 1` (MATH.md D), :math:`f` is
-    invertible, :math:`\det(I + J_g) > 0`, and (MATH.md G1)
+    Since the branch certifies :math:`\mathrm{lip}(g) \le L < 1`
+    (docs/math.md#contractive-attention), :math:`f` is invertible, :math:`\det(I + J_g) > 0`, and
+    (docs/math.md#change-of-variables)
 
     .. math:: \log|\det J_f(x)| = \log\det(I + J_g(x))
         = \sum_{k \ge 1} \frac{(-1)^{k+1}}{k} \mathrm{tr}\big(J_g(x)^k\big),
 
     evaluated by the configured :class:`~iresflow.logdet.base.LogDetEstimator` (exact, truncated
     series or unbiased Russian roulette; with roulette the training gradient is the Neumann
-    surrogate of MATH.md G5). The inverse solves :math:`x + g(x) = y` per sample with
-    :func:`~iresflow.inverse.fixed_point.fixed_point_inverse` (MATH.md G8) and returns
-    :math:`-\log\det(I + J_g(x))` at the solution.
+    surrogate of docs/math.md#neumann-gradient). The inverse solves :math:`x + g(x) = y` per sample
+    with :func:`~iresflow.inverse.fixed_point.fixed_point_inverse`
+    (docs/math.md#fixed-point-inverse) and returns :math:`-\log\det(I + J_g(x))` at the solution.
 
     Sequences ``(B, N, D)`` and vectors ``(B, D)`` (treated as ``N = 1``) are accepted. With a
     padding mask, padded positions pass through unchanged (the branch is exactly 0 there) and add
