@@ -22,7 +22,8 @@ weights and on the same batches, must give losses equal to the reference's withi
 Every measurement runs in its own subprocess with ``OMP_NUM_THREADS=1``; the reference runs with
 ``PYTHONPATH`` pointing at a checkout of the reference commit, made with
 ``git worktree add <dir> <commit>`` when ``<dir>`` does not exist yet (this needs git and the
-repository's history). Usage, from the repository root::
+repository's history). Times are CPU seconds of the measuring process (on shared cores the wall
+time also counts other processes' work). Usage, from the repository root::
 
     python benchmarks/train_epoch.py                 # about 2-3 minutes on one CPU core
     python benchmarks/train_epoch.py --epochs 1 --skip-eval
@@ -94,9 +95,9 @@ def _worker_epoch(args: dict[str, Any]) -> dict[str, Any]:
     for _ in range(args["epochs"] + 1):
         session.epoch += 1
         with tqdm(disable=True) as bar:
-            start = time.perf_counter()
+            start = time.process_time()
             session.train_epoch(bar)
-            times.append(time.perf_counter() - start)
+            times.append(time.process_time() - start)
     out: dict[str, Any] = {
         "epoch_s": sum(times[1:]) / len(times[1:]),
         "first_epoch_s": times[0],
@@ -109,18 +110,15 @@ def _worker_epoch(args: dict[str, Any]) -> dict[str, Any]:
             test = type(test)(*(t[: args["eval_max"]] for t in (test.x, test.mask,
                                                                  test.log_jacobian)))
         model = session.model.eval()
-        start = time.perf_counter()
+        start = time.process_time()
         with torch.no_grad():
             values = []
             for index in torch.arange(len(test)).split(args["eval_batch"]):
                 x, mask = test.x[index], test.mask[index]
                 width = int(mask.sum(1).max())
                 x, mask = x[:, :width].contiguous(), mask[:, :width].contiguous()
-                if _is_reference():
-                    values.append(model.log_prob(x, mask, method="exact"))
-                else:
-                    values.append(model.log_prob(x, mask, logdet="exact"))
-        out["eval_s"] = time.perf_counter() - start
+                values.append(model.log_prob(x, mask, method="exact"))
+        out["eval_s"] = time.process_time() - start
         out["eval_sequences"] = len(test)
         out["eval_mean_log_prob"] = float(torch.cat(values).mean())
     return out
