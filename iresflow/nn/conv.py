@@ -31,7 +31,7 @@ from iresflow._validation import check_int, check_mask, check_sequence
 from iresflow.nn.activations import LipSwish
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.linear import _check_coefficient, _under_functorch_transform
-from iresflow.nn.mlp import _MLPLinearization, _MLPPoint
+from iresflow.nn.mlp import _MLPLinearization, _MLPPoint, _rows
 
 __all__ = ["SpectralConv1d", "TemporalConvBranch", "circular_conv_norm"]
 
@@ -402,12 +402,13 @@ class _ConvPoint(_MLPPoint):
 
     def _weight_grad(self, l: int, g: Tensor, h: Tensor, k: Tensor, t: Tensor) -> Tensor:
         weight = self.lin.weights[l]
-        # Both terms in one correlation: the two pairs stacked along the batch.
-        inputs = torch.cat([h, t]).transpose(1, 2)
-        grads = torch.cat([g, k]).transpose(1, 2)
-        return torch.nn.grad.conv1d_weight(
-            inputs, weight.shape, grads, padding=weight.shape[-1] // 2
-        )
+        size = weight.shape[-1]
+        # Both terms in one correlation of the stacked pairs, as a matrix product of the output
+        # cotangents with the input windows x[t + j - k // 2] (a matmul, so autocast applies).
+        inputs = torch.cat([h, t])
+        padded = F.pad(inputs, (0, 0, size // 2, size // 2))
+        windows = padded.unfold(1, size, 1).reshape(-1, inputs.shape[-1] * size)
+        return (_rows(torch.cat([g, k])).T @ windows).view(weight.shape)
 
     def _hidden(self, t: Tensor) -> Tensor:
         return self._masked(t)
