@@ -157,11 +157,16 @@ class SpectralConv1d(nn.Module):
         """Snapshot of ``weight``, the phases ``exp(-i omega* j)`` and the top singular pair."""
         snapshot = weight.detach().clone()
         work = snapshot.to(torch.promote_types(snapshot.dtype, torch.float32))
-        spectrum = _spectrum(work, self.period)
-        # Singular values of every frequency, vectors only at the maximising one (a batched
-        # svdvals and one small SVD cost a third of a batched SVD).
-        m = torch.linalg.svdvals(spectrum)[:, :1].argmax(dim=0)  # (1,): no host read
-        left, _, right_h = torch.linalg.svd(spectrum.index_select(0, m), full_matrices=False)
+        if self.period == 1:  # a single tap: its real matrix, frequency 0
+            m = torch.zeros(1, dtype=torch.long, device=weight.device)
+            matrix = work.permute(2, 0, 1)
+        else:
+            spectrum = _spectrum(work, self.period)
+            # Singular values of every frequency, vectors only at the maximising one (a batched
+            # svdvals and one small SVD cost a third of a batched SVD).
+            m = torch.linalg.svdvals(spectrum)[:, :1].argmax(dim=0)  # (1,): no host read
+            matrix = spectrum.index_select(0, m)
+        left, _, right_h = torch.linalg.svd(matrix, full_matrices=False)
         taps = torch.arange(self.kernel_size, device=weight.device, dtype=work.dtype)
         phase = torch.polar(torch.ones_like(taps), -2 * math.pi * m.to(work.dtype) * taps
                             / self.period)
