@@ -383,37 +383,58 @@ class TemporalConvBranch(LipschitzBranch):
 class _ConvLinearization(_MLPLinearization):
     """A :class:`TemporalConvBranch` with fixed effective taps (from its ``linearize``).
 
-    ``params`` lists the taps, the biases, then the LipSwish slopes.
+    ``params`` lists the taps, the biases, then the LipSwish slopes. Each convolution is applied
+    as a matrix product with the windows of its input (small channel counts make that cheaper
+    than a convolution call); ``forward_matrices[l]`` (``(C_in k, C_out)``) and
+    ``adjoint_matrices[l]`` (``(C_out k, C_in)``, the flipped taps) are those of layer ``l``.
     """
+
+    def __init__(
+        self, weights: list[Tensor], biases: list[Tensor | None], betas: list[Tensor]
+    ) -> None:
+        super().__init__(weights, biases, betas)
+        self.forward_matrices = [w.reshape(w.shape[0], -1).T for w in self.weights]
+        self.adjoint_matrices = [w.flip(-1).transpose(1, 2).reshape(-1, w.shape[1])
+                                 for w in self.weights]
 
     def at(self, x: Tensor, mask: Tensor | None = None) -> _ConvPoint:
         return _ConvPoint(self, x, mask)
 
 
+def _windows(h: Tensor, size: int) -> Tensor:
+    """Windows ``out[r, t, c * size + j] = h[r, t + j - size // 2, c]`` (zero outside the
+    sequence), shape ``(R, N, C size)``."""
+    if size == 1:
+        return h
+    padded = F.pad(h, (0, 0, size // 2, size // 2))
+    return padded.unfold(1, size, 1).reshape(*h.shape[:2], h.shape[2] * size)
+
+
 class _ConvPoint(_MLPPoint):
-    """A :class:`TemporalConvBranch` map at ``x``: the layered products of
+    r"""A :class:`TemporalConvBranch` map at ``x``: the layered products of
     :class:`~iresflow.nn.mlp._MLPPoint` with "same"-padded convolutions over time (tensors stay
-    ``(R, N, C)``) and padded frames zeroed at every layer input."""
+    ``(R, N, C)``) and padded frames zeroed at every layer input.
+
+    With taps :math:`W_j` and :math:`p = (k - 1) / 2`, the convolution is
+    :math:`y_t = \sum_j W_j x_{t + j - p}` and its adjoint
+    :math:`\bar x_s = \sum_j W_{k - 1 - j}^\top \bar y_{s + j - p}`: both are products of input
+    windows with a tap matrix."""
+
+    lin: _ConvLinearization
 
     def _apply(self, l: int, h: Tensor, bias: Tensor | None = None) -> Tensor:
-        weight = self.lin.weights[l]
-        out = F.conv1d(h.transpose(1, 2), weight, bias, padding=weight.shape[-1] // 2)
-        return out.transpose(1, 2)
+        matrix = self.lin.forward_matrices[l]
+        out = _windows(h, self.lin.weights[l].shape[-1]) @ matrix
+        return out if bias is None else out.add_(bias)
 
     def _adjoint(self, l: int, g: Tensor) -> Tensor:
-        weight = self.lin.weights[l]
-        out = F.conv_transpose1d(g.transpose(1, 2), weight, padding=weight.shape[-1] // 2)
-        return out.transpose(1, 2)
+        return _windows(g, self.lin.weights[l].shape[-1]) @ self.lin.adjoint_matrices[l]
 
     def _weight_grad(self, l: int, g: Tensor, h: Tensor, k: Tensor, t: Tensor) -> Tensor:
         weight = self.lin.weights[l]
-        size = weight.shape[-1]
-        # Both terms in one correlation of the stacked pairs, as a matrix product of the output
-        # cotangents with the input windows x[t + j - k // 2] (a matmul, so autocast applies).
-        inputs = torch.cat([h, t])
-        padded = F.pad(inputs, (0, 0, size // 2, size // 2))
-        windows = padded.unfold(1, size, 1).reshape(-1, inputs.shape[-1] * size)
-        return (_rows(torch.cat([g, k])).T @ windows).view(weight.shape)
+        # Both terms in one product of the stacked output cotangents with the input windows.
+        windows = _windows(torch.cat([h, t]), weight.shape[-1])
+        return (_rows(torch.cat([g, k])).T @ _rows(windows)).view(weight.shape)
 
     def _hidden(self, t: Tensor) -> Tensor:
         return self._masked(t)
