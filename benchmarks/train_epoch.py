@@ -12,8 +12,9 @@ settings, seed 0, CPU, one thread) for
 
 then the exact test-set evaluation (``log_prob`` with the exact log-determinant, in batches of
 ``--eval-batch`` sequences) of each default model, and prints the ratios. The epoch time is the
-mean of ``--epochs`` epochs after the first (the first one includes the data-dependent
-initialisation and warm-up).
+fastest of ``--epochs`` epochs after the first (the first one includes the data-dependent
+initialisation and warm-up), over ``--rounds`` interleaved runs of the three models (the fastest
+is the least disturbed by other processes on shared cores).
 
 It also checks that the current code reproduces the reference's loss trajectory: a few training
 steps of the attention model with the exact log-determinant in float64, from the same initial
@@ -25,7 +26,7 @@ Every measurement runs in its own subprocess with ``OMP_NUM_THREADS=1``; the ref
 repository's history). Times are CPU seconds of the measuring process (on shared cores the wall
 time also counts other processes' work). Usage, from the repository root::
 
-    python benchmarks/train_epoch.py                 # about 2-3 minutes on one CPU core
+    python benchmarks/train_epoch.py                 # about 3-4 minutes on one CPU core
     python benchmarks/train_epoch.py --epochs 1 --skip-eval
     git worktree remove /tmp/iresflow-2f31ab0        # afterwards, to drop the checkout
 """
@@ -99,7 +100,7 @@ def _worker_epoch(args: dict[str, Any]) -> dict[str, Any]:
             session.train_epoch(bar)
             times.append(time.process_time() - start)
     out: dict[str, Any] = {
-        "epoch_s": sum(times[1:]) / len(times[1:]),
+        "epoch_s": min(times[1:]),
         "first_epoch_s": times[0],
         "steps": math.ceil(len(session.dataset.train) / session.config.batch_size),
         "parameters": sum(p.numel() for p in session.model.parameters()),
@@ -182,6 +183,8 @@ def main() -> None:
     parser.add_argument("--reference-dir", type=Path, default=None,
                         help="checkout of the reference (default /tmp/iresflow-<commit>)")
     parser.add_argument("--epochs", type=int, default=2, help="timed epochs after the first")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="interleaved repetitions of the epoch timings (fastest kept)")
     parser.add_argument("--steps", type=int, default=4, help="steps of the trajectory check")
     parser.add_argument("--eval-batch", type=int, default=8)
     parser.add_argument("--eval-max", type=int, default=None,
@@ -206,20 +209,32 @@ def main() -> None:
     print(f"  reference {[f'{v:.12f}' for v in ref_losses]}")
     print(f"  current   {[f'{v:.12f}' for v in cur_losses]}")
 
-    rows = {
-        f"{opts.reference} default (attention)": _run(
-            reference, "epoch", {**common, "model": {}}),
-        "current, attention model": _run(ROOT, "epoch", {**common, "model": ATTENTION,
-                                                         "eval": False}),
-        "current default (conv)": _run(ROOT, "epoch", {**common, "model": {}}),
+    runs = {
+        f"{opts.reference} default (attention)": (reference, {}),
+        "current, attention model": (ROOT, ATTENTION),
+        "current default (conv)": (ROOT, {}),
     }
+    rows: dict[str, dict[str, Any]] = {}
+    for round_ in range(opts.rounds):  # interleaved, so that load changes hit every model
+        for name, (path, model) in runs.items():
+            evaluate = round_ == 0 and common["eval"] and name != "current, attention model"
+            row = _run(path, "epoch", {**common, "model": model, "eval": evaluate})
+            if name in rows:
+                rows[name]["epoch_s"] = min(rows[name]["epoch_s"], row["epoch_s"])
+            else:
+                rows[name] = row
     base = next(iter(rows.values()))
-    print(f"\ntraining epoch on JapaneseVowels ({base['steps']} steps of batch 8, 1 thread, mean "
-          f"of {opts.epochs} epoch(s) after the first)")
+    print(f"\ntraining epoch on JapaneseVowels ({base['steps']} steps of batch 8, 1 thread; "
+          f"fastest of {opts.epochs} epoch(s) after the first in each of {opts.rounds} "
+          f"interleaved round(s); CPU seconds)")
     print(f"{'model':<34}{'params':>8}{'epoch s':>10}{'first s':>10}{'vs ref':>9}")
     for name, row in rows.items():
         print(f"{name:<34}{row['parameters']:>8}{row['epoch_s']:>10.2f}"
               f"{row['first_epoch_s']:>10.2f}{row['epoch_s'] / base['epoch_s']:>9.3f}")
+    same, own = (rows[name]["epoch_s"] / base["epoch_s"] for name in list(runs)[1:])
+    print(f"target (epoch <= 1/3 of {opts.reference}'s): same architecture {same:.3f} "
+          f"({'met' if same <= 1 / 3 else 'not met'}), each version's default {own:.3f} "
+          f"({'met' if own <= 1 / 3 else 'not met'})")
     if not opts.skip_eval:
         print(f"\nexact test-set evaluation, batches of {opts.eval_batch}")
         for name, row in rows.items():
