@@ -249,7 +249,9 @@ class _MLPPoint(LinearizedPoint):
 
     def __init__(self, lin: _MLPLinearization, x: Tensor, mask: Tensor | None) -> None:
         self.lin = lin
-        self.mask = None if mask is None else mask.unsqueeze(-1)
+        # Masking multiplies by the boolean mask (one kernel in the dtype of the product, no
+        # scalar promotion); the products are finite, so padded entries become exactly 0.
+        self.keep = None if mask is None else mask.unsqueeze(-1)
         self.inputs: list[Tensor] = []
         self.pre: list[Tensor] = []
         self.sigmoids: list[Tensor] = []
@@ -286,7 +288,7 @@ class _MLPPoint(LinearizedPoint):
         return t
 
     def _masked(self, w: Tensor) -> Tensor:
-        return w if self.mask is None else torch.where(self.mask, w, 0.0)
+        return w if self.keep is None else w * self.keep
 
     def vjp(self, w: Tensor) -> Tensor:
         n = len(self.lin.weights)
