@@ -98,10 +98,11 @@ class TrainingSession:
             )
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         optimizer_type = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
-        # foreach: a few multi-tensor kernels per step instead of ~10 small ops per parameter
-        # (torch's CPU default is the per-parameter loop); the same update to rounding.
+        # Fused: one kernel per step on the CPU and CUDA instead of ~10 small ops per parameter
+        # (torch's CPU default is a per-parameter loop); the same update up to rounding.
         self.optimizer = optimizer_type(
-            self.parameters, lr=config.lr, weight_decay=config.weight_decay, foreach=True
+            self.parameters, lr=config.lr, weight_decay=config.weight_decay,
+            fused=True if device.type in ("cpu", "cuda") else None,
         )
         self.scheduler: Any = None
         if config.scheduler == "plateau":
