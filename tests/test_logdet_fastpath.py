@@ -15,6 +15,7 @@ import torch
 from oracles import ScaleBranch
 
 from iresflow.logdet.roulette import RouletteLogDet
+from iresflow.nn.conv import TemporalConvBranch
 from iresflow.nn.mlp import LipschitzMLP
 
 F64 = torch.float64
@@ -27,12 +28,26 @@ class AutogradMLP(LipschitzMLP):
         return None
 
 
-def _pair(norm: str, device: torch.device, training: bool) -> tuple[LipschitzMLP, LipschitzMLP]:
-    fast = LipschitzMLP((3, 8, 6, 3), coeff=0.9, norm=norm).to(device=device, dtype=F64)
+class AutogradConv(TemporalConvBranch):
+    """``TemporalConvBranch`` without its linearization."""
+
+    def linearize(self):
+        return None
+
+
+def _build(kind: str, fast: bool):
+    """Branch kinds: ``"2"``/``"inf"`` (MLP norms) and ``"conv"`` (kernel 3: radius 2)."""
+    if kind == "conv":
+        return (TemporalConvBranch if fast else AutogradConv)(3, 5, 3, coeff=0.9, max_len=4)
+    return (LipschitzMLP if fast else AutogradMLP)((3, 8, 6, 3), coeff=0.9, norm=kind)
+
+
+def _pair(norm: str, device: torch.device, training: bool) -> tuple[torch.nn.Module, ...]:
+    fast = _build(norm, True).to(device=device, dtype=F64)
     with torch.no_grad():  # weights beyond the bound, so the rescaling is active
         for p in fast.parameters():
             p.mul_(3.0)
-    slow = AutogradMLP((3, 8, 6, 3), coeff=0.9, norm=norm).to(device=device, dtype=F64)
+    slow = _build(norm, False).to(device=device, dtype=F64)
     slow.load_state_dict(fast.state_dict())
     return fast.train(training), slow.train(training)
 
@@ -59,7 +74,7 @@ def _run(branch, x, mask, seed, **kwargs):
     return [out.detach(), logdet.detach(), *grads, *[b.clone() for b in branch.buffers()]]
 
 
-@pytest.mark.parametrize("norm", ["2", "inf"])
+@pytest.mark.parametrize("norm", ["2", "inf", "conv"])
 @pytest.mark.parametrize("reference_memory_efficient", [True, False])
 @pytest.mark.parametrize("n_probes", [1, 3])
 @pytest.mark.parametrize("masked", [False, True])
@@ -79,10 +94,11 @@ def test_fast_path_equals_autograd(device, norm, reference_memory_efficient, n_p
         assert (ours[0][~mask] == 0).all() and (ours[2][~mask] == 0).all()
 
 
+@pytest.mark.parametrize("kind", ["2", "conv"])
 @pytest.mark.parametrize("reference_memory_efficient", [True, False])
-def test_fast_path_twice_before_backward(device, reference_memory_efficient):
+def test_fast_path_twice_before_backward(device, kind, reference_memory_efficient):
     """Two forwards, then the backward of the first: the recomputation sees the first's weights."""
-    fast, slow = _pair("2", device, training=True)
+    fast, slow = _pair(kind, device, training=True)
     x, _ = _inputs(device)
     results = []
     for branch, memory_efficient in ((fast, True), (slow, reference_memory_efficient)):
@@ -101,7 +117,7 @@ def test_fast_path_twice_before_backward(device, reference_memory_efficient):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("norm", ["2", "inf"])
+@pytest.mark.parametrize("norm", ["2", "inf", "conv"])
 def test_fast_path_without_graph(device, norm):
     """Evaluation without a graph (Hutchinson chain through ``linearize``) equals autograd."""
     fast, slow = _pair(norm, device, training=False)
@@ -116,9 +132,10 @@ def test_fast_path_without_graph(device, norm):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
-def test_fast_path_frozen_parameters(device):
+@pytest.mark.parametrize("kind", ["2", "conv"])
+def test_fast_path_frozen_parameters(device, kind):
     """Only x requires grad: the fast backward still gives the autograd input gradient."""
-    fast, slow = _pair("2", device, training=True)
+    fast, slow = _pair(kind, device, training=True)
     for branch in (fast, slow):
         branch.requires_grad_(False)
     x, mask = _inputs(device)
@@ -133,15 +150,16 @@ def test_fast_path_frozen_parameters(device):
     assert grads[0].abs().max() > 0
 
 
-def test_linearization_products(device):
+@pytest.mark.parametrize("kind", ["2", "conv"])
+def test_linearization_products(device, kind):
     """``output``/``vjp`` (also of ``at``) against the forward and ``torch.func.vjp``, masked."""
-    mlp = LipschitzMLP((3, 8, 3), coeff=0.9).to(device=device, dtype=F64).eval()
+    branch = _pair(kind, device, training=False)[0]
     x, mask = _inputs(device)
     w = torch.randn(x.shape, dtype=F64, device=device)
-    lin = mlp.linearize()
+    lin = branch.linearize()
     for z in (x, 2 * x):
         point = lin.at(z, mask)
-        out, pullback = torch.func.vjp(lambda y: mlp(y, mask), z)
+        out, pullback = torch.func.vjp(lambda y: branch(y, mask), z)
         torch.testing.assert_close(point.output, out, rtol=0, atol=1e-14)
         torch.testing.assert_close(point.vjp(w), pullback(w)[0], rtol=0, atol=1e-14)
 

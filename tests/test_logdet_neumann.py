@@ -19,7 +19,8 @@ from oracles import (
 
 from iresflow.logdet.neumann import NeumannLogDetFunction, neumann_logdet
 from iresflow.logdet.roulette import RouletteLogDet
-from iresflow.nn.mlp import LipschitzMLP, _MLPLinearization
+from iresflow.nn.conv import TemporalConvBranch
+from iresflow.nn.mlp import LipschitzMLP
 
 F64 = torch.float64
 BRANCHES = {
@@ -123,14 +124,20 @@ def test_function_gradcheck_branch_output(device):
     assert torch.autograd.gradcheck(outputs, (x.requires_grad_(), *params))
 
 
-def test_function_gradcheck_fast_path(device):
+@pytest.mark.parametrize("kind", ["mlp", "conv"])
+def test_function_gradcheck_fast_path(device, kind):
     """gradcheck of g(x) through the linearization path, w.r.t. x and the effective parameters."""
     _, x, mask, probes, coeffs, neumann_coeffs = _function_setup(device)
-    mlp = LipschitzMLP((2, 5, 4, 2), coeff=0.9).to(device=device, dtype=F64).eval()
+    if kind == "mlp":
+        mlp = LipschitzMLP((2, 5, 4, 2), coeff=0.9)
+    else:
+        mlp = TemporalConvBranch(2, 4, 3, coeff=0.9, max_len=3)
+    mlp = mlp.to(device=device, dtype=F64).eval()
+    linearization = type(mlp.linearize())
     params = [p.detach().clone().requires_grad_() for p in mlp.linearize().params]
 
     def outputs(t, *p):
-        lin = _MLPLinearization(list(p[:3]), list(p[3:6]), list(p[6:]))
+        lin = linearization(list(p[:3]), list(p[3:6]), list(p[6:]))
         return NeumannLogDetFunction.apply(
             mlp, lin, mask, coeffs, neumann_coeffs, t, probes, *p
         )[0]

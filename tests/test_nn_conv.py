@@ -90,8 +90,9 @@ def test_circular_norm_gradient_matches_finite_differences(device):
     assert torch.autograd.gradcheck(lambda w: circular_conv_norm(w, 6), (weight,))
 
 
-def test_layer_norm_and_gradient_match_the_direct_computation(device):
-    layer = SpectralConv1d(3, 2, 3, 0.8, max_len=5).to(device=device, dtype=F64)
+@pytest.mark.parametrize("kernel_size", [1, 3, 5])
+def test_layer_norm_and_gradient_match_the_direct_computation(device, kernel_size):
+    layer = SpectralConv1d(3, 2, kernel_size, 0.8, max_len=5).to(device=device, dtype=F64)
     direct = circular_conv_norm(layer.weight, layer.period)
     (direct_grad,) = torch.autograd.grad(direct, layer.weight)
     cached = layer.operator_norm()

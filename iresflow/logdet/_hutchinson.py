@@ -65,7 +65,7 @@ def sample_probes(
         v = torch.randn(shape, generator=generator, device=device, dtype=x.dtype)
     v = v.to(x.device)
     if mask is not None:
-        v = v * mask.repeat(n_probes, 1).unsqueeze(-1).to(x.dtype)
+        v = v * repeat_rows(mask, n_probes).unsqueeze(-1).to(x.dtype)
     return v
 
 
@@ -88,13 +88,18 @@ def repeated_input(x: Tensor, copies: int, keep_graph: bool) -> Tensor:
         The repeated batch, requiring grad.
     """
     if keep_graph and x.requires_grad:
-        return x.repeat(copies, 1, 1)
-    return x.detach().repeat(copies, 1, 1).requires_grad_(True)
+        return repeat_rows(x, copies)
+    return repeat_rows(x.detach(), copies).requires_grad_(True)
 
 
 def repeated_mask(mask: Tensor | None, copies: int) -> Tensor | None:
     """Repeat a padding mask ``(B, N)`` to ``(P * B, N)`` (``None`` stays ``None``)."""
-    return None if mask is None else mask.repeat(copies, 1)
+    return None if mask is None else repeat_rows(mask, copies)
+
+
+def repeat_rows(t: Tensor, copies: int) -> Tensor:
+    """``t`` repeated ``copies`` times along dim 0; ``t`` itself (no copy) for one copy."""
+    return t if copies == 1 else t.repeat(copies, *[1] * (t.dim() - 1))
 
 
 def vjp(y: Tensor, x: Tensor, w: Tensor, create_graph: bool) -> Tensor:

@@ -19,7 +19,10 @@ depends on input tokens :math:`|s - t| \le R` only) has a block-banded Jacobian.
 gradient at token :math:`s` is :math:`\sum_{t \equiv r} J_{(t, d), (s, \cdot)}`, of which only
 the one token :math:`t \equiv r` with :math:`|t - s| \le R` is non-zero (two such tokens are at
 least :math:`2R + 1` apart). So :math:`(2R + 1) D` copies give every non-zero entry of the full
-:math:`N D \times N D` Jacobian, instead of :math:`N D` copies.
+:math:`N D \times N D` Jacobian, instead of :math:`N D` copies. Its determinant comes from a
+block LU over chunks of :math:`R` tokens (the matrix is block tridiagonal in those chunks), so
+the exact log-det of such a branch costs time linear in :math:`N`, never an
+:math:`N D \times N D` factorisation.
 """
 
 from __future__ import annotations
@@ -104,6 +107,15 @@ def jacobian_blocks(
         >>> blocks.shape, bool((blocks == torch.eye(4) / 2).all())
         (torch.Size([2, 3, 4, 4]), True)
     """
+    out, jac, banded = _jacobian(branch, x, mask, chunk_size)
+    return out, _banded_jacobian(jac).unsqueeze(1) if banded else jac
+
+
+def _jacobian(
+    branch: LipschitzBranch, x: Tensor, mask: Tensor | None, chunk_size: int | None
+) -> tuple[Tensor, Tensor, bool]:
+    """:func:`jacobian_blocks`, with the band (:func:`_band`) of a finite-radius branch in place
+    of its dense Jacobian; the flag says which."""
     batch, length, features = x.shape
     size = chunk_size if chunk_size is not None else batch
     radius = getattr(branch, "receptive_radius", None)
@@ -141,8 +153,7 @@ def jacobian_blocks(
                 # rows: (d_out, b, n, d_in) -> (b, n, d_out, d_in)
                 jac = rows.reshape(copies, -1, length, features).permute(1, 2, 0, 3)
             elif period is not None:
-                jac = _banded_jacobian(rows.reshape(period, features, -1, length, features),
-                                       radius).unsqueeze(1)
+                jac = _band(rows.reshape(period, features, -1, length, features), radius)
             else:
                 # rows: (i_out, b, i_in) -> (b, 1, i_out, i_in)
                 jac = rows.reshape(copies, -1, copies).permute(1, 0, 2).unsqueeze(1)
@@ -151,7 +162,7 @@ def jacobian_blocks(
     out, jac = torch.cat(outputs), torch.cat(blocks)
     if not graph:
         out, jac = out.detach(), jac.detach()
-    return out, jac
+    return out, jac, period is not None
 
 
 def _colored_cotangents(period: int, length: int, features: int, like: Tensor) -> Tensor:
@@ -163,8 +174,8 @@ def _colored_cotangents(period: int, length: int, features: int, like: Tensor) -
     return cot.reshape(period * features, length, features)
 
 
-def _banded_jacobian(rows: Tensor, radius: int) -> Tensor:
-    r"""The full Jacobian from the colored products of a branch of receptive radius ``R``.
+def _band(rows: Tensor, radius: int) -> Tensor:
+    r"""The band of the Jacobian from the colored products of a branch of receptive radius ``R``.
 
     Args:
         rows: ``rows[r, d, b, s, e]`` = :math:`\sum_{t \equiv r} J_b[(t, d), (s, e)]` with
@@ -172,17 +183,88 @@ def _banded_jacobian(rows: Tensor, radius: int) -> Tensor:
         radius: :math:`R`.
 
     Returns:
-        :math:`J_b` in row-major ``(N, D)`` order, shape ``(B, N D, N D)``.
+        ``band[b, t, d, R + o, e]`` = :math:`J_b[(t, d), (t + o, e)]` for
+        :math:`|o| \le R` (zero where :math:`t + o` lies outside the sequence), shape
+        ``(B, N, D, 2R + 1, D)``.
     """
     period, features, batch, length, _ = rows.shape
-    jac = rows.new_zeros(batch, length, features, length, features)
-    source = torch.arange(length, device=rows.device)
-    for offset in range(-radius, radius + 1):
-        s = source[(source + offset >= 0) & (source + offset < length)]
-        t = s + offset
-        # entries (b, t, d, s, e) = rows[t mod P, d, b, s, e]
-        jac[:, t, :, s, :] = rows[t % period, :, :, s, :].permute(0, 2, 1, 3)
+    band = rows.new_zeros(batch, length, features, 2 * radius + 1, features)
+    target = torch.arange(length, device=rows.device)
+    for k, offset in enumerate(range(-radius, radius + 1)):
+        t = target[(target + offset >= 0) & (target + offset < length)]
+        # entries (b, t, d, e) = rows[t mod P, d, b, t + o, e]
+        band[:, t, :, k, :] = rows[t % period, :, :, t + offset, :].permute(2, 0, 1, 3)
+    return band
+
+
+def _banded_jacobian(band: Tensor) -> Tensor:
+    r"""The full Jacobian ``(B, N D, N D)`` in row-major ``(N, D)`` order from :func:`_band`."""
+    batch, length, features, width, _ = band.shape
+    radius = (width - 1) // 2
+    jac = band.new_zeros(batch, length, features, length, features)
+    target = torch.arange(length, device=band.device)
+    for k, offset in enumerate(range(-radius, radius + 1)):
+        t = target[(target + offset >= 0) & (target + offset < length)]
+        jac[:, t, :, t + offset, :] = band[:, t, :, k, :].transpose(0, 1)
     return jac.reshape(batch, length * features, length * features)
+
+
+def _block_tridiagonal(band: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    r""":math:`I + J` as a block-tridiagonal matrix with blocks of :math:`R` tokens.
+
+    A token interacts only with tokens at most :math:`R` away, so with the sequence cut into
+    chunks of :math:`R` consecutive tokens (the last one padded with identity rows), chunk
+    :math:`i` couples only to chunks :math:`i - 1, i, i + 1` (docs/math.md#temporal-conv).
+
+    Args:
+        band: :func:`_band` output ``(B, N, D, 2R + 1, D)``.
+
+    Returns:
+        ``(diagonal, upper, lower)``, each ``(C, B, R D, R D)`` with ``C`` = ceil(N / R) chunks:
+        :math:`I + J` restricted to the rows of chunk :math:`i` and the columns of chunk
+        :math:`i`, :math:`i + 1` and :math:`i - 1` (``upper[C - 1]`` and ``lower[0]`` are zero).
+    """
+    batch, length, features, width, _ = band.shape
+    radius = (width - 1) // 2
+    span = max(radius, 1)  # tokens per chunk (radius 0: block diagonal, one token per chunk)
+    chunks = -(-length // span)
+    # Pad the tokens to C R and add an all-zero offset slot (index 2R + 1) for pairs out of band.
+    band = torch.nn.functional.pad(band, (0, 0, 0, 1, 0, 0, 0, chunks * span - length))
+    band = band.view(batch, chunks, span, features, width + 1, features)
+    a = torch.arange(span, device=band.device)
+    rel = a[None, :] - a[:, None]  # rel[a, c] = c - a
+    tables = []
+    for step in (0, 1, -1):  # column chunk i + step
+        offset = step * span + rel
+        tables.append(torch.where(offset.abs() <= radius, offset + radius, width))
+    # (3, R, R) indices: blocks[s, a, c, b, i, d, e] = band[b, i, a, d, k[s, a, c], e]
+    index = torch.stack(tables)
+    blocks = band[:, :, a[None, :, None], :, index, :]  # (3, R, R, B, C, D, D)
+    size = span * features
+    blocks = blocks.permute(0, 4, 3, 1, 5, 2, 6).reshape(3, chunks, batch, size, size)
+    eye = torch.eye(size, dtype=band.dtype, device=band.device)
+    return blocks[0] + eye, blocks[1], blocks[2]
+
+
+def _banded_slogdet(band: Tensor) -> tuple[Tensor, Tensor]:
+    r"""``slogdet`` of :math:`I + J` from its band by block LU, cost :math:`O(B N R^2 D^3)`.
+
+    The Schur complements :math:`S_0 = A_0`, :math:`S_i = A_i - L_i S_{i-1}^{-1} U_{i-1}` of the
+    block-tridiagonal form (:func:`_block_tridiagonal`) give
+    :math:`\det(I + J) = \prod_i \det S_i`. No block pivoting is needed for a contractive
+    branch: :math:`I + J` then has a positive-definite symmetric part (:math:`\|J\|_2 < 1`),
+    which every leading block and every Schur complement inherits, so all :math:`S_i` are
+    invertible.
+
+    Returns:
+        ``(sign, logabsdet)``, each ``(B, 1)`` (one block per sample, as the dense Jacobian).
+    """
+    diagonal, upper, lower = _block_tridiagonal(band)
+    schur = [diagonal[0]]
+    for i in range(1, diagonal.shape[0]):
+        schur.append(diagonal[i] - lower[i] @ torch.linalg.solve(schur[-1], upper[i - 1]))
+    sign, logabsdet = _slogdet(torch.stack(schur))
+    return sign.prod(0)[:, None], logabsdet.sum(0)[:, None]
 
 
 class ExactLogDet(LogDetEstimator):
@@ -190,9 +272,12 @@ class ExactLogDet(LogDetEstimator):
     (docs/math.md#change-of-variables).
 
     Position-wise branches use per-token :math:`D \times D` blocks summed over real tokens
-    (cost :math:`O(B N D^3)`); position-mixing branches use the full :math:`ND \times ND`
-    Jacobian per sample (cost :math:`O(B (ND)^3)`). The choice is automatic from
-    ``branch.position_wise`` (see :func:`jacobian_blocks`). The result is differentiable with
+    (cost :math:`O(B N D^3)`); branches of finite receptive radius :math:`R` shorter than the
+    sequence use the block-tridiagonal LU of their banded Jacobian (blocks of :math:`R` tokens,
+    cost :math:`O(B N R^2 D^3)`, linear in :math:`N`); other position-mixing branches use the
+    full :math:`ND \times ND` Jacobian per sample (cost :math:`O(B (ND)^3)`). The choice is
+    automatic from ``branch.position_wise`` and ``branch.receptive_radius`` (see
+    :func:`jacobian_blocks`). The result is differentiable with
     respect to ``x`` and the branch parameters, for exact-likelihood training of small models.
 
     For a contractive branch :math:`\det(I + J_g) > 0` always (G1); a non-positive determinant
@@ -222,9 +307,12 @@ class ExactLogDet(LogDetEstimator):
     def estimate(
         self, branch: LipschitzBranch, x: Tensor, mask: Tensor | None
     ) -> tuple[Tensor, Tensor]:
-        out, jac = jacobian_blocks(branch, x, mask, chunk_size=self.chunk_size)
-        eye = torch.eye(jac.shape[-1], dtype=x.dtype, device=x.device)
-        sign, logabsdet = _slogdet(eye + jac)
+        out, jac, banded = _jacobian(branch, x, mask, self.chunk_size)
+        if banded:
+            sign, logabsdet = _banded_slogdet(jac)
+        else:
+            eye = torch.eye(jac.shape[-1], dtype=x.dtype, device=x.device)
+            sign, logabsdet = _slogdet(eye + jac)
         if branch.position_wise and mask is not None:
             logabsdet = logabsdet * mask
             sign = sign.masked_fill(~mask, 1.0)

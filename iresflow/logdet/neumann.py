@@ -63,6 +63,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from iresflow._validation import value_checks
 from iresflow.logdet._hutchinson import (
     power_series,
+    repeat_rows,
     repeated_input,
     repeated_mask,
     vjp,
@@ -123,7 +124,7 @@ class NeumannLogDetFunction(torch.autograd.Function):
             torch.is_autocast_enabled(device_type),
         )
         if lin is not None:
-            point = lin.at(x.repeat(copies, 1, 1), mask_rep)
+            point = lin.at(repeat_rows(x, copies), mask_rep)
             y = point.output
             estimate, u = power_series(point.vjp, v, coeffs, neumann_coeffs=neumann_coeffs)
         else:
@@ -151,7 +152,7 @@ class NeumannLogDetFunction(torch.autograd.Function):
             value_checks(False),
         ):
             if ctx.lin is not None:
-                point = ctx.lin.at(x.repeat(copies, 1, 1), repeated_mask(ctx.mask, copies))
+                point = ctx.lin.at(repeat_rows(x, copies), repeated_mask(ctx.mask, copies))
                 grad_x, grads = _fast_backward(point, grad_out, grad_logdet, u, v)
                 grad_params = [
                     g if need else None for g, need in zip(grads, need_params, strict=True)

@@ -241,36 +241,62 @@ class _MLPPoint(LinearizedPoint):
     Layers :math:`a_l = \tilde W_l h_l + b_l`, :math:`h_{l+1} = \phi_l(a_l)` (LipSwish),
     :math:`g = a_{L-1}`. Stores the layer inputs :math:`h_l`, pre-activations :math:`a_l`,
     sigmoids :math:`\sigma(\beta_l a_l)` and slopes :math:`\phi_l'(a_l)`, all ``(R, N, H_l)``.
+
+    The products are written in terms of the layer operations ``_apply`` (the linear map),
+    ``_adjoint`` (its transpose), ``_weight_grad`` and ``_hidden`` (what the map does to a hidden
+    layer's input), so the temporal-convolution branch reuses them with convolutions
+    (:class:`~iresflow.nn.conv.TemporalConvBranch`).
     """
 
     def __init__(self, lin: _MLPLinearization, x: Tensor, mask: Tensor | None) -> None:
         self.lin = lin
-        self.mask = None if mask is None else mask.unsqueeze(-1)
+        # Masking multiplies by the boolean mask (one kernel in the dtype of the product, no
+        # scalar promotion); the products are finite, so padded entries become exactly 0.
+        self.keep = None if mask is None else mask.unsqueeze(-1)
         self.inputs: list[Tensor] = []
         self.pre: list[Tensor] = []
         self.sigmoids: list[Tensor] = []
         self.slopes: list[Tensor] = []
-        h = x.detach()
         with torch.no_grad():
-            for i, (weight, bias) in enumerate(zip(lin.weights, lin.biases, strict=True)):
-                a = F.linear(h, weight, bias)
+            h = self._hidden(x.detach())
+            for i, bias in enumerate(lin.biases):
+                a = self._apply(i, h, bias)
                 self.inputs.append(h)
                 self.pre.append(a)
                 if i < len(lin.betas):
                     h, slope, sigmoid = _lipswish_slope(lin.betas[i], a)
+                    h, slope = self._hidden(h), self._hidden(slope)
                     self.slopes.append(slope)
                     self.sigmoids.append(sigmoid)
-        self.output = a if self.mask is None else torch.where(self.mask, a, 0.0)
+        self.output = self._masked(a)
+
+    # The layer operations; a convolutional subclass replaces them (iresflow.nn.conv).
+    def _apply(self, l: int, h: Tensor, bias: Tensor | None = None) -> Tensor:
+        r"""Layer ``l``'s linear map :math:`\tilde W_l h + b`, shape ``(R, N, H_{l+1})``."""
+        return F.linear(h, self.lin.weights[l], bias)
+
+    def _adjoint(self, l: int, g: Tensor) -> Tensor:
+        r"""Its adjoint :math:`g \mapsto g \tilde W_l`, shape ``(R, N, H_l)``."""
+        return g @ self.lin.weights[l]
+
+    def _weight_grad(self, l: int, g: Tensor, h: Tensor, k: Tensor, t: Tensor) -> Tensor:
+        r""":math:`\partial/\partial\tilde W_l` of :math:`\langle g, \tilde W_l h\rangle +
+        \langle k, \tilde W_l t\rangle`."""
+        return torch.addmm(_rows(g).T @ _rows(h), _rows(k).T, _rows(t))
+
+    def _hidden(self, t: Tensor) -> Tensor:
+        """A hidden layer's input as the map sees it (token-wise: unchanged)."""
+        return t
 
     def _masked(self, w: Tensor) -> Tensor:
-        return w if self.mask is None else torch.where(self.mask, w, 0.0)
+        return w if self.keep is None else w * self.keep
 
     def vjp(self, w: Tensor) -> Tensor:
-        weights = self.lin.weights
-        g = self._masked(w) @ weights[-1]
-        for weight, slope in zip(reversed(weights[:-1]), reversed(self.slopes), strict=True):
-            g = g.mul_(slope) @ weight  # g is a fresh product: scaled in place
-        return g
+        n = len(self.lin.weights)
+        g = self._adjoint(n - 1, self._masked(w))
+        for l in range(n - 2, -1, -1):
+            g = self._adjoint(l, g.mul_(self.slopes[l]))  # g is a fresh product: scaled in place
+        return self._hidden(g)
 
     def surrogate_backward(
         self, grad_out: Tensor, u: Tensor, v: Tensor
@@ -279,19 +305,19 @@ class _MLPPoint(LinearizedPoint):
         # l), alpha_l its pre-activation; kappa_l, rho_l cotangents of the tangent chain from u;
         # gamma_l cotangent of a_l in the primal chain, which receives rho * alpha * phi'' (the
         # dependence of the slopes on a_l).
-        weights, betas = self.lin.weights, self.lin.betas
-        n = len(weights)
-        tau, alpha = [v], []
-        for l, weight in enumerate(weights):
-            alpha.append(tau[-1] @ weight.T)
+        betas = self.lin.betas
+        n = len(self.lin.weights)
+        tau, alpha = [self._hidden(v)], []
+        for l in range(n):
+            alpha.append(self._apply(l, tau[-1]))
             if l < n - 1:
                 tau.append(self.slopes[l] * alpha[-1])
         kappa: list[Tensor] = [self._masked(u)]
         gamma: list[Tensor] = [self._masked(grad_out)]
         grad_betas = []
         for l in range(n - 2, -1, -1):
-            rho = kappa[0] @ weights[l + 1]
-            eta = gamma[0] @ weights[l + 1]
+            rho = self._hidden(self._adjoint(l + 1, kappa[0]))
+            eta = self._hidden(self._adjoint(l + 1, gamma[0]))
             z = self.pre[l]
             q, d = _lipswish_second(betas[l], z, self.sigmoids[l])
             extra = (rho * alpha[l]).mul_(q)
@@ -301,10 +327,8 @@ class _MLPPoint(LinearizedPoint):
             grad_betas.insert(0, _dot(z, torch.addcmul(extra, eta * z, d)))
         grad_weights, grad_biases = [], []
         for l in range(n):
-            flat_gamma, flat_kappa = _rows(gamma[l]), _rows(kappa[l])
-            grad_weights.append(
-                torch.addmm(flat_gamma.T @ _rows(self.inputs[l]), flat_kappa.T, _rows(tau[l]))
-            )
+            grad_weights.append(self._weight_grad(l, gamma[l], self.inputs[l], kappa[l], tau[l]))
             if self.lin.biases[l] is not None:
-                grad_biases.append(flat_gamma.sum(0))
-        return gamma[0] @ weights[0], (*grad_weights, *grad_biases, *grad_betas)
+                grad_biases.append(_rows(gamma[l]).sum(0))
+        grad_x = self._hidden(self._adjoint(0, gamma[0]))
+        return grad_x, (*grad_weights, *grad_biases, *grad_betas)

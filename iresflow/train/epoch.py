@@ -108,8 +108,11 @@ class TrainingSession:
             )
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         optimizer_type = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+        # Fused: one kernel per step on the CPU and CUDA instead of ~10 small ops per parameter
+        # (torch's CPU default is a per-parameter loop); the same update up to rounding.
         self.optimizer = optimizer_type(
-            self.parameters, lr=config.lr, weight_decay=config.weight_decay
+            self.parameters, lr=config.lr, weight_decay=config.weight_decay,
+            fused=True if device.type in ("cpu", "cuda") else None,
         )
         # Warm-up first: it scales the starting lr, which the epoch schedule then multiplies.
         self.warmup_steps = config.warmup * math.ceil(len(dataset.train) / config.batch_size)
