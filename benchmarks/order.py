@@ -214,9 +214,10 @@ def _flow(name: str, args: argparse.Namespace) -> tuple[Any, SequenceDataset, st
         run_dir = Path(runs[name])
     else:
         run_dir = args.out / "runs" / name
-        config = TrainConfig(data=name, n_blocks=args.n_blocks, hidden=args.hidden,
-                             epochs=args.epochs, max_train=args.max_train,
-                             max_eval=args.max_eval, seed=args.seed, device="cpu")
+        settings = {"n_blocks": args.n_blocks, "hidden": args.hidden, "epochs": args.epochs}
+        config = TrainConfig(data=name, max_train=args.max_train, max_eval=args.max_eval,
+                             seed=args.seed, device="cpu",
+                             **{k: v for k, v in settings.items() if v is not None})
         train(config, run_dir, overwrite=True, progress=False)
     run = load_run(run_dir, device="cpu")
     if run.dataset.name != name:
@@ -239,9 +240,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-flow", action="store_true", help="only the AR baseline")
     parser.add_argument("--quick", action="store_true",
                         help="smoke settings: 2 blocks of width 32, 2 epochs, 64/32 sequences")
-    parser.add_argument("--n-blocks", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--n-blocks", type=int, default=None, help="default: the library's")
+    parser.add_argument("--hidden", type=int, default=None, help="default: the library's")
+    parser.add_argument("--epochs", type=int, default=None, help="default: the library's")
     parser.add_argument("--max-train", type=int, default=None)
     parser.add_argument("--max-eval", type=int, default=None)
     parser.add_argument("--ar-order", type=int, default=1, help="order of the AR baseline")

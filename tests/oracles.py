@@ -8,6 +8,7 @@ Oracles use only plain autograd (``torch.autograd.functional.jacobian``, one sam
 from __future__ import annotations
 
 import collections
+import math
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -324,3 +325,28 @@ def count_host_reads(fn: Callable[[], object]) -> collections.Counter:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
     return counts
+
+
+def assert_close_runs(a: Path, b: Path, tolerance: float) -> None:
+    """Two training runs ended alike: same epoch, parameters and per-epoch metrics.
+
+    Parameters and metrics agree within ``tolerance`` (absolute and relative). The inverse
+    check's iteration count is an integer threshold crossing: runs whose parameters differ by
+    rounding (``tolerance > 0``) may stop one iteration apart; equal runs (``tolerance = 0``)
+    must not.
+    """
+    from iresflow.train.checkpoint import load_checkpoint
+    from iresflow.train.paths import RunPaths
+
+    first, second = load_checkpoint(RunPaths(a).last), load_checkpoint(RunPaths(b).last)
+    assert first["epoch"] == second["epoch"]
+    for name, value in first["model"].items():
+        torch.testing.assert_close(second["model"][name], value, rtol=tolerance, atol=tolerance)
+    for row, other in zip(first["history"], second["history"], strict=True):
+        for key, value in row.items():
+            if key == "train_seconds":
+                continue
+            if key == "inverse_iterations":
+                assert abs(other[key] - value) <= (1 if tolerance > 0 else 0), key
+            else:
+                assert math.isclose(other[key], value, rel_tol=tolerance, abs_tol=tolerance), key

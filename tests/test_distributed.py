@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -13,23 +12,13 @@ from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.distributed import World, shard
 from iresflow.train.loop import train
 from iresflow.train.paths import RunPaths
+from tests.oracles import assert_close_runs
 
 # 13 sequences in batches of 6: the last global batch has one sequence, so rank 1 sits it out.
 TINY = TrainConfig(
     n_blocks=1, hidden=8, max_train=13, max_eval=6, batch_size=6, epochs=2, device="cpu",
     logdet="exact", eval_method="exact", scheduler="plateau",
 )
-
-
-def _close_runs(a: Path, b: Path, tolerance: float) -> None:
-    first, second = load_checkpoint(RunPaths(a).last), load_checkpoint(RunPaths(b).last)
-    assert first["epoch"] == second["epoch"]
-    for name, value in first["model"].items():
-        torch.testing.assert_close(second["model"][name], value, rtol=tolerance, atol=tolerance)
-    for row, other in zip(first["history"], second["history"], strict=True):
-        for key, value in row.items():
-            if key != "train_seconds":
-                assert math.isclose(other[key], value, rel_tol=tolerance, abs_tol=tolerance), key
 
 
 def test_shards_cover_every_global_batch_once() -> None:
@@ -48,7 +37,7 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     train(TINY.replace(epochs=1), tmp_path / "single", progress=False)
     result = train(TINY.replace(epochs=1, nproc=2), tmp_path / "ddp", progress=False)
     assert result.epochs == 1 and result.history[0]["skipped_steps"] == 0
-    _close_runs(tmp_path / "single", tmp_path / "ddp", 1e-5)
+    assert_close_runs(tmp_path / "single", tmp_path / "ddp", 1e-5)
     state = load_checkpoint(RunPaths(tmp_path / "ddp").last)
     assert state["nproc"] == 2 and len(state["rng_ranks"]) == 2
 
@@ -60,7 +49,7 @@ def test_ddp_resume_matches_one_process_and_reports_errors(tmp_path: Path) -> No
     train(ddp.replace(epochs=1), tmp_path / "ddp", progress=False)
     resumed = train(ddp, tmp_path / "ddp", resume=True, progress=False)
     assert resumed.epochs == 2 and len(resumed.history) == 2
-    _close_runs(tmp_path / "single", tmp_path / "ddp", 1e-5)
+    assert_close_runs(tmp_path / "single", tmp_path / "ddp", 1e-5)
     with pytest.raises(ConfigError, match="cannot resume .*nproc"):
         train(TINY.replace(epochs=3), tmp_path / "ddp", resume=True, progress=False)
     with pytest.raises(ConfigError, match="not empty"):  # raised in a worker, re-raised here
@@ -74,4 +63,4 @@ def test_roulette_training_resumes_exactly_under_ddp(tmp_path: Path) -> None:
     train(config, tmp_path / "straight", progress=False)
     train(config.replace(epochs=1), tmp_path / "resumed", progress=False)
     train(config, tmp_path / "resumed", resume=True, progress=False)
-    _close_runs(tmp_path / "straight", tmp_path / "resumed", 0.0)
+    assert_close_runs(tmp_path / "straight", tmp_path / "resumed", 0.0)
