@@ -1,34 +1,22 @@
 r"""Offline sequence datasets and user-file loaders.
 
-:func:`load_dataset` returns a :class:`SequenceDataset`: train/validation/test splits of padded
-sequences in *model space* (preprocessed, float32) with padding masks and the per-sequence
-log-Jacobian of the preprocessing, so that negative log-likelihoods are reported in the original
-units of the data:
-
-.. math::
-
-    \mathrm{NLL} = -\frac{\sum_b \left(\log p_{\mathrm{model}}(x_b) + \log|\det J_b|\right)}
-    {\sum_b u_b},
-
-where :math:`u_b` counts the frames (``"nats/frame"``) or the dimensions (``"bits/dim"``, then
-divided by :math:`\ln 2`) of sequence :math:`b`. See ``docs/datasets.md`` for every dataset's
-source, licence, preprocessing and unit.
+:func:`load_dataset` returns a :class:`~iresflow.data.splits.SequenceDataset`: train/validation/
+test splits of padded sequences in model space with the log-Jacobian of the preprocessing, so
+that negative log-likelihoods are reported in the original units of the data. See
+``docs/datasets.md`` for every dataset's source, licence, preprocessing and unit.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from iresflow._validation import check_finite, check_mask, check_sequence
 from iresflow.data.preprocessing import (
     LogitTransform,
     Preprocessing,
@@ -43,12 +31,12 @@ from iresflow.data.readers import (
     read_ts,
     read_weekly_csv,
 )
+from iresflow.data.splits import SequenceDataset, SequenceSplit
 from iresflow.data.store import SequenceStore, StoredSplit, is_store
 
 __all__ = ["SequenceDataset", "SequenceSplit", "available_datasets", "load_dataset"]
 
 _FILES = Path(__file__).resolve().parent / "files"
-_UNITS = ("nats/frame", "bits/dim")
 
 #: Squeeze of the logit for ``digits_rows`` (RealNVP's value for 8-bit images).
 DIGITS_ALPHA = 0.05
@@ -66,244 +54,6 @@ CO2_STRIDE = 4
 CO2_TEST_FRACTION = 0.15
 #: Recording resolution of the CO2 series, in ppm.
 CO2_RESOLUTION = 0.1
-
-
-@dataclass
-class SequenceSplit:
-    """One split of a dataset, in model space.
-
-    Attributes:
-        x: Preprocessed sequences, shape ``(B, N, D)``, float32, zero at padded and missing
-            frames.
-        mask: Boolean ``(B, N)``, ``True`` for real (observed) frames: a prefix of each row,
-            except for user data with missing frames.
-        log_jacobian: Per-sequence :math:`\\log|\\det \\partial x / \\partial r|` of the
-            preprocessing from the raw data :math:`r`, shape ``(B,)``, float64, so that
-            :math:`\\log p_{\\mathrm{raw}}(r) = \\log p_{\\mathrm{model}}(x) +` ``log_jacobian``.
-
-    Example:
-        >>> split = SequenceSplit(torch.zeros(2, 3, 1), torch.ones(2, 3, dtype=torch.bool),
-        ...                       torch.zeros(2, dtype=torch.float64))
-        >>> len(split)
-        2
-    """
-
-    x: Tensor
-    mask: Tensor
-    log_jacobian: Tensor
-
-    def __post_init__(self) -> None:
-        check_sequence(self.x, "x", allow_2d=False)
-        check_mask(self.mask, self.x)
-        if not isinstance(self.log_jacobian, Tensor) or not self.log_jacobian.is_floating_point():
-            raise TypeError("log_jacobian must be a floating-point torch.Tensor")
-        if self.log_jacobian.shape != self.x.shape[:1]:
-            raise ValueError(
-                f"log_jacobian must have shape (B,) = ({self.x.shape[0]},), "
-                f"got {tuple(self.log_jacobian.shape)}"
-            )
-        check_finite(self.log_jacobian, "log_jacobian")
-        if bool((self.x[~self.mask.to(self.x.device)] != 0).any()):
-            raise ValueError("x must be zero at padded frames (mask False)")
-
-    def __len__(self) -> int:
-        return self.x.shape[0]
-
-    @property
-    def frames(self) -> Tensor:
-        """Real frames of every sequence, ``(B,)``, int64."""
-        return self.mask.sum(dim=1)
-
-    def batch_mask(self, index: Tensor) -> Tensor:
-        """The padding mask of the sequences ``index``, ``(b, N)``."""
-        return self.mask[index]
-
-    def subset(self, index: Tensor) -> SequenceSplit:
-        """The sequences ``index`` (positions or a boolean mask over the split) as a split."""
-        return SequenceSplit(self.x[index], self.mask[index], self.log_jacobian[index])
-
-
-@dataclass
-class SequenceDataset:
-    r"""Train/validation/test splits with the metadata to report likelihoods in original units.
-
-    Attributes:
-        name: Dataset name (the file name for user data).
-        features: Number of features ``D`` per frame.
-        max_len: Padded length ``N``.
-        unit: ``"nats/frame"`` or ``"bits/dim"``, the unit of :meth:`nll`.
-        train: Training split (in memory, or a :class:`~iresflow.data.store.StoredSplit` of a
-            sequence store read from disk).
-        val: Validation split.
-        test: Test split.
-        preprocessing: The map from raw to model space, inverted by :meth:`to_raw`; ``None``
-            when the data are stored in raw space.
-
-    Example:
-        >>> ds = load_dataset("japanese_vowels")
-        >>> ds.features, ds.max_len, len(ds.test), ds.unit
-        (12, 29, 370, 'nats/frame')
-    """
-
-    name: str
-    features: int
-    max_len: int
-    unit: str
-    train: SequenceSplit | StoredSplit
-    val: SequenceSplit | StoredSplit
-    test: SequenceSplit | StoredSplit
-    preprocessing: Preprocessing | None = None
-
-    def __post_init__(self) -> None:
-        if self.unit not in _UNITS:
-            raise ValueError(f"unit must be one of {_UNITS}, got {self.unit!r}")
-        for label, split in (("train", self.train), ("val", self.val), ("test", self.test)):
-            if isinstance(split, StoredSplit):
-                if split.store.features != self.features or split.store.max_len > self.max_len:
-                    raise ValueError(
-                        f"{label} must hold sequences of at most {self.max_len} frames of "
-                        f"{self.features} features"
-                    )
-            elif split.x.shape[1:] != (self.max_len, self.features):
-                raise ValueError(
-                    f"{label}.x must have shape (B, {self.max_len}, {self.features}), "
-                    f"got {tuple(split.x.shape)}"
-                )
-
-    def units(self, mask: Tensor) -> Tensor:
-        """Number of units per sequence: frames (``nats/frame``) or frames times ``D``.
-
-        Args:
-            mask: Padding mask ``(B, N)``, bool.
-
-        Returns:
-            Counts of shape ``(B,)``, int64.
-
-        Example:
-            >>> ds = load_dataset("japanese_vowels")
-            >>> ds.units(torch.tensor([[True, True, False]])).tolist()
-            [2]
-        """
-        if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
-            raise TypeError("mask must be a torch.bool tensor of shape (B, N)")
-        frames = mask.sum(dim=1)
-        return frames * self.features if self.unit == "bits/dim" else frames
-
-    def _scale(self, split: SequenceSplit | StoredSplit) -> float:
-        total = float(split.frames.sum()) * (self.features if self.unit == "bits/dim" else 1)
-        return total * (math.log(2.0) if self.unit == "bits/dim" else 1.0)
-
-    def _check_per_sequence(
-        self, values: Tensor, split: SequenceSplit | StoredSplit, name: str
-    ) -> Tensor:
-        if not isinstance(values, Tensor) or not values.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point torch.Tensor")
-        if values.shape != (len(split),):
-            raise ValueError(
-                f"{name} must have shape (B,) = ({len(split)},), got {tuple(values.shape)}"
-            )
-        return check_finite(values, name)
-
-    def nll(self, log_prob: Tensor, split: SequenceSplit | StoredSplit) -> float:
-        r"""Negative log-likelihood of a split in the dataset's unit, in original units.
-
-        .. math:: -\frac{\sum_b (\log p_b + \log|\det J_b|)}{\sum_b u_b}
-            \quad (\text{divided by } \ln 2 \text{ for bits/dim}).
-
-        Args:
-            log_prob: Model log-densities of ``split.x``, one per sequence, shape ``(B,)``.
-            split: The split they belong to.
-
-        Returns:
-            The NLL as a Python float.
-
-        Example:
-            >>> ds = load_dataset("japanese_vowels")
-            >>> log_prob = torch.zeros(len(ds.test))  # a model with density 1 in model space
-            >>> frames = ds.test.mask.sum().item()
-            >>> ds.nll(log_prob, ds.test) == -ds.test.log_jacobian.sum().item() / frames
-            True
-        """
-        log_prob = self._check_per_sequence(log_prob, split, "log_prob")
-        total = (log_prob.to(torch.float64) + split.log_jacobian.to(log_prob.device)).sum()
-        return -float(total) / self._scale(split)
-
-    def nll_stderr(
-        self, log_prob_stderr: Tensor, split: SequenceSplit | StoredSplit
-    ) -> float:
-        r"""Standard error of :meth:`nll` from independent per-sequence standard errors.
-
-        .. math:: \frac{\sqrt{\sum_b s_b^2}}{\sum_b u_b}
-            \quad (\text{divided by } \ln 2 \text{ for bits/dim}).
-
-        Args:
-            log_prob_stderr: Standard errors :math:`s_b \ge 0` of the per-sequence log-density
-                estimates, shape ``(B,)``.
-            split: The split they belong to.
-
-        Returns:
-            The standard error as a Python float.
-
-        Example:
-            >>> ds = load_dataset("japanese_vowels")
-            >>> ds.nll_stderr(torch.zeros(len(ds.test)), ds.test)
-            0.0
-        """
-        se = self._check_per_sequence(log_prob_stderr, split, "log_prob_stderr")
-        if bool((se < 0).any()):
-            raise ValueError("log_prob_stderr must be non-negative")
-        return float(se.to(torch.float64).square().sum().sqrt()) / self._scale(split)
-
-    def to_raw(self, x: Tensor, mask: Tensor) -> Tensor:
-        """Invert the preprocessing: model space to original units (zero at padding).
-
-        Args:
-            x: Model-space sequences, shape ``(B, N', D)`` (any length ``N'``).
-            mask: Padding mask ``(B, N')``, bool.
-
-        Returns:
-            Raw sequences, shape ``(B, N', D)``, in ``x``'s dtype and device.
-
-        Example:
-            >>> ds = load_dataset("japanese_vowels")
-            >>> raw = ds.to_raw(ds.test.x[:1], ds.test.mask[:1])
-            >>> round(raw[0, 0, 0].item(), 4)  # first value of the first test case
-            1.6355
-        """
-        check_sequence(x, "x", features=self.features, allow_2d=False)
-        checked = check_mask(mask, x)
-        assert checked is not None
-        if self.preprocessing is None:
-            return torch.where(checked.unsqueeze(-1), x, 0.0)
-        return self.preprocessing.inverse(x, checked)
-
-    def sample_lengths(self, num: int, generator: torch.Generator | None = None) -> Tensor:
-        """Draw sequence lengths from the empirical length distribution of the training split.
-
-        The length of a training sequence is one past its last real frame (its time extent, which
-        counts the missing frames inside it for user data with gaps).
-
-        Args:
-            num: Number of lengths to draw (positive).
-            generator: Optional ``torch.Generator``; the result lives on its device.
-
-        Returns:
-            Lengths of shape ``(num,)``, int64, each in ``[1, max_len]``.
-
-        Example:
-            >>> ds = load_dataset("japanese_vowels")
-            >>> lengths = ds.sample_lengths(100, torch.Generator().manual_seed(0))
-            >>> bool((lengths >= 7).all() and (lengths <= 29).all())
-            True
-        """
-        if isinstance(num, bool) or not isinstance(num, int) or num < 1:
-            raise ValueError(f"num must be a positive int, got {num!r}")
-        device = generator.device if generator is not None else torch.device("cpu")
-        mask = self.train.mask
-        positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
-        lengths = (mask * positions).amax(dim=1).to(device)
-        index = torch.randint(len(lengths), (num,), generator=generator, device=device)
-        return lengths[index]
 
 
 def _split_sizes(total: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
