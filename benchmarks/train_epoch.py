@@ -49,6 +49,8 @@ REFERENCE = "2f31ab0"
 #: The architecture of the reference's default model, in current settings.
 ATTENTION = {"layers": ("attention", "mlp"), "ar_order": 0, "n_blocks": 8}
 TOLERANCE = 1e-10
+#: Minibatch size of both versions: the reference's default.
+BATCH_SIZE = 8
 
 
 # -- workers: run inside a subprocess with PYTHONPATH at one version of the code -------------
@@ -59,7 +61,11 @@ def _is_reference() -> bool:
 
 
 def _session(model_settings: dict[str, Any], dtype: Any = None) -> Any:
-    """A training session of the version on ``sys.path`` with default settings, on the CPU."""
+    """A training session of the version on ``sys.path`` with default settings, on the CPU.
+
+    Both versions train with the reference's batch size (:data:`BATCH_SIZE`), so an epoch is the
+    same 31 steps on the same data in both.
+    """
     import torch
 
     if dtype is not None:
@@ -68,7 +74,7 @@ def _session(model_settings: dict[str, Any], dtype: Any = None) -> Any:
     if _is_reference():
         from iresflow.train import loop
 
-        config = loop.TrainConfig(device="cpu", **model_settings)
+        config = loop.TrainConfig(device="cpu", batch_size=BATCH_SIZE, **model_settings)
         dataset = loop.load_data(config)
         torch.manual_seed(config.seed)
         model = loop.build_model(config, dataset)
@@ -78,7 +84,7 @@ def _session(model_settings: dict[str, Any], dtype: Any = None) -> Any:
     from iresflow.train.epoch import TrainingSession
     from iresflow.train.factories import build_model, load_data
 
-    config = TrainConfig(device="cpu", **model_settings)
+    config = TrainConfig(device="cpu", batch_size=BATCH_SIZE, **model_settings)
     dataset = load_data(config)
     torch.manual_seed(config.seed)
     model = build_model(config, dataset)
