@@ -15,7 +15,7 @@ weights are scaled up so that every layer sits at its Lipschitz bound, as the la
 model tend to (iteration counts grow with the Lipschitz constant). Run (about 4 minutes on one
 core)::
 
-    python benchmarks/length_scaling.py [--device cpu|cuda] [--threads 1]
+    python -m benchmarks.length_scaling [--device cpu|cuda] [--threads 1]
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import argparse
 import math
 import time
 
-import numpy as np
 import torch
 
+from benchmarks.scaling import slope
 from iresflow.models.config import ModelConfig
 from iresflow.models.transformer import ResidualFlowTransformer
 
@@ -84,13 +84,6 @@ def sampling(length: int, num: int, device: torch.device) -> dict[str, tuple[flo
         ])
         out[solver] = (num / seconds, float(counts.mean()), int(counts.max()))
     return out
-
-
-def slope(lengths: list[int], values: list[float]) -> float:
-    """Least-squares slope of ``log(value)`` against ``log(N)``."""
-    if len(lengths) < 2:
-        return math.nan
-    return float(np.polyfit(np.log(lengths), np.log(values), 1)[0])
 
 
 def main() -> None:

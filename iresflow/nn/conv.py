@@ -31,7 +31,7 @@ from iresflow._validation import check_int, check_mask, check_sequence
 from iresflow.nn.activations import LipSwish
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.linear import _check_coefficient, _under_functorch_transform
-from iresflow.nn.mlp import _MLPLinearization, _MLPPoint, _rows
+from iresflow.nn.mlp import _MLPLinearization, _MLPPoint, _rows, stack_parameters
 
 __all__ = ["SpectralConv1d", "TemporalConvBranch", "circular_conv_norm"]
 
@@ -359,25 +359,18 @@ class TemporalConvBranch(LipschitzBranch):
             A linearization whose ``at(x, mask).output`` equals ``self(x, mask)``.
 
         Example:
-            >>> branch = TemporalConvBranch(2, 8, kernel_size=3, coeff=0.9, max_len=6)
-            >>> x, w = torch.randn(3, 6, 2), torch.randn(3, 6, 2)
+            >>> branch = TemporalConvBranch(2, 8, kernel_size=3, coeff=0.9, max_len=6).double()
+            >>> x, w = torch.randn(3, 6, 2).double(), torch.randn(3, 6, 2).double()
             >>> point = branch.linearize().at(x)
-            >>> bool(torch.allclose(point.output, branch(x), atol=1e-6))
+            >>> bool(torch.allclose(point.output, branch(x), atol=1e-12))
             True
             >>> _, pullback = torch.func.vjp(branch, x)
-            >>> bool(torch.allclose(point.vjp(w), pullback(w)[0], atol=1e-6))
+            >>> bool(torch.allclose(point.vjp(w), pullback(w)[0], atol=1e-12))
             True
         """
-        weights: list[Tensor] = []
-        biases: list[Tensor | None] = []
-        betas: list[Tensor] = []
-        for layer in self.net:
-            if isinstance(layer, LipSwish):
-                betas.append(layer.beta)
-            else:
-                weights.append(layer.weight_normalized())
-                biases.append(layer.bias)
-        return _ConvLinearization(weights, biases, betas)
+        return _ConvLinearization(
+            *stack_parameters(self.net, lambda layer: layer.weight_normalized())
+        )
 
     def extra_repr(self) -> str:
         return f"coeff={self.coeff}, max_len={self.max_len}"

@@ -3,7 +3,7 @@ r"""Position-wise Lipschitz feed-forward branch (docs/math.md#conventions, #lips
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -19,7 +19,7 @@ from iresflow.nn.linear import (
     _check_coefficient,
 )
 
-__all__ = ["LipschitzMLP"]
+__all__ = ["LipschitzMLP", "stack_parameters"]
 
 
 class LipschitzMLP(LipschitzBranch):
@@ -169,16 +169,7 @@ class LipschitzMLP(LipschitzBranch):
             >>> bool(torch.allclose(point.vjp(w), ref, atol=1e-12))
             True
         """
-        weights: list[Tensor] = []
-        biases: list[Tensor | None] = []
-        betas: list[Tensor] = []
-        for layer in self.net:
-            if isinstance(layer, LipSwish):
-                betas.append(layer.beta)
-            else:
-                weights.append(layer.forward_weight())
-                biases.append(layer.bias)
-        return _MLPLinearization(weights, biases, betas)
+        return _MLPLinearization(*stack_parameters(self.net, lambda layer: layer.forward_weight()))
 
 
 _SCALE = 1 / 1.1  # the LipSwish normalisation
@@ -215,6 +206,30 @@ def _rows(t: Tensor) -> Tensor:
 def _dot(a: Tensor, b: Tensor) -> Tensor:
     """Sum of the elementwise product of two tensors of equal shape (0-dim)."""
     return torch.dot(a.reshape(-1), b.reshape(-1))
+
+
+def stack_parameters(
+    net: nn.Sequential, weight: Callable[[nn.Module], Tensor]
+) -> tuple[list[Tensor], list[Tensor | None], list[Tensor]]:
+    """Effective weights, biases and LipSwish slopes of an alternating layer/LipSwish stack.
+
+    Args:
+        net: Layers (with ``bias``) alternating with :class:`~iresflow.nn.activations.LipSwish`.
+        weight: The effective weight of a layer (e.g. its normalised weight).
+
+    Returns:
+        ``(weights, biases, betas)``, in the order of the stack.
+    """
+    weights: list[Tensor] = []
+    biases: list[Tensor | None] = []
+    betas: list[Tensor] = []
+    for layer in net:
+        if isinstance(layer, LipSwish):
+            betas.append(layer.beta)
+        else:
+            weights.append(weight(layer))
+            biases.append(layer.bias)
+    return weights, biases, betas
 
 
 class _MLPLinearization(Linearization):
