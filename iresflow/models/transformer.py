@@ -86,10 +86,11 @@ class ResidualFlowTransformer(SequenceFlow):
     ``ResidualFlowTransformer(**model.config.to_dict())``) rebuilds the architecture for a
     saved ``state_dict``.
 
-    Spectral normalisation uses power-iteration estimates in training mode and exact norms in
-    evaluation mode (:class:`~iresflow.nn.linear.SpectralLinear`), and ActNorm initialises from
-    the first training forward (or :meth:`initialize`): evaluate, invert and sample in
-    ``eval()`` mode.
+    The MLP layers normalise with exact spectral norms (``spectral_norm="exact"``, the default;
+    ``"power"`` uses power-iteration estimates in training mode,
+    :class:`~iresflow.nn.linear.SpectralLinear`), and ActNorm and the autoregressive layer
+    initialise from the first training forward (or :meth:`initialize`, which the trainer calls
+    on the leading training sequences): evaluate, invert and sample in ``eval()`` mode.
 
     Args:
         config: The settings; ``None`` builds them from ``settings``.
