@@ -39,10 +39,11 @@ EXACT_COPIES_PER_CHUNK = 4096
 
 
 def exact_in_chunks(
-    log_prob: Callable[[Tensor, Tensor | None], Tensor],
+    log_prob: Callable[..., Tensor],
     x: Tensor,
     mask: Tensor | None,
     chunk_size: int | None = None,
+    args: tuple[Tensor, ...] = (),
 ) -> Tensor:
     """Evaluate a per-sequence function on chunks of sequences of similar length.
 
@@ -56,6 +57,8 @@ def exact_in_chunks(
         x: Sequences ``(B, N, D)``, already validated.
         mask: Optional boolean padding mask ``(B, N)``.
         chunk_size: Sequences per chunk, or ``None`` for the automatic size.
+        args: Extra per-sequence tensors (leading dimension ``B``, e.g. a context), passed to
+            ``log_prob`` after the mask, sliced to the rows of each chunk.
 
     Returns:
         The values of ``log_prob`` for every sequence, shape ``(B,)``, in the order of ``x``.
@@ -85,7 +88,8 @@ def exact_in_chunks(
                 stop += 1
         index = torch.tensor(order[start:stop], device=x.device)
         n = ends[order[stop - 1]]
-        values.append(log_prob(x[index, :n], None if mask is None else mask[index, :n]))
+        values.append(log_prob(x[index, :n], None if mask is None else mask[index, :n],
+                               *(a[index] for a in args)))
         start = stop
     inverse = torch.empty(batch, dtype=torch.long, device=x.device)
     inverse[torch.tensor(order, device=x.device)] = torch.arange(batch, device=x.device)
