@@ -275,3 +275,9 @@ def test_unconditional_model_has_no_context_parts():
     for (k, v), (k2, v2) in zip(plain.state_dict().items(), explicit.state_dict().items(),
                                 strict=True):
         assert k == k2 and torch.equal(v, v2)
+
+
+def test_lipschitz_report_of_conditional_model(device):
+    model = _model(device, num_classes=3)
+    report = model.lipschitz_report(seq_len=4, n_inputs=2)
+    assert all(r["estimate"] <= r["certified"] + 1e-9 for r in report)

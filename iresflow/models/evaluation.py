@@ -170,8 +170,9 @@ def lipschitz_report(
       normalisation by it (docs/math.md#l2-bounds, docs/math.md#lipschitznorm), at the probe
       length, which measures how expansive the learned weights are; ``None`` otherwise.
 
-    The branches are evaluated in their current mode; call it on an ``eval()`` model for the
-    exact spectral norms (docs/math.md#spectral-norm).
+    Conditional branches are probed at the zero context (their certificate holds for every
+    context). The branches are evaluated in their current mode; call it on an ``eval()`` model
+    for the exact spectral norms (docs/math.md#spectral-norm).
 
     Args:
         steps: ``(name, block)`` pairs.
@@ -187,8 +188,14 @@ def lipschitz_report(
         branch = step.branch
         inner = branch.branch if isinstance(branch, PositionalBranch) else branch
         raw = getattr(inner, "raw_bound", None)
+        if step.context_features is None:
+            def probe(t: Tensor, g: Any = branch) -> Tensor:
+                return g(t)
+        else:  # a conditional branch is probed at the zero context
+            def probe(t: Tensor, g: Any = branch, c: int = step.context_features) -> Tensor:
+                return g(t, context=t.new_zeros(t.shape[0], c))
         with torch.enable_grad():
-            local = jacobian_norm(lambda t, g=branch: g(t), x, branch.norm)
+            local = jacobian_norm(probe, x, branch.norm)
         report.append({
             "name": name,
             "type": type(inner).__name__,
