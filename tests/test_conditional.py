@@ -16,6 +16,7 @@ from iresflow.nn.conditional import (
     ConditionalTemporalConvBranch,
     ContextEncoder,
 )
+from iresflow.transforms.conditional import ConditionalAffine
 from iresflow.transforms.residual import ResidualTransform
 from tests.oracles import real_indices
 
@@ -281,3 +282,28 @@ def test_lipschitz_report_of_conditional_model(device):
     model = _model(device, num_classes=3)
     report = model.lipschitz_report(seq_len=4, n_inputs=2)
     assert all(r["estimate"] <= r["certified"] + 1e-9 for r in report)
+
+
+def test_conditional_affine(device):
+    layer = ConditionalAffine(3, 2, max_log_scale=2.0).to(device=device, dtype=F64)
+    _randomize_context_nets(layer)
+    x = torch.randn(3, 4, 3, device=device, dtype=F64)
+    mask = torch.tensor([[True] * 4, [True] * 2 + [False] * 2, [True] * 3 + [False]],
+                        device=device)
+    c = torch.randn(3, 2, device=device, dtype=F64) * 100  # extreme contexts stay bounded
+    y, logabsdet = layer(x, c, mask=mask)
+    assert torch.equal(y[~mask], x[~mask])
+    x_rec, inverse_logabsdet = layer.inverse(y, c, mask=mask)
+    assert torch.allclose(x_rec, x, atol=1e-12)
+    assert torch.allclose(inverse_logabsdet, -logabsdet)
+    for b in range(3):
+        jac = torch.autograd.functional.jacobian(
+            lambda t, b=b: layer(t, c[b : b + 1], mask=mask[b : b + 1])[0], x[b : b + 1]
+        ).reshape(12, 12)
+        idx = real_indices(mask, b, 4, 3).to(device)
+        assert torch.allclose(logabsdet[b], torch.linalg.slogdet(jac[idx][:, idx])[1])
+    assert float(logabsdet.detach().abs().max()) <= 2.0 * 3 * 4
+    vectors = layer(x[:, 0], c)  # (B, D) inputs
+    assert torch.allclose(vectors[0], y[:, 0]) and vectors[1].shape == (3,)
+    with pytest.raises(ValueError, match=r"\bcontext\b"):
+        layer(x)

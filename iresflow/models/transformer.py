@@ -47,6 +47,7 @@ from iresflow.nn.mlp import LipschitzMLP
 from iresflow.nn.positional import PositionalBranch, make_positional_encoding
 from iresflow.transforms.actnorm import ActNorm
 from iresflow.transforms.base import SequenceCompositeTransform
+from iresflow.transforms.conditional import ConditionalAffine
 from iresflow.transforms.residual import ResidualTransform
 from iresflow.transforms.temporal import AutoregressiveLinear, FeatureMixing
 
@@ -90,7 +91,9 @@ class ResidualFlowTransformer(SequenceFlow):
     (covariates ``(B, C)``), the ``conv`` and ``mlp`` branches become
     :class:`~iresflow.nn.conditional.ConditionalTemporalConvBranch` and
     :class:`~iresflow.nn.conditional.ConditionalLipschitzMLP` (the context shifts their first
-    layer; the certificate in :math:`x` holds for every context), and every method takes
+    layer; the certificate in :math:`x` holds for every context), a
+    :class:`~iresflow.transforms.conditional.ConditionalAffine` ends the chain (step
+    ``output.affine``: a context-dependent diagonal Gaussian base), and every method takes
     ``context=`` (see :class:`~iresflow.models.flow.SequenceFlow`). Attention branches stay
     unconditional.
 
@@ -162,6 +165,8 @@ class ResidualFlowTransformer(SequenceFlow):
         encoder = None
         if config.conditional:
             encoder = ContextEncoder(config.resolved_context_features, config.num_classes)
+            steps.append(ConditionalAffine(features, config.resolved_context_features))
+            names.append("output.affine")
         super().__init__(SequenceCompositeTransform(steps, names), features=features,
                          max_len=config.max_len, context_encoder=encoder)
         self.config = config
