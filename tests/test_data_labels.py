@@ -82,3 +82,19 @@ def test_unlabelled_data_has_no_labels(tmp_path: Path) -> None:
     np.savez(tmp_path / "plain.npz", x=np.zeros((10, 3, 1)) + np.arange(10)[:, None, None])
     ds = load_dataset(str(tmp_path / "plain.npz"))
     assert ds.classes is None and ds.train.labels is None
+
+
+def test_npz_covariates_follow_their_sequences(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((12, 4, 2))
+    c = rng.standard_normal((12, 3))
+    np.savez(tmp_path / "mine.npz", x=x, c=c)
+    ds = load_dataset(str(tmp_path / "mine.npz"))
+    raw = torch.cat([ds.to_raw(s.x.double(), s.mask) for s in (ds.train, ds.val, ds.test)])
+    got = torch.cat([s.covariates for s in (ds.train, ds.val, ds.test)])
+    index = match_rows(raw, torch.from_numpy(x))
+    assert torch.allclose(got.double(), torch.from_numpy(c)[index], atol=1e-6)
+    assert ds.train.subset(torch.tensor([0])).covariates.shape == (1, 3)
+    np.savez(tmp_path / "bad.npz", x=x, c=np.full((12, 3), np.nan))
+    with pytest.raises(ValueError, match="'c'"):
+        load_dataset(str(tmp_path / "bad.npz"))

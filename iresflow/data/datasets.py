@@ -28,6 +28,7 @@ from iresflow.data.readers import (
     observed_frames,
     pad_sequences,
     read_npz,
+    read_npz_covariates,
     read_npz_labels,
     read_ts,
     read_weekly_csv,
@@ -86,12 +87,15 @@ def _dataset(
     preprocessing: Preprocessing,
     labels: tuple[Tensor, ...] | None = None,
     classes: tuple[str, ...] | None = None,
+    covariates: tuple[Tensor, ...] | None = None,
 ) -> SequenceDataset:
     splits = []
     for k, (raw, mask) in enumerate(parts):
         x, log_jacobian = preprocessing.forward(raw, mask)
         split_labels = None if labels is None else labels[k]
-        splits.append(SequenceSplit(x.to(torch.float32), mask, log_jacobian, split_labels))
+        split_covariates = None if covariates is None else covariates[k].to(torch.float32)
+        splits.append(SequenceSplit(x.to(torch.float32), mask, log_jacobian, split_labels,
+                                    split_covariates))
     train, val, test = splits
     return SequenceDataset(
         name=name,
@@ -112,11 +116,13 @@ def _standardised(
     mask: Tensor,
     indices: tuple[Tensor, Tensor, Tensor],
     labels: tuple[Tensor, tuple[str, ...]] | None = None,
+    covariates: Tensor | None = None,
 ) -> SequenceDataset:
     parts = tuple((raw[i], mask[i]) for i in indices)
     split_labels = None if labels is None else tuple(labels[0][i] for i in indices)
+    split_covariates = None if covariates is None else tuple(covariates[i] for i in indices)
     return _dataset(name, "nats/frame", parts, Standardization.fit(*parts[0]), split_labels,
-                    None if labels is None else labels[1])
+                    None if labels is None else labels[1], split_covariates)
 
 
 def class_indices(names: list[str]) -> tuple[Tensor, tuple[str, ...]]:
@@ -235,10 +241,15 @@ def _load_user(
 ) -> SequenceDataset:
     raw, mask = _read_user_file(kind, file)
     names = _read_user_labels(kind, file)
+    covariates = read_npz_covariates(file) if kind == "npz" else None
     test = None if test_file is None else _read_user_file(kind, test_file)
     if test_file is not None and names is not None:
         test_names = _read_user_labels(kind, test_file)
         names = None if test_names is None else names + test_names
+    if test_file is not None and covariates is not None:
+        test_covariates = read_npz_covariates(test_file)
+        covariates = (None if test_covariates is None
+                      else torch.cat([covariates, test_covariates]))
     generator = torch.Generator().manual_seed(seed)
     try:
         if test is None:
@@ -258,7 +269,7 @@ def _load_user(
             indices = (train, val, torch.arange(n_train_file, raw.shape[0]))
         _warn_small_splits(file.name, indices)
         labels = None if names is None else class_indices(names)
-        return _standardised(file.name, raw, mask, indices, labels)
+        return _standardised(file.name, raw, mask, indices, labels, covariates)
     except ValueError as error:
         raise ValueError(f"{file}: {error}") from None
 

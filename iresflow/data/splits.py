@@ -46,6 +46,8 @@ class SequenceSplit:
         labels: Optional class index of every sequence, int64 ``(B,)`` in
             ``[0, len(SequenceDataset.classes))`` (the context of a class-conditional flow);
             ``None`` for unlabelled data.
+        covariates: Optional per-sequence covariates, float ``(B, C)`` (the context of a
+            covariate-conditional flow); ``None`` if the data have none.
 
     Example:
         >>> split = SequenceSplit(torch.zeros(2, 3, 1), torch.ones(2, 3, dtype=torch.bool),
@@ -58,6 +60,7 @@ class SequenceSplit:
     mask: Tensor
     log_jacobian: Tensor
     labels: Tensor | None = None
+    covariates: Tensor | None = None
 
     def __post_init__(self) -> None:
         check_sequence(self.x, "x", allow_2d=False)
@@ -78,6 +81,13 @@ class SequenceSplit:
                                  f"{tuple(self.labels.shape)}")
             if bool((self.labels < 0).any()):
                 raise ValueError("labels must be class indices >= 0")
+        if self.covariates is not None:
+            if not isinstance(self.covariates, Tensor) or not self.covariates.is_floating_point():
+                raise TypeError("covariates must be a floating-point torch.Tensor (B, C)")
+            if self.covariates.dim() != 2 or self.covariates.shape[0] != self.x.shape[0]:
+                raise ValueError(f"covariates must have shape (B, C) with B = {self.x.shape[0]}, "
+                                 f"got {tuple(self.covariates.shape)}")
+            check_finite(self.covariates, "covariates")
         if bool((self.x[~self.mask.to(self.x.device)] != 0).any()):
             raise ValueError("x must be zero at padded frames (mask False)")
 
@@ -96,7 +106,9 @@ class SequenceSplit:
     def subset(self, index: Tensor) -> SequenceSplit:
         """The sequences ``index`` (positions or a boolean mask over the split) as a split."""
         labels = None if self.labels is None else self.labels[index]
-        return SequenceSplit(self.x[index], self.mask[index], self.log_jacobian[index], labels)
+        covariates = None if self.covariates is None else self.covariates[index]
+        return SequenceSplit(self.x[index], self.mask[index], self.log_jacobian[index], labels,
+                             covariates)
 
 
 @dataclass
