@@ -263,7 +263,8 @@ class SequenceFlow(nn.Module):
         mask = sample_mask(num, seq_len, lengths, self.max_len, reference.device)
         z = self.base.sample(mask, generator, temperature, dtype=reference.dtype)
         c = self._context(context, num, reference)
-        self.transform.check_call(z, c, mask=mask, logdet=False, name="z")
+        if c is not None:  # the chain's option checks of the context
+            self.transform.check_call(z, c, mask=mask, logdet=False, name="z")
         with value_checks(False):
             return self.transform._inverse(z, c, mask, False)[0], mask
 
