@@ -307,3 +307,8 @@ def test_conditional_affine(device):
     assert torch.allclose(vectors[0], y[:, 0]) and vectors[1].shape == (3,)
     with pytest.raises(ValueError, match=r"\bcontext\b"):
         layer(x)
+
+
+def test_conditional_models_reject_attention_layers():
+    with pytest.raises(ConfigError, match="attention"):
+        ModelConfig(num_classes=2, layers=("attention", "mlp"))

@@ -94,8 +94,8 @@ class ResidualFlowTransformer(SequenceFlow):
     layer; the certificate in :math:`x` holds for every context), a
     :class:`~iresflow.transforms.conditional.ConditionalAffine` ends the chain (step
     ``output.affine``: a context-dependent diagonal Gaussian base), and every method takes
-    ``context=`` (see :class:`~iresflow.models.flow.SequenceFlow`). Attention branches stay
-    unconditional.
+    ``context=`` (see :class:`~iresflow.models.flow.SequenceFlow`). Attention layers are not
+    available in conditional models (a ``ConfigError``).
 
     Every setting, with its default, is a field of
     :class:`~iresflow.models.config.ModelConfig`; :attr:`config` holds the one the model was
