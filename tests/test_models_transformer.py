@@ -302,7 +302,8 @@ def test_config_and_defaults(device, dtype):
         "features": 12, "n_blocks": 4, "hidden": 64, "heads": None, "coeff": 0.9,
         "attention": "l2", "positional": "sinusoidal", "max_len": 512, "logdet": "roulette",
         "n_power_iterations": 1, "spectral_norm": "exact", "ar_order": 0,
-        "layers": ("attention", "mlp"), "kernel_size": 3,
+        "layers": ("attention", "mlp"), "kernel_size": 3, "context_features": 0,
+        "num_classes": 0,
     }
     assert model.config.resolved_heads == 4
     assert model.config == ModelConfig(features=12, n_blocks=4, max_len=512,

@@ -28,13 +28,16 @@ from iresflow.data.readers import (
     observed_frames,
     pad_sequences,
     read_npz,
+    read_npz_covariates,
+    read_npz_labels,
     read_ts,
     read_weekly_csv,
 )
 from iresflow.data.splits import SequenceDataset, SequenceSplit
 from iresflow.data.store import SequenceStore, StoredSplit, is_store
 
-__all__ = ["SequenceDataset", "SequenceSplit", "available_datasets", "load_dataset"]
+__all__ = ["SequenceDataset", "SequenceSplit", "available_datasets", "class_indices",
+           "load_dataset"]
 
 _FILES = Path(__file__).resolve().parent / "files"
 
@@ -82,11 +85,17 @@ def _dataset(
     unit: str,
     parts: tuple[tuple[Tensor, Tensor], ...],
     preprocessing: Preprocessing,
+    labels: tuple[Tensor, ...] | None = None,
+    classes: tuple[str, ...] | None = None,
+    covariates: tuple[Tensor, ...] | None = None,
 ) -> SequenceDataset:
     splits = []
-    for raw, mask in parts:
+    for k, (raw, mask) in enumerate(parts):
         x, log_jacobian = preprocessing.forward(raw, mask)
-        splits.append(SequenceSplit(x.to(torch.float32), mask, log_jacobian))
+        split_labels = None if labels is None else labels[k]
+        split_covariates = None if covariates is None else covariates[k].to(torch.float32)
+        splits.append(SequenceSplit(x.to(torch.float32), mask, log_jacobian, split_labels,
+                                    split_covariates))
     train, val, test = splits
     return SequenceDataset(
         name=name,
@@ -97,25 +106,57 @@ def _dataset(
         val=val,
         test=test,
         preprocessing=preprocessing,
+        classes=classes,
     )
 
 
 def _standardised(
-    name: str, raw: Tensor, mask: Tensor, indices: tuple[Tensor, Tensor, Tensor]
+    name: str,
+    raw: Tensor,
+    mask: Tensor,
+    indices: tuple[Tensor, Tensor, Tensor],
+    labels: tuple[Tensor, tuple[str, ...]] | None = None,
+    covariates: Tensor | None = None,
 ) -> SequenceDataset:
     parts = tuple((raw[i], mask[i]) for i in indices)
-    return _dataset(name, "nats/frame", parts, Standardization.fit(*parts[0]))
+    split_labels = None if labels is None else tuple(labels[0][i] for i in indices)
+    split_covariates = None if covariates is None else tuple(covariates[i] for i in indices)
+    return _dataset(name, "nats/frame", parts, Standardization.fit(*parts[0]), split_labels,
+                    None if labels is None else labels[1], split_covariates)
+
+
+def class_indices(names: list[str]) -> tuple[Tensor, tuple[str, ...]]:
+    """Class indices of string labels, the classes in natural order (numerically if all are
+    integers, else alphabetically).
+
+    Args:
+        names: One label per sequence.
+
+    Returns:
+        ``(labels, classes)``: int64 indices ``(B,)`` into ``classes``.
+
+    Example:
+        >>> class_indices(["10", "2", "2"])
+        (tensor([1, 0, 0]), ('2', '10'))
+    """
+    unique = set(names)
+    numeric = all(n.lstrip("-").isdigit() for n in unique)
+    classes = tuple(sorted(unique, key=int if numeric else str))
+    position = {c: i for i, c in enumerate(classes)}
+    return torch.tensor([position[n] for n in names], dtype=torch.int64), classes
 
 
 def _load_japanese_vowels(seed: int, val_fraction: float) -> SequenceDataset:
-    train_cases = read_ts(_FILES / "JapaneseVowels_TRAIN.ts.gz").series
-    test_cases = read_ts(_FILES / "JapaneseVowels_TEST.ts.gz").series
+    train_file = read_ts(_FILES / "JapaneseVowels_TRAIN.ts.gz")
+    test_file = read_ts(_FILES / "JapaneseVowels_TEST.ts.gz")
+    train_cases, test_cases = train_file.series, test_file.series
     raw, mask = pad_sequences(train_cases + test_cases)
+    speakers = class_indices(train_file.labels + test_file.labels)  # the speakers 1-9
     generator = torch.Generator().manual_seed(seed)
     n_official = len(train_cases)
     train, val, _ = _random_split(n_official, val_fraction, 0.0, generator)
     test = torch.arange(n_official, raw.shape[0])
-    return _standardised("japanese_vowels", raw, mask, (train, val, test))
+    return _standardised("japanese_vowels", raw, mask, (train, val, test), speakers)
 
 
 @lru_cache(maxsize=1)
@@ -171,6 +212,11 @@ def _read_user_file(kind: str, file: Path) -> tuple[Tensor, Tensor]:
         raise ValueError(f"{file}: {error}") from None
 
 
+def _read_user_labels(kind: str, file: Path) -> list[str] | None:
+    """Class labels of a user file: ``y`` of an ``.npz``, the ``:label`` fields of a ``.ts``."""
+    return read_npz_labels(file) if kind == "npz" else read_ts(file).labels
+
+
 def _pad_to(raw: Tensor, mask: Tensor, length: int) -> tuple[Tensor, Tensor]:
     """Pad sequences ``(B, N, D)`` and mask ``(B, N)`` with unobserved frames to ``length``."""
     extra = length - raw.shape[1]
@@ -194,7 +240,16 @@ def _load_user(
     kind: str, file: Path, test_file: Path | None, seed: int, val_fraction: float
 ) -> SequenceDataset:
     raw, mask = _read_user_file(kind, file)
+    names = _read_user_labels(kind, file)
+    covariates = read_npz_covariates(file) if kind == "npz" else None
     test = None if test_file is None else _read_user_file(kind, test_file)
+    if test_file is not None and names is not None:
+        test_names = _read_user_labels(kind, test_file)
+        names = None if test_names is None else names + test_names
+    if test_file is not None and covariates is not None:
+        test_covariates = read_npz_covariates(test_file)
+        covariates = (None if test_covariates is None
+                      else torch.cat([covariates, test_covariates]))
     generator = torch.Generator().manual_seed(seed)
     try:
         if test is None:
@@ -213,7 +268,8 @@ def _load_user(
             train, val, _ = _random_split(n_train_file, val_fraction, 0.0, generator)
             indices = (train, val, torch.arange(n_train_file, raw.shape[0]))
         _warn_small_splits(file.name, indices)
-        return _standardised(file.name, raw, mask, indices)
+        labels = None if names is None else class_indices(names)
+        return _standardised(file.name, raw, mask, indices, labels, covariates)
     except ValueError as error:
         raise ValueError(f"{file}: {error}") from None
 

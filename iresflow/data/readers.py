@@ -324,6 +324,70 @@ def read_npz(path: str | os.PathLike) -> tuple[Tensor, Tensor]:
     return torch.where(mask.unsqueeze(-1), x, 0.0), mask
 
 
+def read_npz_labels(path: str | os.PathLike) -> list[str] | None:
+    """The class labels ``y`` of an ``.npz`` archive (see :func:`read_npz`), if it has them.
+
+    Args:
+        path: The archive.
+
+    Returns:
+        One label per sequence, as strings (``None`` without a ``y`` array).
+
+    Raises:
+        ValueError: ``y`` is not a 1-D integer array.
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     np.savez(f"{d}/a.npz", x=np.ones((2, 3, 1)), y=np.array([4, 1]))
+        ...     read_npz_labels(f"{d}/a.npz")
+        ['4', '1']
+    """
+    file = os.fspath(path)
+    with np.load(file, allow_pickle=False) as archive:
+        if "y" not in archive.files:
+            return None
+        y = _load_member(archive, "y", file)
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"{file}: 'y' must be a 1-D integer array of class labels, got dtype "
+                         f"{y.dtype} and shape {y.shape}")
+    return [str(int(v)) for v in y]
+
+
+def read_npz_covariates(path: str | os.PathLike) -> Tensor | None:
+    """The per-sequence covariates ``c`` of an ``.npz`` archive (see :func:`read_npz`), if any.
+
+    Args:
+        path: The archive.
+
+    Returns:
+        ``c`` as a float64 tensor ``(B, C)`` (``None`` without a ``c`` array).
+
+    Raises:
+        ValueError: ``c`` is not a finite real array of shape ``(B, C)``.
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     np.savez(f"{d}/a.npz", x=np.ones((2, 3, 1)), c=np.ones((2, 4)))
+        ...     read_npz_covariates(f"{d}/a.npz").shape
+        torch.Size([2, 4])
+    """
+    file = os.fspath(path)
+    with np.load(file, allow_pickle=False) as archive:
+        if "c" not in archive.files:
+            return None
+        c = _load_member(archive, "c", file)
+    real = np.issubdtype(c.dtype, np.floating) or np.issubdtype(c.dtype, np.integer)
+    if c.ndim != 2 or not real:
+        raise ValueError(f"{file}: 'c' must be a real array of shape (B, C), got dtype {c.dtype} "
+                         f"and shape {c.shape}")
+    covariates = torch.from_numpy(c.astype(np.float64))
+    if not bool(torch.isfinite(covariates).all()):
+        raise ValueError(f"{file}: 'c' contains NaN or Inf values")
+    return covariates
+
+
 def _load_member(archive: np.lib.npyio.NpzFile, key: str, file: str) -> np.ndarray:
     try:
         return archive[key]

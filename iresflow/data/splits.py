@@ -43,6 +43,11 @@ class SequenceSplit:
         log_jacobian: Per-sequence :math:`\\log|\\det \\partial x / \\partial r|` of the
             preprocessing from the raw data :math:`r`, shape ``(B,)``, float64, so that
             :math:`\\log p_{\\mathrm{raw}}(r) = \\log p_{\\mathrm{model}}(x) +` ``log_jacobian``.
+        labels: Optional class index of every sequence, int64 ``(B,)`` in
+            ``[0, len(SequenceDataset.classes))`` (the context of a class-conditional flow);
+            ``None`` for unlabelled data.
+        covariates: Optional per-sequence covariates, float ``(B, C)`` (the context of a
+            covariate-conditional flow); ``None`` if the data have none.
 
     Example:
         >>> split = SequenceSplit(torch.zeros(2, 3, 1), torch.ones(2, 3, dtype=torch.bool),
@@ -54,6 +59,8 @@ class SequenceSplit:
     x: Tensor
     mask: Tensor
     log_jacobian: Tensor
+    labels: Tensor | None = None
+    covariates: Tensor | None = None
 
     def __post_init__(self) -> None:
         check_sequence(self.x, "x", allow_2d=False)
@@ -66,6 +73,21 @@ class SequenceSplit:
                 f"got {tuple(self.log_jacobian.shape)}"
             )
         check_finite(self.log_jacobian, "log_jacobian")
+        if self.labels is not None:
+            if not isinstance(self.labels, Tensor) or self.labels.dtype != torch.int64:
+                raise TypeError("labels must be an int64 torch.Tensor of shape (B,)")
+            if self.labels.shape != self.x.shape[:1]:
+                raise ValueError(f"labels must have shape (B,) = ({self.x.shape[0]},), got "
+                                 f"{tuple(self.labels.shape)}")
+            if bool((self.labels < 0).any()):
+                raise ValueError("labels must be class indices >= 0")
+        if self.covariates is not None:
+            if not isinstance(self.covariates, Tensor) or not self.covariates.is_floating_point():
+                raise TypeError("covariates must be a floating-point torch.Tensor (B, C)")
+            if self.covariates.dim() != 2 or self.covariates.shape[0] != self.x.shape[0]:
+                raise ValueError(f"covariates must have shape (B, C) with B = {self.x.shape[0]}, "
+                                 f"got {tuple(self.covariates.shape)}")
+            check_finite(self.covariates, "covariates")
         if bool((self.x[~self.mask.to(self.x.device)] != 0).any()):
             raise ValueError("x must be zero at padded frames (mask False)")
 
@@ -83,7 +105,10 @@ class SequenceSplit:
 
     def subset(self, index: Tensor) -> SequenceSplit:
         """The sequences ``index`` (positions or a boolean mask over the split) as a split."""
-        return SequenceSplit(self.x[index], self.mask[index], self.log_jacobian[index])
+        labels = None if self.labels is None else self.labels[index]
+        covariates = None if self.covariates is None else self.covariates[index]
+        return SequenceSplit(self.x[index], self.mask[index], self.log_jacobian[index], labels,
+                             covariates)
 
 
 @dataclass
@@ -101,6 +126,8 @@ class SequenceDataset:
         test: Test split.
         preprocessing: The map from raw to model space, inverted by :meth:`to_raw`; ``None``
             when the data are stored in raw space.
+        classes: Names of the classes that the splits' ``labels`` index (e.g. the nine
+            speakers ``"1"`` to ``"9"`` of Japanese Vowels); ``None`` for unlabelled data.
 
     Example:
         >>> from iresflow.data.datasets import load_dataset
@@ -117,6 +144,7 @@ class SequenceDataset:
     val: SequenceSplit | StoredSplit
     test: SequenceSplit | StoredSplit
     preprocessing: Preprocessing | None = None
+    classes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.unit not in _UNITS:

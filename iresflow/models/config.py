@@ -89,6 +89,14 @@ class ModelConfig:
     spectral_norm: str = setting(
         "exact", "spectral norm of the MLP layers in training", ("exact", "power")
     )
+    context_features: int = setting(
+        0, "size C of the per-sequence context vector: covariates, or the class-label embedding "
+        "(0: unconditional, or 8 with num_classes)"
+    )
+    num_classes: int = setting(
+        0, "number of class labels the flow is conditioned on (0: none; covariates if "
+        "context_features > 0)"
+    )
 
     def __post_init__(self) -> None:
         validate_fields(self)
@@ -98,6 +106,12 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        for name in ("context_features", "num_classes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0: none), got {getattr(self, name)}")
+        if self.conditional and "attention" in self.layers:
+            raise ConfigError("a conditional model (context_features or num_classes > 0) takes "
+                              "conv, mlp and mix layers; attention layers are unconditional")
         if self.ar_order < 0:
             raise ConfigError(f"ar_order must be >= 0 (0: no autoregressive layer), got "
                               f"{self.ar_order}")
@@ -116,6 +130,19 @@ class ModelConfig:
         if self.features is None:
             raise ConfigError("features must be set to resolve the number of heads")
         return default_heads(self.features) if self.heads is None else self.heads
+
+    @property
+    def conditional(self) -> bool:
+        """Whether the model is conditional (``context_features`` or ``num_classes`` set)."""
+        return self.context_features > 0 or self.num_classes > 0
+
+    @property
+    def resolved_context_features(self) -> int:
+        """Context size ``C``: ``context_features``, or 8 for labels left automatic (0 when
+        unconditional)."""
+        if self.context_features == 0 and self.num_classes > 0:
+            return 8
+        return self.context_features
 
     def replace(self, **changes: Any) -> ModelConfig:
         """Return a validated copy with ``changes`` applied.

@@ -39,10 +39,11 @@ EXACT_COPIES_PER_CHUNK = 4096
 
 
 def exact_in_chunks(
-    log_prob: Callable[[Tensor, Tensor | None], Tensor],
+    log_prob: Callable[..., Tensor],
     x: Tensor,
     mask: Tensor | None,
     chunk_size: int | None = None,
+    args: tuple[Tensor, ...] = (),
 ) -> Tensor:
     """Evaluate a per-sequence function on chunks of sequences of similar length.
 
@@ -56,6 +57,8 @@ def exact_in_chunks(
         x: Sequences ``(B, N, D)``, already validated.
         mask: Optional boolean padding mask ``(B, N)``.
         chunk_size: Sequences per chunk, or ``None`` for the automatic size.
+        args: Extra per-sequence tensors (leading dimension ``B``, e.g. a context), passed to
+            ``log_prob`` after the mask, sliced to the rows of each chunk.
 
     Returns:
         The values of ``log_prob`` for every sequence, shape ``(B,)``, in the order of ``x``.
@@ -85,7 +88,8 @@ def exact_in_chunks(
                 stop += 1
         index = torch.tensor(order[start:stop], device=x.device)
         n = ends[order[stop - 1]]
-        values.append(log_prob(x[index, :n], None if mask is None else mask[index, :n]))
+        values.append(log_prob(x[index, :n], None if mask is None else mask[index, :n],
+                               *(a[index] for a in args)))
         start = stop
     inverse = torch.empty(batch, dtype=torch.long, device=x.device)
     inverse[torch.tensor(order, device=x.device)] = torch.arange(batch, device=x.device)
@@ -166,8 +170,9 @@ def lipschitz_report(
       normalisation by it (docs/math.md#l2-bounds, docs/math.md#lipschitznorm), at the probe
       length, which measures how expansive the learned weights are; ``None`` otherwise.
 
-    The branches are evaluated in their current mode; call it on an ``eval()`` model for the
-    exact spectral norms (docs/math.md#spectral-norm).
+    Conditional branches are probed at the zero context (their certificate holds for every
+    context). The branches are evaluated in their current mode; call it on an ``eval()`` model
+    for the exact spectral norms (docs/math.md#spectral-norm).
 
     Args:
         steps: ``(name, block)`` pairs.
@@ -183,8 +188,14 @@ def lipschitz_report(
         branch = step.branch
         inner = branch.branch if isinstance(branch, PositionalBranch) else branch
         raw = getattr(inner, "raw_bound", None)
+        if step.context_features is None:
+            def probe(t: Tensor, g: Any = branch) -> Tensor:
+                return g(t)
+        else:  # a conditional branch is probed at the zero context
+            def probe(t: Tensor, g: Any = branch, c: int = step.context_features) -> Tensor:
+                return g(t, context=t.new_zeros(t.shape[0], c))
         with torch.enable_grad():
-            local = jacobian_norm(lambda t, g=branch: g(t), x, branch.norm)
+            local = jacobian_norm(probe, x, branch.norm)
         report.append({
             "name": name,
             "type": type(inner).__name__,

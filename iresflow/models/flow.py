@@ -35,6 +35,7 @@ from iresflow.logdet.exact import ExactLogDet
 from iresflow.logdet.roulette import RouletteLogDet, predraw_counts
 from iresflow.models import evaluation
 from iresflow.models.distributions import StandardNormalSequence, sample_mask
+from iresflow.nn.conditional import ContextEncoder
 from iresflow.transforms.actnorm import DataInitializedTransform
 from iresflow.transforms.base import LogDetRequest, SequenceCompositeTransform
 from iresflow.transforms.residual import ResidualTransform
@@ -56,6 +57,11 @@ class SequenceFlow(nn.Module):
         base: Density of the noise; ``StandardNormalSequence(features)`` when ``None``.
         features: Feature size ``D`` of every frame.
         max_len: Longest sequence accepted (``None``: any).
+        context_encoder: For a conditional flow :math:`p(x \mid c)`, the
+            :class:`~iresflow.nn.conditional.ContextEncoder` of the ``context`` argument of every
+            method (class labels or covariates, one per sequence) into the context vector
+            ``(B, C)`` passed to the chain; ``None`` (the default) for an unconditional flow,
+            whose methods take no context.
 
     Example:
         >>> from iresflow.nn.mlp import LipschitzMLP
@@ -75,6 +81,7 @@ class SequenceFlow(nn.Module):
         *,
         features: int,
         max_len: int | None = None,
+        context_encoder: ContextEncoder | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(transform, SequenceCompositeTransform):
@@ -87,8 +94,12 @@ class SequenceFlow(nn.Module):
             base = StandardNormalSequence(self.features)
         if not isinstance(base, StandardNormalSequence) or base.features != self.features:
             raise TypeError(f"base must be a StandardNormalSequence({self.features})")
+        if context_encoder is not None and not isinstance(context_encoder, ContextEncoder):
+            raise TypeError(f"context_encoder must be a ContextEncoder or None, got "
+                            f"{type(context_encoder).__name__}")
         self.transform = transform
         self.base = base
+        self.context_encoder = context_encoder
 
     # ----------------------------------------------------------------------------------------
     # densities and maps
@@ -102,6 +113,7 @@ class SequenceFlow(nn.Module):
         n_samples: int = 1,
         return_stderr: bool = False,
         chunk_size: int | None = None,
+        context: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         r"""Log-density, in nats, of the sequences as given (docs/math.md#change-of-variables).
 
@@ -126,6 +138,9 @@ class SequenceFlow(nn.Module):
                 (:func:`~iresflow.models.evaluation.average_estimates`; needs ``n_samples >= 2``
                 for a stochastic estimator; zeros for ``"exact"``).
             chunk_size: Sequences per chunk of the exact method (``None``: automatic).
+            context: Conditioning input of a conditional flow (see ``context_encoder``):
+                labels ``(B,)`` or covariates ``(B, C)``; the density is then
+                :math:`\log p(x \mid c)`. Must be ``None`` for an unconditional flow.
 
         Returns:
             ``log_prob`` of shape ``(B,)``, or ``(log_prob, stderr)`` with ``return_stderr``.
@@ -153,37 +168,43 @@ class SequenceFlow(nn.Module):
             logdet = ExactLogDet()
         elif method == "roulette" and not all(isinstance(e, RouletteLogDet) for e in estimators):
             logdet = RouletteLogDet()
-        x, mask = self._check(x, mask, "x", logdet)
+        x, mask, c = self._check(x, mask, "x", logdet, context)
 
         with value_checks(False):
             if exact:
                 if self.training:
-                    self._initialize(x, mask)
+                    self._initialize(x, mask, c)
                 value = evaluation.exact_in_chunks(
-                    lambda xc, mc: self._log_prob(xc, mc, logdet), x, mask, chunk_size
+                    lambda xc, mc, *cc: self._log_prob(xc, mc, logdet, *cc), x, mask, chunk_size,
+                    () if c is None else (c,),
                 )
                 stderr = torch.zeros_like(value)
             else:
                 value, stderr = evaluation.average_estimates(
-                    lambda: self._log_prob(x, mask, logdet), n_samples
+                    lambda: self._log_prob(x, mask, logdet, c), n_samples
                 )
         return (value, stderr) if return_stderr else value
 
-    def transform_to_noise(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+    def transform_to_noise(
+        self, x: Tensor, mask: Tensor | None = None, *, context: Tensor | None = None
+    ) -> Tensor:
         """Map data to noise through the chain (no log-determinant, no random draws).
 
         Args:
             x: Sequences ``(B, N, D)``.
             mask: Optional boolean padding mask ``(B, N)``.
+            context: Conditioning input of a conditional flow (see :meth:`log_prob`).
 
         Returns:
             ``z`` of shape ``(B, N, D)``, equal to ``x`` at padded positions.
         """
-        x, mask = self._check(x, mask, "x", False)
+        x, mask, c = self._check(x, mask, "x", False, context)
         with value_checks(False):
-            return self.transform._forward(x, None, mask, False)[0]
+            return self.transform._forward(x, c, mask, False)[0]
 
-    def inverse(self, z: Tensor, mask: Tensor | None = None) -> Tensor:
+    def inverse(
+        self, z: Tensor, mask: Tensor | None = None, *, context: Tensor | None = None
+    ) -> Tensor:
         """Map noise to data, inverting the chain (docs/math.md#fixed-point-inverse).
 
         Runs without gradient tracking and without random draws; :meth:`inverse_diagnostics`
@@ -192,6 +213,7 @@ class SequenceFlow(nn.Module):
         Args:
             z: Noise sequences ``(B, N, D)``.
             mask: Optional boolean padding mask ``(B, N)``.
+            context: Conditioning input of a conditional flow (see :meth:`log_prob`).
 
         Returns:
             ``x`` of shape ``(B, N, D)``, equal to ``z`` at padded positions.
@@ -199,9 +221,10 @@ class SequenceFlow(nn.Module):
         Raises:
             InversionError: a fixed-point iteration did not converge.
         """
-        z, mask = self._check(z, mask, "z", False)
-        with torch.no_grad(), value_checks(False):
-            return self.transform._inverse(z, None, mask, False)[0]
+        with torch.no_grad():
+            z, mask, c = self._check(z, mask, "z", False, context)
+            with value_checks(False):
+                return self.transform._inverse(z, c, mask, False)[0]
 
     @torch.no_grad()
     def sample(
@@ -211,6 +234,7 @@ class SequenceFlow(nn.Module):
         lengths: Tensor | None = None,
         generator: torch.Generator | None = None,
         temperature: float = 1.0,
+        context: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         r"""Draw sequences: base noise (``base.sample``), then invert the chain.
 
@@ -223,6 +247,8 @@ class SequenceFlow(nn.Module):
                 ``[1, max_len]``; ``N = max(lengths)`` and shorter samples are padded.
             generator: Optional ``torch.Generator`` for the noise (on the model's device).
             temperature: Standard deviation :math:`T > 0` of the base noise (1 = the model).
+            context: Conditioning input of a conditional flow, one per sample (labels
+                ``(num,)`` or covariates ``(num, C)``, see :meth:`log_prob`).
 
         Returns:
             ``(x, mask)``: samples ``(num, N, D)`` (zero at padding) and the mask ``(num, N)``.
@@ -236,14 +262,19 @@ class SequenceFlow(nn.Module):
         reference = self._reference()
         mask = sample_mask(num, seq_len, lengths, self.max_len, reference.device)
         z = self.base.sample(mask, generator, temperature, dtype=reference.dtype)
+        c = self._context(context, num, reference)
+        if c is not None:  # the chain's option checks of the context
+            self.transform.check_call(z, c, mask=mask, logdet=False, name="z")
         with value_checks(False):
-            return self.transform._inverse(z, None, mask, False)[0], mask
+            return self.transform._inverse(z, c, mask, False)[0], mask
 
     # ----------------------------------------------------------------------------------------
     # training support
 
     @torch.no_grad()
-    def initialize(self, x: Tensor, mask: Tensor | None = None) -> None:
+    def initialize(
+        self, x: Tensor, mask: Tensor | None = None, *, context: Tensor | None = None
+    ) -> None:
         """Initialise every data-dependent layer (ActNorm, autoregressive) from a whole batch.
 
         One pass through the chain in training mode without log-determinants; every other
@@ -255,10 +286,11 @@ class SequenceFlow(nn.Module):
         Args:
             x: Sequences ``(B, N, D)``.
             mask: Optional boolean padding mask ``(B, N)``.
+            context: Conditioning input of a conditional flow (see :meth:`log_prob`).
         """
-        x, mask = self._check(x, mask, "x", False)
+        x, mask, c = self._check(x, mask, "x", False, context)
         with value_checks(False):
-            self._initialize(x, mask)
+            self._initialize(x, mask, c)
 
     def set_generator(self, generator: torch.Generator | None) -> None:
         """Make ``generator`` the generator of every stochastic log-determinant estimator.
@@ -329,32 +361,48 @@ class SequenceFlow(nn.Module):
         """A parameter of the model, giving its device and dtype."""
         return next(self.parameters())
 
+    def _context(self, context: object, batch: int, reference: Tensor) -> Tensor | None:
+        """The validated context vector ``(B, C)`` of a call (``None`` when unconditional)."""
+        if self.context_encoder is None:
+            if context is not None:
+                raise ValueError("the flow is unconditional: context must be None")
+            return None
+        if context is None:
+            raise ValueError("the flow is conditional: context is required (labels (B,) or "
+                             "covariates (B, C))")
+        return self.context_encoder(self.context_encoder.check(context, batch, reference))
+
     def _check(
-        self, x: object, mask: object, name: str, logdet: LogDetRequest
-    ) -> tuple[Tensor, Tensor | None]:
-        """The one validation of a call: shapes, then one fused value check (chain's gate)."""
+        self, x: object, mask: object, name: str, logdet: LogDetRequest,
+        context: object = None,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The one validation of a call: shapes, then one fused value check (chain's gate);
+        returns ``(x, mask, context vector or None)``."""
+        reference = self._reference()
         with value_checks(False):
-            check_sequence(x, name, features=self.features, allow_2d=False,
-                           like=self._reference())
-        x, mask = self.transform.check_call(x, None, mask=mask, logdet=logdet, name=name)
+            check_sequence(x, name, features=self.features, allow_2d=False, like=reference)
+        c = self._context(context, x.shape[0], reference)
+        x, mask = self.transform.check_call(x, c, mask=mask, logdet=logdet, name=name)
         if self.max_len is not None and x.shape[1] > self.max_len:
             raise ValueError(
                 f"{name} has length {x.shape[1]} > max_len={self.max_len} (shape (B, N, D) "
                 f"with N <= max_len)"
             )
-        return x, mask
+        return x, mask, c
 
-    def _log_prob(self, x: Tensor, mask: Tensor | None, logdet: LogDetRequest) -> Tensor:
+    def _log_prob(
+        self, x: Tensor, mask: Tensor | None, logdet: LogDetRequest, context: Tensor | None = None
+    ) -> Tensor:
         """One pass: base log-density of the noise plus the chain's log-determinant."""
         calls = [logdet if isinstance(logdet, LogDetEstimator) else estimator
                  for estimator in self.estimators()]
         roulette = [c for c in calls if isinstance(c, RouletteLogDet)]
         if roulette:  # every count of the pass in one draw (one host read per generator)
             predraw_counts(roulette)
-        z, logabsdet = self.transform._forward(x, None, mask, logdet)
+        z, logabsdet = self.transform._forward(x, context, mask, logdet)
         return self.base.log_prob(z, mask) + logabsdet
 
-    def _initialize(self, x: Tensor, mask: Tensor | None) -> None:
+    def _initialize(self, x: Tensor, mask: Tensor | None, context: Tensor | None = None) -> None:
         layers = [m for m in self.modules() if isinstance(m, DataInitializedTransform)]
         if all(m.is_initialized for m in layers):
             return
@@ -367,7 +415,7 @@ class SequenceFlow(nn.Module):
         self.train()
         try:
             with torch.no_grad():
-                self.transform._forward(x, None, mask, False)
+                self.transform._forward(x, context, mask, False)
         finally:
             self.train(was_training)
             with torch.no_grad():

@@ -37,11 +37,17 @@ from iresflow.nn.attention import (
     ContractiveLipschitzNormAttention,
 )
 from iresflow.nn.base import LipschitzBranch
+from iresflow.nn.conditional import (
+    ConditionalLipschitzMLP,
+    ConditionalTemporalConvBranch,
+    ContextEncoder,
+)
 from iresflow.nn.conv import TemporalConvBranch
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.nn.positional import PositionalBranch, make_positional_encoding
 from iresflow.transforms.actnorm import ActNorm
 from iresflow.transforms.base import SequenceCompositeTransform
+from iresflow.transforms.conditional import ConditionalAffine
 from iresflow.transforms.residual import ResidualTransform
 from iresflow.transforms.temporal import AutoregressiveLinear, FeatureMixing
 
@@ -79,6 +85,17 @@ class ResidualFlowTransformer(SequenceFlow):
     ``block0.mlp.actnorm``, ``block0.mlp``, ...; a kind repeated within a block is numbered by
     its position, ``block0.mlp0``, ``block0.mlp2``; usable inside ``nflows.flows.Flow`` for
     fixed-length data).
+
+    Conditional flows :math:`p(x \mid c)`: with ``num_classes > 0`` (class labels through a
+    learned embedding of size ``context_features``) or ``context_features > 0`` alone
+    (covariates ``(B, C)``), the ``conv`` and ``mlp`` branches become
+    :class:`~iresflow.nn.conditional.ConditionalTemporalConvBranch` and
+    :class:`~iresflow.nn.conditional.ConditionalLipschitzMLP` (the context shifts their first
+    layer; the certificate in :math:`x` holds for every context), a
+    :class:`~iresflow.transforms.conditional.ConditionalAffine` ends the chain (step
+    ``output.affine``: a context-dependent diagonal Gaussian base), and every method takes
+    ``context=`` (see :class:`~iresflow.models.flow.SequenceFlow`). Attention layers are not
+    available in conditional models (a ``ConfigError``).
 
     Every setting, with its default, is a field of
     :class:`~iresflow.models.config.ModelConfig`; :attr:`config` holds the one the model was
@@ -146,20 +163,34 @@ class ResidualFlowTransformer(SequenceFlow):
                 branch = _branch(kind, config, encoding)
                 steps += [ActNorm(features), ResidualTransform(branch, logdet=config.logdet)]
                 names += [f"{name}.actnorm", name]
+        encoder = None
+        if config.conditional:
+            encoder = ContextEncoder(config.resolved_context_features, config.num_classes)
+            steps.append(ConditionalAffine(features, config.resolved_context_features))
+            names.append("output.affine")
         super().__init__(SequenceCompositeTransform(steps, names), features=features,
-                         max_len=config.max_len)
+                         max_len=config.max_len, context_encoder=encoder)
         self.config = config
 
 
 def _branch(kind: str, config: ModelConfig, encoding: nn.Module | None) -> LipschitzBranch:
     """The contractive branch of a residual step of kind ``attention``, ``conv`` or ``mlp``."""
     features, hidden, coeff = config.features, config.hidden, config.coeff
+    context = config.resolved_context_features
     if kind == "attention":
         attention = _attention_branch(config.attention, features, config.resolved_heads, coeff)
         return PositionalBranch(attention, encoding)
     if kind == "conv":
+        if context:
+            return ConditionalTemporalConvBranch(features, hidden, context, config.kernel_size,
+                                                 coeff, max_len=config.max_len)
         return TemporalConvBranch(features, hidden, config.kernel_size, coeff,
                                   max_len=config.max_len)
+    if context:
+        return ConditionalLipschitzMLP((features, hidden, hidden, features), context,
+                                       coeff=coeff ** (1.0 / MLP_LAYERS),
+                                       n_power_iterations=config.n_power_iterations,
+                                       sigma=config.spectral_norm)
     return LipschitzMLP((features, hidden, hidden, features), coeff=coeff ** (1.0 / MLP_LAYERS),
                         n_power_iterations=config.n_power_iterations, sigma=config.spectral_norm)
 

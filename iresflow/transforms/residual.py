@@ -3,15 +3,19 @@ r"""The invertible residual block :math:`x \mapsto x + g(x)` (docs/math.md#contr
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from iresflow.inverse.fixed_point import InverseStats, fixed_point_inverse
+from iresflow.logdet._hutchinson import repeat_rows
 from iresflow.logdet.base import LogDetEstimator, check_logdet_dtype
+from iresflow.logdet.exact import ExactLogDet
 from iresflow.logdet.factory import make_logdet
 from iresflow.nn.base import LipschitzBranch
+from iresflow.nn.conditional import check_context
 from iresflow.transforms.base import LogDetRequest, SequenceTransform
 
 __all__ = ["ResidualTransform"]
@@ -35,7 +39,11 @@ class ResidualTransform(SequenceTransform):
 
     Sequences ``(B, N, D)`` and vectors ``(B, D)`` (treated as ``N = 1``) are accepted. With a
     padding mask, padded positions pass through unchanged (the branch is exactly 0 there) and add
-    nothing to ``logabsdet``. The block is unconditional: ``context`` must be ``None`` (the
+    nothing to ``logabsdet``. A branch with a ``context_features`` attribute (e.g.
+    :class:`~iresflow.nn.conditional.ConditionalLipschitzMLP`) makes the block conditional:
+    ``context`` ``(B, C)`` is then required and passed to the branch, :math:`g(x, c)`, in the
+    log-determinant (with respect to :math:`x` only) and in the inverse, which solves
+    :math:`x + g(x, c) = y` for fixed :math:`c`. Otherwise ``context`` must be ``None`` (the
     argument exists for nflows compatibility).
 
     ``forward`` and ``inverse`` are those of :class:`~iresflow.transforms.base.SequenceTransform`:
@@ -137,9 +145,25 @@ class ResidualTransform(SequenceTransform):
         """
         return self.branch.lipschitz_constant(seq_len)
 
+    @property
+    def context_features(self) -> int | None:
+        """Context size ``C`` of a conditional branch (``None``: unconditional)."""
+        return getattr(self.branch, "context_features", None)
+
     def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
-        if context is not None:
-            raise ValueError("ResidualTransform is unconditional: context must be None")
+        if self.context_features is None:
+            if context is not None:
+                raise ValueError("ResidualTransform is unconditional: context must be None")
+        else:
+            if context is None:
+                raise ValueError(
+                    f"the branch is conditional: context of shape (B, {self.context_features}) "
+                    f"is required"
+                )
+            check_context(context, inputs.shape[0], self.context_features, inputs)
+            estimator = self._estimator(logdet) if logdet is not False else None
+            if isinstance(estimator, ExactLogDet) and estimator.chunk_size is not None:
+                raise ValueError("a context needs an ExactLogDet without chunk_size")
         if logdet is not False:
             check_logdet_dtype(inputs, "inputs")
 
@@ -153,10 +177,11 @@ class ResidualTransform(SequenceTransform):
         r""":math:`y = x + g(x)` and, unless ``logdet=False``, :math:`\log\det(I + J_g(x))`."""
         vector = inputs.dim() == 2
         x = inputs.unsqueeze(1) if vector else inputs
+        branch = self.branch if context is None else _ContextBound(self.branch, context)
         if logdet is False:
-            g, logabsdet = self.branch(x, mask), None
+            g, logabsdet = branch(x, mask), None
         else:
-            g, logabsdet = self._estimator(logdet).estimate(self.branch, x, mask)
+            g, logabsdet = self._estimator(logdet).estimate(branch, x, mask)
         outputs = x + g
         return (outputs.squeeze(1) if vector else outputs), logabsdet
 
@@ -172,10 +197,15 @@ class ResidualTransform(SequenceTransform):
             # entry of each sample, which padding must not loosen. The branch is 0 there, so the
             # padded outputs are the padded inputs, put back afterwards.
             real = None if mask is None else mask[..., None]
+            branch = self.branch
+            args: tuple[Tensor, ...] = () if mask is None else (mask,)
+            if context is not None:  # the context rows follow the solver's active rows
+                args = (*args, context)
+                branch = _with_context(self.branch, mask is not None)
             x, stats = fixed_point_inverse(
-                self.branch,
+                branch,
                 y if real is None else torch.where(real, y, 0.0),
-                args=() if mask is None else (mask,),
+                args=args,
                 tol=self.inverse_tol,
                 max_iter=self.inverse_max_iter,
                 solver=self.inverse_solver,
@@ -186,7 +216,8 @@ class ResidualTransform(SequenceTransform):
             self.last_inverse_stats = stats
             logabsdet = None
             if estimator is not None:
-                logabsdet = -estimator.estimate(self.branch, x, mask)[1]
+                bound = self.branch if context is None else _ContextBound(self.branch, context)
+                logabsdet = -estimator.estimate(bound, x, mask)[1]
         return (x.squeeze(1) if vector else x), logabsdet
 
     def extra_repr(self) -> str:
@@ -194,3 +225,44 @@ class ResidualTransform(SequenceTransform):
             f"logdet={type(self.logdet).__name__}, inverse_solver={self.inverse_solver!r}, "
             f"inverse_tol={self.inverse_tol}, inverse_max_iter={self.inverse_max_iter}"
         )
+
+
+def _with_context(branch: LipschitzBranch, masked: bool) -> Callable[..., Tensor]:
+    """``branch`` as ``g(x, mask, context)`` or ``g(x, context)``, for the fixed-point solver."""
+    if masked:
+        return lambda x, mask, context: branch(x, mask, context=context)
+    return lambda x, context: branch(x, None, context=context)
+
+
+class _ContextBound(LipschitzBranch):
+    r"""A conditional branch with its context bound: :math:`x \mapsto g(x, c)` for the engines.
+
+    The log-determinant engines evaluate a branch on the batch repeated ``copies`` times along
+    the rows (:func:`~iresflow.logdet._hutchinson.repeat_rows`); row ``r`` then belongs to
+    sequence ``r mod B``, and so does its context. The context is listed among the parameters,
+    so that the memory-efficient Neumann backward returns its gradient too (on to whatever
+    produced it, e.g. a label embedding).
+    """
+
+    def __init__(self, branch: LipschitzBranch, context: Tensor) -> None:
+        super().__init__()
+        self.branch = branch
+        self.context = context
+        self.position_wise = branch.position_wise  # type: ignore[misc]
+        self.norm = branch.norm  # type: ignore[misc]
+        self.receptive_radius = branch.receptive_radius
+        self.features = getattr(branch, "features", None)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        rows, batch = x.shape[0], self.context.shape[0]
+        if rows % batch:
+            raise RuntimeError(f"{rows} rows do not repeat a batch of {batch} contexts")
+        return self.branch(x, mask, context=repeat_rows(self.context, rows // batch))
+
+    def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
+        return self.branch.lipschitz_constant(seq_len)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        yield from super().parameters(recurse)
+        if self.context.requires_grad:
+            yield self.context  # type: ignore[misc]
