@@ -31,7 +31,7 @@ from iresflow._validation import (
     check_mask,
     check_sequence,
 )
-from iresflow.nn.conv import SpectralConv1d, TemporalConvBranch
+from iresflow.nn.conv import TemporalConvBranch
 from iresflow.nn.linear import _under_functorch_transform
 from iresflow.nn.mlp import LipschitzMLP
 
@@ -210,22 +210,11 @@ class ConditionalTemporalConvBranch(TemporalConvBranch):
             check_sequence(x, "x", features=self.features, allow_2d=False, like=self.net[0].weight)
             mask = check_mask(mask, x)
             check_context(context, x.shape[0], self.context_features, self.net[0].weight)
-        if x.shape[1] > self.max_len:
-            raise ValueError(
-                f"x has length {x.shape[1]} > max_len={self.max_len}, for which the certified "
-                f"bound does not hold"
-            )
-        keep = None if mask is None else mask.unsqueeze(1)  # (B, 1, N)
-        h = x.transpose(1, 2)
-        for i, layer in enumerate(self.net):
-            if keep is not None and isinstance(layer, SpectralConv1d):
-                h = torch.where(keep, h, 0.0)
-            h = layer(h)
-            if i == 0:
-                h = h + self.context_net(context).unsqueeze(-1)
-        if keep is not None:
-            h = torch.where(keep, h, 0.0)
-        return h.transpose(1, 2)
+        return self._convolve(x, mask, self.context_net(context))
+
+    def linearize(self) -> None:
+        """No hand-written Jacobian products (they would miss the context shift): autograd."""
+        return None
 
 
 class ContextEncoder(nn.Module):

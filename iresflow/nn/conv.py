@@ -310,17 +310,27 @@ class TemporalConvBranch(LipschitzBranch):
         if not _under_functorch_transform():
             check_sequence(x, "x", features=self.features, allow_2d=False, like=self.net[0].weight)
             mask = check_mask(mask, x)
+        return self._convolve(x, mask)
+
+    def _check_length(self, x: Tensor) -> None:
         if x.shape[1] > self.max_len:
             raise ValueError(
                 f"x has length {x.shape[1]} > max_len={self.max_len}, for which the certified "
                 f"bound does not hold"
             )
+
+    def _convolve(self, x: Tensor, mask: Tensor | None, shift: Tensor | None = None) -> Tensor:
+        """The branch on validated inputs; ``shift (B, hidden)`` is added after the first layer
+        (a function of something other than ``x``, so the bound in ``x`` is unchanged)."""
+        self._check_length(x)
         keep = None if mask is None else mask.unsqueeze(1)  # (B, 1, N)
         h = x.transpose(1, 2)
-        for layer in self.net:
+        for i, layer in enumerate(self.net):
             if keep is not None and isinstance(layer, SpectralConv1d):
                 h = torch.where(keep, h, 0.0)
             h = layer(h)
+            if i == 0 and shift is not None:
+                h = h + shift.unsqueeze(-1)
         if keep is not None:
             h = torch.where(keep, h, 0.0)
         return h.transpose(1, 2)
