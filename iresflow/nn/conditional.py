@@ -30,9 +30,9 @@ from iresflow._validation import (
     check_int,
     check_mask,
     check_sequence,
+    under_functorch_transform,
 )
 from iresflow.nn.conv import TemporalConvBranch
-from iresflow.nn.linear import _under_functorch_transform
 from iresflow.nn.mlp import LipschitzMLP
 
 __all__ = [
@@ -135,7 +135,7 @@ class ConditionalLipschitzMLP(LipschitzMLP):
         Raises:
             TypeError, ValueError: invalid ``x``, ``mask`` or ``context``.
         """
-        if not _under_functorch_transform():
+        if not under_functorch_transform():
             check_sequence(x, "x", features=self.features, like=self.net[0].weight)
             mask = check_mask(mask, x)
             check_context(context, x.shape[0], self.context_features, self.net[0].weight)
@@ -206,7 +206,7 @@ class ConditionalTemporalConvBranch(TemporalConvBranch):
         Raises:
             TypeError, ValueError: invalid ``x``, ``mask`` or ``context``, or ``N > max_len``.
         """
-        if not _under_functorch_transform():
+        if not under_functorch_transform():
             check_sequence(x, "x", features=self.features, allow_2d=False, like=self.net[0].weight)
             mask = check_mask(mask, x)
             check_context(context, x.shape[0], self.context_features, self.net[0].weight)

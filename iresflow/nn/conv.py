@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from iresflow._validation import check_int, check_mask, check_sequence
+from iresflow._validation import check_int, check_mask, check_sequence, under_functorch_transform
 from iresflow.nn.activations import LipSwish
 from iresflow.nn.base import LipschitzBranch
-from iresflow.nn.linear import _check_coefficient, _under_functorch_transform
+from iresflow.nn.linear import _check_coefficient
 from iresflow.nn.mlp import _MLPLinearization, _MLPPoint, _rows, stack_parameters
 
 __all__ = ["SpectralConv1d", "TemporalConvBranch", "circular_conv_norm"]
@@ -307,7 +307,7 @@ class TemporalConvBranch(LipschitzBranch):
                 or ``mask`` is not boolean.
             ValueError: wrong shape, ``N > max_len``, NaN/Inf, or an all-padding sequence.
         """
-        if not _under_functorch_transform():
+        if not under_functorch_transform():
             check_sequence(x, "x", features=self.features, allow_2d=False, like=self.net[0].weight)
             mask = check_mask(mask, x)
         return self._convolve(x, mask)

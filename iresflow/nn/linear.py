@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from iresflow._validation import check_dtype_device, check_int
-from iresflow._validation import under_functorch_transform as _under_functorch_transform
+from iresflow._validation import check_dtype_device, check_int, under_functorch_transform
 
 __all__ = ["InfNormLinear", "SpectralLinear"]
 
@@ -290,7 +289,7 @@ class SpectralLinear(_NormalizedLinear):
         Returns:
             Tensor of shape ``(out_features, in_features)``, differentiable w.r.t. ``weight``.
         """
-        if self.training and self.sigma == "power" and not _under_functorch_transform():
+        if self.training and self.sigma == "power" and not under_functorch_transform():
             self._power_iteration()
         return self.weight_normalized()
 

@@ -24,8 +24,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from iresflow._validation import check_int, check_sequence
-from iresflow.nn.linear import _under_functorch_transform
+from iresflow._validation import check_int, check_sequence, under_functorch_transform
 
 __all__ = [
     "LinearScoreAttention",
@@ -349,7 +348,7 @@ class LinearScoreAttention(nn.Module):
         return torch.softmax(g, dim=-1) @ x
 
     def _check(self, x: Tensor, adjacency: Tensor | None) -> Tensor | None:
-        if _under_functorch_transform():
+        if under_functorch_transform():
             return adjacency
         check_sequence(x, "x", features=self.query.shape[1], allow_2d=False)
         if adjacency is None:
@@ -371,7 +370,7 @@ def _check_adjacency(adjacency: object) -> Tensor:
         raise TypeError("adjacency must be a torch.bool tensor of shape (..., m, n)")
     if adjacency.dim() < 2:
         raise ValueError(f"adjacency must have shape (..., m, n), got {tuple(adjacency.shape)}")
-    if not _under_functorch_transform() and not bool(adjacency.any(dim=-1).all()):
+    if not under_functorch_transform() and not bool(adjacency.any(dim=-1).all()):
         raise ValueError("adjacency has a query with an empty neighbourhood")
     return adjacency
 
