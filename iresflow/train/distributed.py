@@ -219,6 +219,9 @@ def run_rank(
     )
     # An exception leaves the group as it is: the launcher stops the ranks that wait for it.
     result = function(*args, **kwargs)
+    # Every rank tears the group down together: a rank that leaves while another is still in
+    # its last collective (or still writing) can abort in gloo's teardown.
+    dist.barrier()
     dist.destroy_process_group()
     return result
 
