@@ -745,7 +745,8 @@ def mode_budget(base: Budget, mode: str, seconds: float | None = None) -> Budget
     Args:
         base: ``FULL`` or ``QUICK``.
         mode: One of :data:`MODES`.
-        seconds: Optimisation seconds per run (``budget``: required; ``table``: optional).
+        seconds: Optimisation seconds per run (``budget``: required; ``table``: optional;
+            ``convergence``: optional cap on top of early stopping).
 
     Returns:
         The budget.
@@ -753,11 +754,14 @@ def mode_budget(base: Budget, mode: str, seconds: float | None = None) -> Budget
     Example:
         >>> mode_budget(FULL, "budget", 60.0).max_seconds, mode_budget(FULL, "budget", 60).patience
         (60.0, 1000000)
+        >>> mode_budget(FULL, "convergence", 300).max_seconds, mode_budget(FULL, "convergence").patience
+        (300.0, 30)
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "convergence":
-        return dataclasses.replace(base, **CONVERGENCE)
+        capped = {} if seconds is None else {"max_seconds": float(seconds)}
+        return dataclasses.replace(base, **(CONVERGENCE | capped))
     if mode == "budget":
         if seconds is None or not seconds > 0:
             raise ValueError("the budget mode needs a positive number of seconds (--budget)")
@@ -866,7 +870,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="table: fixed budget with early stopping; convergence: early "
                         "stopping with a generous cap; budget: equal wall-clock budgets")
     parser.add_argument("--budget", type=float, help="optimisation seconds per run "
-                        "(default 30; quick 1; required with --mode budget)")
+                        "(default 30; quick 1; required with --mode budget; with --mode "
+                        "convergence a cap on top of early stopping, default 7200)")
     parser.add_argument("--max-epochs", type=int, help="override the epoch cap")
     parser.add_argument("--patience", type=int, help="override the early-stopping patience")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")

@@ -516,6 +516,8 @@ def test_mode_budgets() -> None:
     assert mode_budget(FULL, "table", 5).max_seconds == 5.0
     converge = mode_budget(FULL, "convergence")
     assert converge.max_epochs >= 1000 and converge.patience < converge.max_epochs
+    capped = mode_budget(FULL, "convergence", 300)
+    assert capped.max_seconds == 300.0 and capped.patience == converge.patience
     equal = mode_budget(FULL, "budget", 300)
     assert equal.max_seconds == 300.0 and equal.patience >= equal.max_epochs  # no early stop
     with pytest.raises(ValueError, match="--budget"):
