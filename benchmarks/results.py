@@ -754,7 +754,8 @@ def mode_budget(base: Budget, mode: str, seconds: float | None = None) -> Budget
     Example:
         >>> mode_budget(FULL, "budget", 60.0).max_seconds, mode_budget(FULL, "budget", 60).patience
         (60.0, 1000000)
-        >>> mode_budget(FULL, "convergence", 300).max_seconds, mode_budget(FULL, "convergence").patience
+        >>> capped = mode_budget(FULL, "convergence", 300)
+        >>> capped.max_seconds, capped.patience
         (300.0, 30)
     """
     if mode not in MODES:

@@ -11,7 +11,7 @@ from torch.autograd import gradcheck
 from torch.func import functional_call, jacrev, vmap
 
 from iresflow.nn.diagnostics import jacobian_norm
-from iresflow.nn.linear import InfNormLinear, SpectralLinear
+from iresflow.nn.linear import InfNormLinear, SpectralLinear, top_singular_vectors
 
 
 def spectral_norm(matrix: torch.Tensor) -> torch.Tensor:
@@ -141,14 +141,15 @@ def test_two_train_forwards_before_backward(device, dtype):
 
 @pytest.fixture
 def count_svd(monkeypatch):
+    """Counts the singular-vector computations (eigendecompositions of the Gram matrix)."""
     calls = []
-    svd = torch.linalg.svd
+    eigh = torch.linalg.eigh
 
-    def counting_svd(*args, **kwargs):
+    def counting_eigh(*args, **kwargs):
         calls.append(1)
-        return svd(*args, **kwargs)
+        return eigh(*args, **kwargs)
 
-    monkeypatch.setattr(torch.linalg, "svd", counting_svd)
+    monkeypatch.setattr(torch.linalg, "eigh", counting_eigh)
     return calls
 
 
@@ -381,3 +382,19 @@ def test_default_spectral_layer_keeps_its_bound_after_a_large_weight_change(devi
         power.weight.copy_(overtaking_weight(power.u, power.v, a, b))
     power(x)
     assert jacobian_norm(power, x, "2").max() > 3 * power.coeff  # the lag the default avoids
+
+
+@pytest.mark.parametrize("shape", [(7, 3), (3, 7), (2, 5, 5)])
+@pytest.mark.parametrize("complex_", [False, True])
+def test_top_singular_vectors_match_the_svd(shape, complex_):
+    gen = torch.Generator().manual_seed(4)
+    kind = torch.complex128 if complex_ else torch.float64
+    matrix = torch.randn(*shape, generator=gen, dtype=kind)
+    u, v = top_singular_vectors(matrix)
+    sigma = torch.linalg.svdvals(matrix)[..., 0]
+    value = (u.conj().unsqueeze(-2) @ matrix @ v.unsqueeze(-1)).squeeze(-1).squeeze(-1)
+    torch.testing.assert_close(value, sigma.to(kind), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(torch.linalg.vector_norm(u, dim=-1), torch.ones_like(sigma))
+    torch.testing.assert_close(torch.linalg.vector_norm(v, dim=-1), torch.ones_like(sigma))
+    zero_u, zero_v = top_singular_vectors(torch.zeros(3, 2, dtype=torch.float64))
+    assert torch.isfinite(zero_u).all() and float(zero_u.abs().sum()) == 0.0

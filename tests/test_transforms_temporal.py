@@ -159,6 +159,81 @@ def test_ar_inverse_round_trip_and_padding(device, order):
     assert torch.equal(layer(moved, mask=mask)[0][1, 3:], z[1, 3:])
 
 
+def _conditional_ar(device, order: int = 2) -> AutoregressiveLinear:
+    torch.manual_seed(5)
+    layer = AutoregressiveLinear(3, order, context_features=2, context_hidden=8)
+    layer = layer.to(device=device, dtype=F64)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(std=0.4)
+    return layer.eval()
+
+
+def test_conditional_ar_logdet_and_inverse_with_context(device):
+    layer = _conditional_ar(device)
+    x, mask = _gap_batch(device)
+    context = torch.randn(3, 2, dtype=F64, device=device)
+    z, logdet = layer(x, context, mask=mask)
+    for b in range(3):
+        f = lambda t, m, b=b: layer(t, context[b : b + 1], mask=m)[0]  # noqa: E731
+        expected = _logabsdet(f, x[b : b + 1], mask[b : b + 1])
+        torch.testing.assert_close(logdet[b : b + 1], expected)
+    x_back, logdet_inv = layer.inverse(z, context, mask=mask)
+    torch.testing.assert_close(x_back, x, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(logdet_inv, -logdet)
+    assert torch.equal(z[~mask], x[~mask])
+    # The context matters, and only for its own sequence.
+    other = context.clone()
+    other[1] += 1.0
+    z_other, logdet_other = layer(x, other, mask=mask)
+    assert not torch.allclose(z_other[1], z[1]) and not torch.allclose(logdet_other[1], logdet[1])
+    assert torch.equal(z_other[[0, 2]], z[[0, 2]]) and torch.equal(logdet_other[[0, 2]],
+                                                                   logdet[[0, 2]])
+
+
+def test_conditional_ar_is_the_unconditional_layer_until_the_context_net_moves(device):
+    layer = _conditional_ar(device, order=1)
+    plain = AutoregressiveLinear(3, 1).to(device=device, dtype=F64).eval()
+    plain.load_state_dict({k: v for k, v in layer.state_dict().items() if "context" not in k},
+                          strict=False)
+    with torch.no_grad():
+        layer.context_net[-1].weight.zero_()
+        layer.context_net[-1].bias.zero_()
+    x, mask = _gap_batch(device)
+    context = torch.randn(3, 2, dtype=F64, device=device)
+    for got, expected in zip(layer(x, context, mask=mask), plain(x, mask=mask), strict=True):
+        torch.testing.assert_close(got, expected)
+    with pytest.raises(ValueError, match="context"):
+        layer(x, mask=mask)
+    with pytest.raises(ValueError, match="context"):
+        layer(x, torch.randn(2, 2, dtype=F64, device=device), mask=mask)
+
+
+def test_conditional_ar_can_hold_one_autoregression_per_class(device):
+    # One-hot contexts with the deltas of class k in column k: every sequence is whitened by
+    # its class's own AR(1) model.
+    layer = AutoregressiveLinear(2, 1, context_features=2, context_hidden=4).to(device, F64)
+    lag = torch.tensor([[[0.5, 0.0], [0.0, -0.5]], [[0.0, 0.3], [0.2, 0.0]]], dtype=F64)
+    bias = torch.tensor([[1.0, -1.0], [0.0, 2.0]], dtype=F64)
+    net = layer.context_net
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.zero_()
+        # Hidden unit k is SiLU(10) for class k and SiLU(0) = 0 otherwise.
+        net[0].weight.copy_(torch.eye(4, 2, dtype=F64) * 10)
+        deltas = torch.zeros(12, 2, dtype=F64)  # lags (4), bias (2), log-diagonal (2), lower (4)
+        deltas[:4] = lag.reshape(2, 4).T
+        deltas[4:6] = bias.T
+        net[2].weight[:, :2].copy_(deltas / torch.nn.functional.silu(torch.tensor(10.0)))
+    layer.eval()
+    x = torch.randn(2, 5, 2, dtype=F64, device=device)
+    z, _ = layer(x, torch.eye(2, dtype=F64, device=device))
+    for k in range(2):
+        expected = x[k, 1:] - x[k, :-1] @ lag[k].T.to(device) - bias[k].to(device)
+        torch.testing.assert_close(z[k, 1:], expected)
+        torch.testing.assert_close(z[k, 0], x[k, 0] - bias[k].to(device))
+
+
 def test_ar_vectors_are_sequences_of_length_one(device):
     layer = _random_ar(3, 2, device)
     x = torch.randn(4, 3, dtype=F64, device=device)

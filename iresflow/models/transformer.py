@@ -88,7 +88,9 @@ class ResidualFlowTransformer(SequenceFlow):
 
     Conditional flows :math:`p(x \mid c)`: with ``num_classes > 0`` (class labels through a
     learned embedding of size ``context_features``) or ``context_features > 0`` alone
-    (covariates ``(B, C)``), the ``conv`` and ``mlp`` branches become
+    (covariates ``(B, C)``), the autoregressive input layer becomes conditional (its lags, bias
+    and whitening shift with the context: a separate AR(p) Gaussian per class is within reach),
+    the ``conv`` and ``mlp`` branches become
     :class:`~iresflow.nn.conditional.ConditionalTemporalConvBranch` and
     :class:`~iresflow.nn.conditional.ConditionalLipschitzMLP` (the context shifts their first
     layer; the certificate in :math:`x` holds for every context), a
@@ -150,7 +152,8 @@ class ResidualFlowTransformer(SequenceFlow):
         steps: list[nn.Module] = []
         names: list[str] = []
         if config.ar_order > 0:
-            steps += [ActNorm(features), AutoregressiveLinear(features, config.ar_order)]
+            steps += [ActNorm(features), AutoregressiveLinear(
+                features, config.ar_order, context_features=config.resolved_context_features)]
             names += ["input.actnorm", "input.autoregressive"]
         for i in range(config.n_blocks):
             for j, kind in enumerate(config.layers):

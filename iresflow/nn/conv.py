@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from iresflow._validation import check_int, check_mask, check_sequence, under_functorch_transform
 from iresflow.nn.activations import LipSwish
 from iresflow.nn.base import LipschitzBranch
-from iresflow.nn.linear import _check_coefficient
+from iresflow.nn.linear import _check_coefficient, top_singular_vectors
 from iresflow.nn.mlp import _MLPLinearization, _MLPPoint, _rows, stack_parameters
 
 __all__ = ["SpectralConv1d", "TemporalConvBranch", "circular_conv_norm"]
@@ -169,7 +169,7 @@ class SpectralConv1d(nn.Module):
                     else spectrum @ spectrum.mH)
             m = torch.linalg.eigvalsh(gram)[:, -1:].argmax(dim=0)  # (1,): no host read
             matrix = spectrum.index_select(0, m)
-        left, _, right_h = torch.linalg.svd(matrix, full_matrices=False)
+        left, right = top_singular_vectors(matrix)
         taps = torch.arange(self.kernel_size, device=weight.device, dtype=work.dtype)
         phase = torch.polar(torch.ones_like(taps), -2 * math.pi * m.to(work.dtype) * taps
                             / self.period)
@@ -177,8 +177,8 @@ class SpectralConv1d(nn.Module):
         return (
             snapshot,
             phase.to(complex_dtype),
-            left[0, :, 0].to(complex_dtype),
-            right_h[0, 0].conj().to(complex_dtype),
+            left[0].to(complex_dtype),
+            right[0].to(complex_dtype),
         )
 
     def _scale(self) -> Tensor:

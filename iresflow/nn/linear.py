@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from iresflow._validation import check_dtype_device, check_int, under_functorch_transform
 
-__all__ = ["InfNormLinear", "SpectralLinear"]
+__all__ = ["InfNormLinear", "SpectralLinear", "top_singular_vectors"]
 
 
 def _check_coefficient(coeff: object, *, strict: bool = False) -> float:
@@ -245,8 +245,8 @@ class SpectralLinear(_NormalizedLinear):
         """Detached snapshot of ``weight`` with its top left/right singular vectors."""
         snapshot = weight.detach().clone()
         work = snapshot.to(torch.promote_types(snapshot.dtype, torch.float32))
-        left, _, right_h = torch.linalg.svd(work, full_matrices=False)
-        return snapshot, left[:, 0].to(snapshot.dtype), right_h[0].to(snapshot.dtype)
+        left, right = top_singular_vectors(work)
+        return snapshot, left.to(snapshot.dtype), right.to(snapshot.dtype)
 
     def _norm(self) -> Tensor:
         """Exact :math:`\\|W\\|_2` with gradient, from the value-keyed SVD cache."""
@@ -342,3 +342,34 @@ class InfNormLinear(_NormalizedLinear):
 
     def _norm(self) -> Tensor:
         return self.weight.abs().sum(dim=1).amax()
+
+
+def top_singular_vectors(matrix: Tensor) -> tuple[Tensor, Tensor]:
+    r"""Top left and right singular vectors :math:`(u, v)` of a (batch of) real or complex
+    matrices, with :math:`\sigma_{\max} = u^{\mathsf H} M v`.
+
+    From the eigendecomposition of the smaller Gram matrix (:math:`M^{\mathsf H}M` or
+    :math:`MM^{\mathsf H}`, Hermitian): its top eigenvector is one singular vector and the other
+    is :math:`Mv / \lVert Mv\rVert` (or :math:`M^{\mathsf H}u / \lVert M^{\mathsf H}u\rVert`).
+    About half the cost of a full SVD on the CPU for the square hidden layers, and backward
+    stable, so :math:`u^{\mathsf H} M v` matches :math:`\sigma_{\max}` to working precision.
+
+    Args:
+        matrix: ``(..., m, n)``, no gradient needed (call under ``torch.no_grad``).
+
+    Returns:
+        ``(u, v)`` of shapes ``(..., m)`` and ``(..., n)``, unit vectors (zero for a zero matrix).
+
+    Example:
+        >>> m = torch.tensor([[3.0, 0.0], [0.0, -5.0], [0.0, 0.0]])
+        >>> u, v = top_singular_vectors(m)
+        >>> float(u @ m @ v)
+        5.0
+    """
+    if matrix.shape[-1] <= matrix.shape[-2]:
+        right = torch.linalg.eigh(matrix.mH @ matrix)[1][..., -1]
+        left = F.normalize((matrix @ right.unsqueeze(-1)).squeeze(-1), dim=-1)
+    else:
+        left = torch.linalg.eigh(matrix @ matrix.mH)[1][..., -1]
+        right = F.normalize((matrix.mH @ left.unsqueeze(-1)).squeeze(-1), dim=-1)
+    return left, right

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from iresflow._validation import check_generator, check_int
+from iresflow._validation import check_float, check_generator, check_int
+from iresflow.nn.conditional import _shift_net, check_context
 from iresflow.transforms.actnorm import DataInitializedTransform, tokenwise_result
 from iresflow.transforms.base import LogDetRequest, SequenceTransform
 
@@ -72,9 +73,23 @@ class AutoregressiveLinear(DataInitializedTransform):
 
     An eigenvalue of :math:`\Sigma_j` below :data:`MIN_INIT_RESIDUAL_VARIANCE` is raised to it.
 
+    Conditional version (``context_features = C > 0``): every sequence's context
+    :math:`c \in \mathbb R^C` shifts the parameters of all sub-models,
+    :math:`A_{j,k}(c) = A_{j,k} + \Delta A_k(c)`, :math:`b_j(c) = b_j + \Delta b(c)`, the
+    strictly lower part of :math:`L_j(c)` by :math:`\Delta L(c)` and its log-diagonal by
+    :math:`S \tanh(\Delta s(c) / S)` (``max_log_scale``), all from one small MLP of the context
+    whose last layer starts at zero (docs/math.md#temporal-linear). The map stays unit-block
+    lower triangular in time for every context, so the log-determinant above holds with
+    :math:`L_{h(t)}(c)` and the inverse is the same forward substitution; with per-class contexts
+    (a label embedding) the layer contains a separate AR(p) Gaussian per class. The
+    initialisation fits the context-free parameters as above (the context net starts at zero).
+
     Args:
         features: Feature size ``D``.
         order: Autoregressive order ``p >= 1``.
+        context_features: Context size ``C`` (0: unconditional).
+        context_hidden: Hidden width of the context network.
+        max_log_scale: Bound :math:`S > 0` on the context's change of every log-diagonal entry.
 
     Example:
         >>> layer = AutoregressiveLinear(2, order=1)
@@ -86,45 +101,102 @@ class AutoregressiveLinear(DataInitializedTransform):
         True
     """
 
-    def __init__(self, features: int, order: int = 1) -> None:
+    def __init__(
+        self,
+        features: int,
+        order: int = 1,
+        *,
+        context_features: int = 0,
+        context_hidden: int = 32,
+        max_log_scale: float = 3.0,
+    ) -> None:
         super().__init__()
         self.features = check_int(features, "features", 1)
         self.order = check_int(order, "order", 1)
+        self.context_features = check_int(context_features, "context_features", 0)
+        self.max_log_scale = check_float(max_log_scale, "max_log_scale", 0.0)
         p, d = self.order, self.features
         self.lag_weights = nn.Parameter(torch.zeros(p + 1, p, d, d))
         self.bias = nn.Parameter(torch.zeros(p + 1, d))
         self.log_diag = nn.Parameter(torch.zeros(p + 1, d))
         self.lower = nn.Parameter(torch.zeros(p + 1, d, d))
+        # Deltas of the lags (p D^2), the bias (D), the log-diagonal (D) and the lower part (D^2).
+        self.context_net = (
+            _shift_net(context_features, (p + 1) * d * d + 2 * d, context_hidden)
+            if context_features else None
+        )
 
     def lag_matrices(self) -> Tensor:
         r"""The lag matrices :math:`A_{j,k}` at ``[j, k - 1]`` (zero for :math:`k > j`).
 
         Returns:
-            ``(p + 1, p, D, D)``.
+            ``(p + 1, p, D, D)``: the context-free ones of a conditional layer.
         """
-        # used[j, k - 1] is True when sub-model j uses lag k, i.e. k <= j.
-        used = torch.ones(self.order + 1, self.order, dtype=torch.bool, device=self.bias.device)
-        return self.lag_weights * used.tril(-1)[..., None, None]
+        return self.lag_weights * self._used_lags()
 
     def whitening_matrix(self) -> Tensor:
         r"""The lower-triangular :math:`L_j` (positive diagonal) at ``[j]``.
 
         Returns:
-            ``(p + 1, D, D)``.
+            ``(p + 1, D, D)``: the context-free ones of a conditional layer.
         """
         return torch.tril(self.lower, -1) + torch.diag_embed(torch.exp(self.log_diag))
 
-    def _predictions(self, windows: Tensor) -> Tensor:
+    def _used_lags(self) -> Tensor:
+        """``(p + 1, p, 1, 1)``: 1 where sub-model ``j`` uses lag ``k`` (``k <= j``), else 0."""
+        used = torch.ones(self.order + 1, self.order, dtype=torch.bool, device=self.bias.device)
+        return used.tril(-1)[..., None, None]
+
+    def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
+        if self.context_net is None:
+            return
+        if context is None:
+            raise ValueError(
+                f"a conditional AutoregressiveLinear needs context of shape "
+                f"(B, {self.context_features})"
+            )
+        check_context(context, inputs.shape[0], self.context_features, inputs)
+
+    def _sub_models(self, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        r"""Every sequence's sub-models: lags, biases, whitening matrices, log-diagonals.
+
+        Args:
+            context: ``(B, C)`` for a conditional layer, else ignored.
+
+        Returns:
+            ``lags (b, p + 1, p, D, D)`` with ``[., j, p - k]`` holding :math:`A_{j,k}`,
+            ``bias (b, p + 1, D)``, ``whitening (b, p + 1, D, D)``, ``log_diag (b, p + 1, D)``;
+            ``b = B`` for a conditional layer, else 1.
+        """
+        lags, bias = self.lag_weights.unsqueeze(0), self.bias.unsqueeze(0)
+        log_diag, lower = self.log_diag.unsqueeze(0), self.lower.unsqueeze(0)
+        if self.context_net is not None:
+            p, d = self.order, self.features
+            delta_lags, delta_bias, delta_scale, delta_lower = self.context_net(context).split(
+                [p * d * d, d, d, d * d], dim=-1)
+            lags = lags + delta_lags.view(-1, 1, p, d, d)
+            bias = bias + delta_bias.unsqueeze(1)
+            scale = self.max_log_scale * torch.tanh(delta_scale / self.max_log_scale)
+            log_diag = log_diag + scale.unsqueeze(1)
+            lower = lower + delta_lower.view(-1, 1, d, d)
+        lags = (lags * self._used_lags()).flip(2)  # [., j, p - k] matches the windows
+        whitening = torch.tril(lower, -1) + torch.diag_embed(torch.exp(log_diag))
+        return lags, bias, whitening, log_diag
+
+    @staticmethod
+    def _predictions(windows: Tensor, lags: Tensor, bias: Tensor) -> Tensor:
         r"""Every sub-model's prediction :math:`b_j + \sum_{k \le j} A_{j,k} x_{t-k}`.
 
         Args:
-            windows: Histories ``(..., D, p)`` whose entry ``[..., :, p - k]`` is lag ``k``.
+            windows: Histories ``(B, N, D, p)`` whose entry ``[..., :, p - k]`` is lag ``k``.
+            lags: ``(b, p + 1, p, D, D)`` from :meth:`_sub_models`, ``b`` in ``{1, B}``.
+            bias: ``(b, p + 1, D)``.
 
         Returns:
-            ``(..., p + 1, D)``.
+            ``(B, N, p + 1, D)``.
         """
-        lags = self.lag_matrices().flip(1)  # [j, p - k] holds A_{j,k}, matching the windows
-        return self.bias + torch.einsum("...ik,jkoi->...jo", windows, lags)
+        lags = lags.expand(windows.shape[0], *lags.shape[1:])
+        return bias.unsqueeze(1) + torch.einsum("bnik,bjkoi->bnjo", windows, lags)
 
     def _forward(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
@@ -132,12 +204,16 @@ class AutoregressiveLinear(DataInitializedTransform):
         r"""Map data to noise, :math:`z_t = L_h(x_t - b_h - \sum_k A_{h,k} x_{t-k})`."""
         self._initialize_if_needed(inputs, mask)
         x = inputs.unsqueeze(1) if inputs.dim() == 2 else inputs
-        residuals = x.unsqueeze(-2) - self._predictions(_history_windows(x, mask, self.order))
+        lags, bias, whitening, log_diag = self._sub_models(context)
+        windows = _history_windows(x, mask, self.order)
+        residuals = x.unsqueeze(-2) - self._predictions(windows, lags, bias)
         # Whiten with every sub-model (p + 1 small products per frame), then pick h(t).
-        whitened = torch.einsum("bnjd,jod->bnjo", residuals, self.whitening_matrix())
+        whitening = whitening.expand(x.shape[0], *whitening.shape[1:])
+        whitened = torch.einsum("bnjd,bjod->bnjo", residuals, whitening)
         lengths = _history_lengths(x, mask, self.order)
         outputs = _select(whitened, lengths).reshape(inputs.shape)
-        return tokenwise_result(inputs, outputs, mask, self.log_diag.sum(-1)[lengths], logdet)
+        per_frame = torch.gather(log_diag.sum(-1).expand(x.shape[0], -1), 1, lengths)
+        return tokenwise_result(inputs, outputs, mask, per_frame, logdet)
 
     def _inverse(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
@@ -152,21 +228,24 @@ class AutoregressiveLinear(DataInitializedTransform):
         z = inputs.unsqueeze(1) if inputs.dim() == 2 else inputs
         batch, length, d = z.shape
         lengths = _history_lengths(z, mask, self.order)
+        lags, bias, whitening, log_diag = self._sub_models(context)
         # Row vectors: L_j w = z  <=>  w^T L_j^T = z^T, solved for every sub-model, then h(t).
         w = torch.linalg.solve_triangular(
-            self.whitening_matrix().mT, z[..., None, None, :], upper=True, left=False
+            whitening.mT.unsqueeze(1), z[..., None, None, :], upper=True, left=False
         )
         w = _select(w.squeeze(-2), lengths)
-        history = z.new_zeros(batch, d, self.order)  # [:, :, p - k] holds x~_{t-k}
+        history = z.new_zeros(batch, 1, d, self.order)  # [..., p - k] holds x~_{t-k}
         frames = []
         for t in range(length):
-            frame = w[:, t] + _select(self._predictions(history), lengths[:, t])
+            prediction = self._predictions(history, lags, bias).squeeze(1)
+            frame = w[:, t] + _select(prediction, lengths[:, t])
             frames.append(frame)
             if mask is not None:  # padded frames never enter a history
                 frame = torch.where(mask[:, t, None], frame, 0.0)
-            history = torch.cat([history[..., 1:], frame.unsqueeze(-1)], dim=-1)
+            history = torch.cat([history[..., 1:], frame[:, None, :, None]], dim=-1)
         outputs = torch.stack(frames, dim=1).reshape(inputs.shape)
-        return tokenwise_result(inputs, outputs, mask, -self.log_diag.sum(-1)[lengths], logdet)
+        per_frame = torch.gather(log_diag.sum(-1).expand(batch, -1), 1, lengths)
+        return tokenwise_result(inputs, outputs, mask, -per_frame, logdet)
 
     def _initialize(self, inputs: Tensor, mask: Tensor | None) -> None:
         p, d = self.order, self.features
@@ -210,7 +289,8 @@ class AutoregressiveLinear(DataInitializedTransform):
             )
 
     def extra_repr(self) -> str:
-        return f"features={self.features}, order={self.order}"
+        conditional = f", context_features={self.context_features}" if self.context_net else ""
+        return f"features={self.features}, order={self.order}{conditional}"
 
 
 def _conditional_gaussian_fit(targets: Tensor, regressors: Tensor) -> tuple[Tensor, Tensor]:
