@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 from sklearn.linear_model import LogisticRegression
 from sklearn.neighbors import KNeighborsClassifier
-from torch import Tensor
 
 from iresflow.data.datasets import SequenceSplit, load_dataset
 from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.train.classify import class_log_likelihoods, confusion_matrix
 
 __all__ = ["class_log_likelihoods", "confusion_matrix", "train"]
 
@@ -72,29 +72,6 @@ def train(model: ResidualFlowTransformer, split: SequenceSplit, seconds: float, 
         optimizer.step()
         steps += 1
     return steps
-
-
-@torch.no_grad()
-def class_log_likelihoods(model: ResidualFlowTransformer, split: SequenceSplit,
-                          num_classes: int) -> Tensor:
-    """Exact :math:`\\log p(x_b \\mid y = k)` for every sequence and class, shape ``(B, K)``."""
-    model.eval()
-    batch = len(split)
-    x = split.x.repeat(num_classes, 1, 1)
-    mask = split.mask.repeat(num_classes, 1)
-    labels = torch.arange(num_classes).repeat_interleave(batch)
-    return model.log_prob(x, mask, method="exact", context=labels).view(num_classes, batch).T
-
-
-def confusion_matrix(true: Tensor, predicted: Tensor, num_classes: int) -> Tensor:
-    """Counts ``(K, K)``: row = true class, column = predicted class.
-
-    Example:
-        >>> confusion_matrix(torch.tensor([0, 1, 1]), torch.tensor([0, 0, 1]), 2).tolist()
-        [[1, 0], [1, 1]]
-    """
-    return torch.bincount(true * num_classes + predicted, minlength=num_classes**2).view(
-        num_classes, num_classes)
 
 
 def _baselines(train_split: SequenceSplit, test: SequenceSplit) -> dict[str, float]:
@@ -142,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         steps = train(model, official, seconds, lr=args.lr, seed=args.seed)
         model.eval()
         if extra:
-            scores = class_log_likelihoods(model, test, num_classes)
+            scores = class_log_likelihoods(model, test)
             log_prob = scores.gather(1, test.labels[:, None]).squeeze(1)
             predicted = scores.argmax(1)
             results["generative accuracy"] = float((predicted == test.labels).float().mean())
