@@ -5,7 +5,9 @@ Every epoch visits the training sequences once, in an order drawn from a seeded
 
 .. math:: \mathcal L = -\frac{\sum_b \log p_\theta(x_b)}{\sum_b u_b},
 
-with :math:`u_b` the frames (or dimensions, for ``bits/dim`` data) of sequence :math:`b`; the
+with :math:`u_b` the frames (or dimensions, for ``bits/dim`` data) of sequence :math:`b` (for a
+conditional run :math:`\log p_\theta(x_b \mid c_b)` with the sequence's label or covariates
+:math:`c_b`, :func:`~iresflow.train.likelihood.batch_context`); the
 log-density comes from the model's training log-determinant (the unbiased Russian-roulette
 estimator by default, with the Neumann-series gradient). After each epoch the validation NLL is
 computed in the dataset's unit with the evaluation log-determinant, the invertibility of the model

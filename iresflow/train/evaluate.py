@@ -4,7 +4,9 @@ The test NLL is reported in the dataset's unit and in the original units of the 
 preprocessing's log-Jacobian is added, :meth:`~iresflow.data.datasets.SequenceDataset.nll`). With
 the exact log-determinant it is deterministic; with the Russian-roulette estimator every sequence
 gets ``n_samples`` independent unbiased estimates and the NLL comes with its standard error
-:math:`\sqrt{\sum_b s_b^2} / \sum_b u_b` (independent sequences).
+:math:`\sqrt{\sum_b s_b^2} / \sum_b u_b` (independent sequences). A conditional run is evaluated
+and sampled under the context of every sequence (its label or covariates); a label-conditional
+run can also be scored as a classifier (:mod:`iresflow.train.classify`).
 """
 
 from __future__ import annotations
