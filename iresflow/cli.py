@@ -29,6 +29,7 @@ from iresflow.train.config import USER_FILE_SUFFIXES, ConfigError, TrainConfig
 from iresflow.train.distributed import current_world, run_rank, spawn, torchrun_launch
 from iresflow.train.epoch import TrainingDivergedError
 from iresflow.train.evaluate import (
+    LoadedRun,
     evaluate_run,
     load_run,
     plotted_test_sequences,
@@ -37,6 +38,7 @@ from iresflow.train.evaluate import (
 )
 from iresflow.train.factories import resolve_device
 from iresflow.train.loop import train
+from iresflow.train.metrics import SCORE_SUFFIXES
 from iresflow.train.paths import RunPaths
 from iresflow.train.plots import PlotLabels, plot_traces
 
@@ -146,9 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate_parser.add_argument("--seed", type=int, default=0, help="seed of the estimates")
     evaluate_parser.add_argument(
-        "--scores", type=Path,
-        help="also write the log-density of every sequence (original units, in the split's "
-        "order) to this .npz file",
+        "--scores", type=Path, metavar="FILE",
+        help="also write per-sequence scores, one row per sequence in the split's order (index, "
+        "length, log_prob in nats and nll in the dataset's unit, label; with --classify the "
+        "predicted label and the log-likelihood of every class) to this .csv or .npz file",
+    )
+    evaluate_parser.add_argument(
+        "--classify", action="store_true",
+        help="label-conditional runs: classify every sequence by Bayes' rule, argmax_k log "
+        "p(x | y=k) + log pi_k with pi the class frequencies of the training split, and report "
+        "the accuracy and the confusion matrix",
     )
     evaluate_parser.add_argument(
         "--nproc", type=_positive_int, default=1,
@@ -171,6 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="length of every sequence (default: drawn from the training lengths)",
     )
     sample_parser.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    sample_parser.add_argument(
+        "--label", metavar="NAME",
+        help="class of every sample (runs trained with --condition label; one of the dataset's "
+        "class names)",
+    )
+    sample_parser.add_argument(
+        "--covariates", type=_float_list, metavar="V1,V2,...",
+        help="covariates of every sample, one value per covariate (runs trained with "
+        "--condition covariates; write --covariates=-1,2 for a leading minus sign)",
+    )
     sample_parser.add_argument(
         "--out", type=Path, help="output .npz file (default: RUN/samples.npz)"
     )
@@ -224,6 +243,15 @@ def _optional(base: type) -> Any:
 
     parse.__name__ = base.__name__  # argparse names the type in its error messages
     return parse
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(item) for item in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
 
 
 def _positive_int(text: str) -> int:
@@ -329,8 +357,8 @@ def _train_and_evaluate(config: TrainConfig, out: Path, args: argparse.Namespace
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    if args.scores is not None and args.scores.suffix != ".npz":
-        raise CLIError(f"--scores must end in .npz, got {args.scores}")
+    if args.scores is not None and args.scores.suffix not in SCORE_SUFFIXES:
+        raise CLIError(f"--scores must end in .csv or .npz, got {args.scores}")
     launch = torchrun_launch()
     if args.nproc == 1 and (launch is None or launch.world_size == 1):
         return _evaluate_run(args)
@@ -349,12 +377,19 @@ def _evaluate(args: argparse.Namespace) -> int:
 def _evaluate_run(args: argparse.Namespace) -> int:
     """``iresflow evaluate`` on one rank (or the only process); rank 0 reports and saves."""
     run = load_run(args.run, checkpoint=args.checkpoint, device=_rank_device(args.device))
+    if args.classify and run.config.condition != "label":
+        raise CLIError(
+            f"--classify needs a run trained with --condition label; {args.run} has condition "
+            f"{run.config.condition}"
+        )
     result = evaluate_run(
         run, split=args.split, method=args.method, n_samples=args.n_samples, seed=args.seed,
-        scores=args.scores,
+        scores=args.scores, classify=args.classify,
     )
     main = current_world().main
     _say(main, _describe_evaluation(result))
+    if "classification" in result:
+        _say(main, _describe_classification(result["classification"]))
     _say(main, f"saved to {run.paths.evaluation}")
     if args.scores is not None:
         _say(main, f"wrote {args.scores}")
@@ -380,12 +415,17 @@ def _sample(args: argparse.Namespace) -> int:
     run = load_run(args.run, checkpoint=args.checkpoint, device=args.device)
     if args.length is not None and args.length > run.model.max_len:
         raise CLIError(f"--length must be <= {run.model.max_len} for this model, got {args.length}")
-    samples = sample_run(run, args.num, length=args.length, seed=args.seed)
+    context, recorded = _sample_context(run, args)
+    samples = sample_run(run, args.num, length=args.length, seed=args.seed, context=context)
     out.parent.mkdir(parents=True, exist_ok=True)
     np.savez(
-        out, x=samples.x.numpy(), mask=samples.mask.numpy(), lengths=samples.lengths.numpy()
+        out, x=samples.x.numpy(), mask=samples.mask.numpy(), lengths=samples.lengths.numpy(),
+        **recorded,
     )
     real, mask = plotted_test_sequences(run)
+    if args.label is not None:  # the real sequences of the sampled class, when there are some
+        same = run.dataset.test.labels[: len(real)] == samples.context[0]
+        real, mask = (real[same], mask[same]) if bool(same.any()) else (real, mask)
     figure = plot_traces(
         real, mask, samples.x, samples.mask, out.with_suffix(".png"),
         labels=PlotLabels.for_dataset(run.dataset.name),
@@ -403,6 +443,44 @@ def _sample(args: argparse.Namespace) -> int:
     )
     print(f"wrote {out} and {figure}")
     return 0
+
+
+def _sample_context(
+    run: LoadedRun, args: argparse.Namespace
+) -> tuple[torch.Tensor | None, dict[str, np.ndarray]]:
+    """The context of ``sample --label`` / ``--covariates`` for every sample, ``(num,)`` or
+    ``(num, C)``, and the arrays recording it in the samples file."""
+    condition = run.config.condition
+    given = [flag for flag, value in (("--label", args.label), ("--covariates", args.covariates))
+             if value is not None]
+    needed = {"label": "--label", "covariates": "--covariates"}.get(condition)
+    if needed is None:
+        if given:
+            raise CLIError(f"{given[0]} needs a conditional run; {args.run} is unconditional")
+        return None, {}
+    if given != [needed]:
+        choice = (f"one of the classes {', '.join(run.dataset.classes or ())}"
+                  if condition == "label" else f"{run.model.config.context_features} values")
+        raise CLIError(
+            f"{args.run} is conditioned on {'class labels' if condition == 'label' else condition}"
+            f": sample it with {needed} ({choice})"
+            + (f", not {given[0]}" if given and given[0] != needed else "")
+        )
+    if condition == "label":
+        classes = run.dataset.classes or ()
+        if args.label not in classes:
+            raise CLIError(f"--label must be one of {', '.join(classes)}, got {args.label!r}")
+        label = classes.index(args.label)
+        return torch.full((args.num,), label, dtype=torch.int64), {
+            "label": np.array(args.label), "labels": np.full(args.num, label)
+        }
+    width = run.model.config.context_features
+    if len(args.covariates) != width:
+        raise CLIError(
+            f"--covariates must have {width} values for this run, got {len(args.covariates)}"
+        )
+    values = torch.tensor(args.covariates, dtype=torch.float32)
+    return values.expand(args.num, width), {"covariates": values.numpy()}
 
 
 def _check_output_file(out: Path) -> None:
@@ -430,6 +508,12 @@ def _info(args: argparse.Namespace) -> int:
     print(f"data: {run.dataset.name} ({run.dataset.features} features, up to "
           f"{run.dataset.max_len} frames, NLL in {run.dataset.unit})")
     print(f"checkpoint: {run.checkpoint}, epoch {run.epoch}")
+    if run.config.condition == "label":
+        classes = run.dataset.classes or ()
+        print(f"condition: label ({len(classes)} classes: {', '.join(classes)}; embedding of "
+              f"size {run.model.config.resolved_context_features})")
+    elif run.config.condition == "covariates":
+        print(f"condition: covariates ({run.model.config.context_features} per sequence)")
     if run.history:
         best = min(run.history, key=lambda row: row["val_nll"])
         print(f"best validation NLL: {best['val_nll']:.4f} (epoch {best['epoch']:.0f})")
@@ -463,3 +547,19 @@ def _describe_evaluation(result: dict[str, Any]) -> str:
         f"{text} {result['unit']} ({details}; {result['sequences']} sequences, "
         f"{result['checkpoint']} checkpoint of epoch {result['epoch']})"
     )
+
+
+def _describe_classification(classification: dict[str, Any]) -> str:
+    """Accuracy and the confusion matrix (rows true, columns predicted) as lines of text."""
+    classes, corner = classification["classes"], "true/predicted"
+    width = max(len(corner), *(len(name) for name in classes))
+    columns = max(5, *(len(name) + 1 for name in classes))
+    lines = [
+        f"accuracy (Bayes' rule, training class frequencies as prior): "
+        f"{classification['accuracy']:.4f}",
+        "confusion matrix (rows: true class, columns: predicted class):",
+        f"{corner:<{width}}" + "".join(f"{name:>{columns}}" for name in classes),
+    ]
+    for name, row in zip(classes, classification["confusion"], strict=True):
+        lines.append(f"{name:<{width}}" + "".join(f"{count:>{columns}}" for count in row))
+    return "\n".join(lines)

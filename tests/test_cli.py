@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import os
@@ -93,6 +94,33 @@ def test_evaluate_exact_reproduces_and_roulette_reports_stderr(
     result = json.loads((run / "evaluation.json").read_text())["val"]["roulette"]
     assert result["n_samples"] == 3 and result["stderr"] > 0
     assert "exact" in json.loads((run / "evaluation.json").read_text())["test"]
+
+
+def test_evaluate_scores_every_sequence_as_csv_or_npz(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table, arrays = tmp_path / "out.csv", tmp_path / "out.npz"
+    assert main(["evaluate", str(run), "--scores", str(table)]) == 0
+    assert main(["evaluate", str(run), "--scores", str(arrays)]) == 0
+    with table.open(newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert list(rows[0]) == ["index", "length", "log_prob", "nll", "label"]
+    assert len(rows) == 6 and {row["label"] for row in rows} <= {str(k) for k in range(1, 10)}
+    evaluation = json.loads((run / "evaluation.json").read_text())["test"]["exact"]
+    frames = np.array([int(row["length"]) for row in rows])
+    log_prob = np.array([float(row["log_prob"]) for row in rows])
+    assert -log_prob.sum() / frames.sum() == pytest.approx(evaluation["nll"])
+    nll = np.array([float(row["nll"]) for row in rows])
+    np.testing.assert_allclose(nll, -log_prob / frames)
+    with np.load(arrays) as data:
+        np.testing.assert_allclose(data["log_prob"], log_prob)
+    capsys.readouterr()
+    assert main(["evaluate", str(run), "--scores", str(tmp_path / "out.txt")]) == 1
+    assert "--scores must end in .csv or .npz" in _error_line(capsys)
+    assert main(["evaluate", str(run), "--classify"]) == 1
+    assert "--classify needs a run trained with --condition label" in _error_line(capsys)
+    assert main(["sample", str(run), "--label", "3"]) == 1
+    assert "--label needs a conditional run" in _error_line(capsys)
 
 
 def test_sample_saves_raw_sequences_and_a_plot(

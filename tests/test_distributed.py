@@ -43,6 +43,16 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_label_conditional_run_in_two_processes_equals_one_process(tmp_path: Path) -> None:
+    # every rank gives its shard's labels to the DDP-wrapped log-density
+    config = TINY.replace(epochs=1, condition="label")
+    train(config, tmp_path / "single", progress=False)
+    train(config.replace(nproc=2), tmp_path / "ddp", progress=False)
+    assert_close_runs(tmp_path / "single", tmp_path / "ddp", 1e-5)
+    assert load_checkpoint(RunPaths(tmp_path / "ddp").last)["model_config"]["num_classes"] == 9
+
+
+@pytest.mark.slow
 def test_ddp_resume_matches_one_process_and_reports_errors(tmp_path: Path) -> None:
     train(TINY, tmp_path / "single", progress=False)
     ddp = TINY.replace(nproc=2)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
 from iresflow.data.datasets import load_dataset
+from iresflow.data.store import write_store
 from iresflow.models.config import default_heads
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.config import ConfigError, TrainConfig
@@ -51,3 +56,60 @@ def test_resolve_model_config_completes_settings_from_the_data() -> None:
     assert build_model(config, dataset).state_dict().keys() == reference.state_dict().keys()
     with pytest.raises(ConfigError, match="features must be set"):
         ResidualFlowTransformer(config.model)
+
+
+def test_a_conditional_model_needs_a_condition() -> None:
+    for settings in ({"num_classes": 3}, {"context_features": 2}):
+        with pytest.raises(ConfigError, match="--condition"):
+            TrainConfig(**settings)
+    with pytest.raises(ConfigError, match="condition = covariates takes no num_classes"):
+        TrainConfig(condition="covariates", num_classes=3)
+    with pytest.raises(ConfigError, match="condition must be one of none, label, covariates"):
+        TrainConfig(condition="labels")
+
+
+def test_condition_label_takes_the_classes_of_the_data() -> None:
+    config = TrainConfig(**TINY, condition="label", layers=("conv", "mlp"))
+    dataset = load_data(config)
+    resolved = resolve_model_config(config, dataset)
+    assert resolved.num_classes == len(dataset.classes) == 9
+    assert resolved.resolved_context_features == 8  # the automatic embedding size
+    assert resolve_model_config(config.replace(num_classes=9, context_features=4),
+                                dataset).context_features == 4
+    with pytest.raises(ConfigError, match="num_classes = 5 does not match the 9 classes"):
+        resolve_model_config(config.replace(num_classes=5), dataset)
+    with pytest.raises(ConfigError, match="covariates .* japanese_vowels have none"):
+        resolve_model_config(config.replace(condition="covariates"), dataset)
+    unlabelled = TrainConfig(**{**TINY, "data": "co2_windows"}, condition="label")
+    with pytest.raises(ConfigError, match="class labels .* of co2_windows have none"):
+        resolve_model_config(unlabelled, load_data(unlabelled))
+    assert not resolve_model_config(config.replace(condition="none"), dataset).conditional
+
+
+def test_condition_covariates_takes_their_width(tmp_path: Path) -> None:
+    generator = torch.Generator().manual_seed(0)
+    path = tmp_path / "c.npz"
+    np.savez(path, x=torch.randn(40, 5, 2, generator=generator).numpy(),
+             c=torch.randn(40, 3, generator=generator).numpy())
+    config = TrainConfig(**{**TINY, "data": str(path)}, condition="covariates")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # small splits
+        dataset = load_data(config)
+    resolved = resolve_model_config(config, dataset)
+    assert (resolved.context_features, resolved.num_classes) == (3, 0)
+    assert resolve_model_config(config.replace(context_features=3), dataset) == resolved
+    with pytest.raises(ConfigError, match="context_features = 2 does not match the 3 covariates"):
+        resolve_model_config(config.replace(context_features=2), dataset)
+    with pytest.raises(ConfigError, match="class labels"):
+        resolve_model_config(config.replace(condition="label"), dataset)
+
+
+def test_a_sequence_store_cannot_be_conditioned(tmp_path: Path) -> None:
+    lengths = torch.tensor([3, 2] * 20)
+    write_store(tmp_path / "store", lengths, [torch.randn(int(n), 2) for n in lengths])
+    config = TrainConfig(**{**TINY, "data": str(tmp_path / "store")}, condition="label")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dataset = load_data(config)
+    with pytest.raises(ConfigError, match="sequence-store folder .* holds none"):
+        resolve_model_config(config, dataset)

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from iresflow.data.splits import SequenceSplit
+from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.config import TrainConfig
 from iresflow.train.factories import build_model, load_data
-from iresflow.train.likelihood import split_log_prob
+from iresflow.train.likelihood import (
+    batch_context,
+    inverse_check,
+    sharded_log_prob,
+    split_log_prob,
+)
 from tests.tiny_runs import TINY
 
 
@@ -24,3 +32,49 @@ def test_split_log_prob_matches_full_padded_batch() -> None:
     estimate, stderr = split_log_prob(model, dataset.val, method="roulette", n_samples=3)
     assert stderr is not None and bool((stderr > 0).all())
     assert estimate.shape == stderr.shape == (len(dataset.val),)
+
+
+def _conditional(**settings: object) -> tuple[ResidualFlowTransformer, SequenceSplit]:
+    """A conditional model with a random context net, and labelled data with covariates."""
+    model = ResidualFlowTransformer(features=2, max_len=4, n_blocks=1, hidden=8, ar_order=0,
+                                    **settings).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "context_net" in name or "embedding" in name:
+                p.copy_(torch.randn_like(p))
+    x = torch.randn(6, 4, 2, dtype=torch.float64)
+    mask = torch.arange(4)[None] < torch.tensor([4, 2, 3, 1, 4, 3])[:, None]
+    split = SequenceSplit(torch.where(mask[..., None], x, 0.0), mask,
+                          torch.zeros(6, dtype=torch.float64),
+                          labels=torch.tensor([0, 1, 2, 0, 1, 2]),
+                          covariates=torch.randn(6, 3, dtype=torch.float64))
+    return model, split
+
+
+def test_splits_are_scored_under_their_own_context() -> None:
+    for settings, kind in (({"num_classes": 3}, "labels"), ({"context_features": 3}, "covariates")):
+        model, split = _conditional(**settings)
+        context = getattr(split, kind)
+        expected = model.log_prob(split.x, split.mask, method="exact", context=context)
+        log_prob, _ = split_log_prob(model, split, method="exact", batch_size=4)
+        torch.testing.assert_close(log_prob, expected.detach())
+        sharded, _ = sharded_log_prob(model, split, method="exact", batch_size=4)
+        torch.testing.assert_close(sharded, expected.detach())
+        shuffled = model.log_prob(split.x, split.mask, method="exact", context=context.roll(1, 0))
+        assert not torch.allclose(log_prob, shuffled.double())  # the context matters
+        assert inverse_check(model, split)["reconstruction_error"] < 1e-6
+
+
+def test_batch_context_follows_the_model() -> None:
+    model, split = _conditional(num_classes=3)
+    index, cpu = torch.tensor([2, 4]), torch.device("cpu")
+    assert batch_context(model, split, index, cpu).tolist() == [2, 1]
+    assert batch_context(model, split, index, cpu, label=0).tolist() == [0, 0]
+    covariate_model, _ = _conditional(context_features=3)
+    assert torch.equal(batch_context(covariate_model, split, index, cpu), split.covariates[index])
+    plain = ResidualFlowTransformer(features=2, max_len=4, n_blocks=1, hidden=8)
+    assert batch_context(plain, split, index, cpu) is None
+    with pytest.raises(ValueError, match="label-conditional"):
+        batch_context(plain, split, index, cpu, label=0)
+    with pytest.raises(ValueError, match="no labels"):
+        batch_context(model, SequenceSplit(split.x, split.mask, split.log_jacobian), index, cpu)

@@ -182,9 +182,12 @@ class SequenceDataset:
         frames = mask.sum(dim=1)
         return frames * self.features if self.unit == "bits/dim" else frames
 
+    def _unit_scale(self) -> float:
+        """Log-density per frame of the unit: ``D ln 2`` for bits/dim, 1 for nats/frame."""
+        return self.features * math.log(2.0) if self.unit == "bits/dim" else 1.0
+
     def _scale(self, split: SequenceSplit | StoredSplit) -> float:
-        total = float(split.frames.sum()) * (self.features if self.unit == "bits/dim" else 1)
-        return total * (math.log(2.0) if self.unit == "bits/dim" else 1.0)
+        return float(split.frames.sum()) * self._unit_scale()
 
     def _check_per_sequence(
         self, values: Tensor, split: SequenceSplit | StoredSplit, name: str
@@ -221,6 +224,32 @@ class SequenceDataset:
         log_prob = self._check_per_sequence(log_prob, split, "log_prob")
         total = (log_prob.to(torch.float64) + split.log_jacobian.to(log_prob.device)).sum()
         return -float(total) / self._scale(split)
+
+    def sequence_nll(self, log_prob: Tensor, split: SequenceSplit | StoredSplit) -> Tensor:
+        r"""Negative log-likelihood of every sequence of a split in the dataset's unit, in
+        original units: :math:`-(\log p_b + \log|\det J_b|) / u_b` (divided by
+        :math:`\ln 2` for bits/dim); :meth:`nll` is their average weighted by :math:`u_b`.
+
+        Args:
+            log_prob: Model log-densities of ``split.x``, one per sequence, shape ``(B,)``.
+            split: The split they belong to.
+
+        Returns:
+            Per-sequence NLLs, shape ``(B,)``, float64, on ``log_prob``'s device.
+
+        Example:
+            >>> from iresflow.data.datasets import load_dataset
+            >>> ds = load_dataset("japanese_vowels")
+            >>> log_prob = torch.zeros(len(ds.test))
+            >>> nll, frames = ds.sequence_nll(log_prob, ds.test), ds.test.frames
+            >>> mean = float((nll * frames).sum() / frames.sum())
+            >>> abs(mean - ds.nll(log_prob, ds.test)) < 1e-9
+            True
+        """
+        log_prob = self._check_per_sequence(log_prob, split, "log_prob")
+        total = log_prob.to(torch.float64) + split.log_jacobian.to(log_prob.device)
+        units = split.frames.to(device=log_prob.device, dtype=torch.float64)
+        return -total / (units * self._unit_scale())
 
     def nll_stderr(
         self, log_prob_stderr: Tensor, split: SequenceSplit | StoredSplit

@@ -12,5 +12,6 @@
 - :mod:`~iresflow.train.checkpoint`: atomic, code-free checkpoint files.
 - :mod:`~iresflow.train.distributed`: data-parallel processes (``--nproc`` and ``torchrun``).
 - :mod:`~iresflow.train.evaluate`: reloading a run, its test NLL, samples and figures.
+- :mod:`~iresflow.train.classify`: generative classification with a label-conditional flow.
 - :mod:`~iresflow.train.plots`: the figures.
 """

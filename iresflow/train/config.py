@@ -103,6 +103,10 @@ class TrainConfig:
     max_eval: int | None = setting(
         None, "use at most this many validation and test sequences", unset="all"
     )
+    condition: str = setting(
+        "none", "condition the flow on the data's class labels or per-sequence covariates",
+        ("none", "label", "covariates"),
+    )
     # model: the defaults, help texts and checks are ModelConfig's
     model: ModelConfig = field(default_factory=ModelConfig)
     # optimisation
@@ -199,6 +203,7 @@ class TrainConfig:
             raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
         if not self.data:
             raise ConfigError("data must name a dataset or a file")
+        self._validate_condition()
         if self.test_data is not None:
             for name in ("data", "test_data"):
                 if not getattr(self, name).lower().endswith(USER_FILE_SUFFIXES):
@@ -206,6 +211,22 @@ class TrainConfig:
                         f"test_data needs data and test_data to be .npz or .ts files, got "
                         f"{name} = {getattr(self, name)!r}"
                     )
+
+    def _validate_condition(self) -> None:
+        """The model's context settings against ``condition`` (those the data decide are checked
+        by :func:`~iresflow.train.factories.resolve_model_config`)."""
+        model = self.model
+        if self.condition == "none" and model.conditional:
+            name = "num_classes" if model.num_classes > 0 else "context_features"
+            raise ConfigError(
+                f"{name} = {getattr(model, name)} makes a conditional model: choose what it is "
+                "conditioned on with condition = label or covariates (--condition)"
+            )
+        if self.condition == "covariates" and model.num_classes > 0:
+            raise ConfigError(
+                f"condition = covariates takes no num_classes, got {model.num_classes} (use "
+                "condition = label for class labels)"
+            )
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names that are not attributes: the model settings read like the others.
@@ -223,7 +244,7 @@ class TrainConfig:
 
         Example:
             >>> [f.name for f, _ in TrainConfig.settings()][4:7]
-            ['max_eval', 'max_len', 'ar_order']
+            ['max_eval', 'condition', 'max_len']
         """
         model_hints = typing.get_type_hints(ModelConfig)
         model_fields = [

@@ -5,7 +5,9 @@ Every epoch visits the training sequences once, in an order drawn from a seeded
 
 .. math:: \mathcal L = -\frac{\sum_b \log p_\theta(x_b)}{\sum_b u_b},
 
-with :math:`u_b` the frames (or dimensions, for ``bits/dim`` data) of sequence :math:`b`; the
+with :math:`u_b` the frames (or dimensions, for ``bits/dim`` data) of sequence :math:`b` (for a
+conditional run :math:`\log p_\theta(x_b \mid c_b)` with the sequence's label or covariates
+:math:`c_b`, :func:`~iresflow.train.likelihood.batch_context`); the
 log-density comes from the model's training log-determinant (the unbiased Russian-roulette
 estimator by default, with the Neumann-series gradient). After each epoch the validation NLL is
 computed in the dataset's unit with the evaluation log-determinant, the invertibility of the model
@@ -48,7 +50,12 @@ from iresflow.train.averaging import averaged_parameters, load_average, moving_a
 from iresflow.train.config import TrainConfig
 from iresflow.train.distributed import World, all_gather_objects, broadcast_object, shard
 from iresflow.train.factories import resolve_model_config
-from iresflow.train.likelihood import inverse_check, split_log_prob, trimmed_batch
+from iresflow.train.likelihood import (
+    batch_context,
+    inverse_check,
+    split_log_prob,
+    trimmed_batch,
+)
 
 __all__ = ["CHECKPOINT_FORMAT", "TrainingDivergedError", "TrainingSession"]
 
@@ -230,10 +237,14 @@ class TrainingSession:
                 # Data-dependent layers (ActNorm, the autoregressive fit) from the same leading
                 # training sequences on every rank, before the first step.
                 first = torch.arange(min(len(train), INIT_SEQUENCES))
-                self.model.initialize(*trimmed_batch(train, first, self.device))
+                self.model.initialize(
+                    *trimmed_batch(train, first, self.device),
+                    context=batch_context(self.model, train, first, self.device),
+                )
             part, weight = shard(index, world)
             x, mask = trimmed_batch(train, part, self.device)
-            batch_log_prob = self.replica(x, mask)
+            context = batch_context(self.model, train, part, self.device)
+            batch_log_prob = self.replica(x, mask, context)
             # Global-batch normalisation; times W to undo DDP's gradient average.
             units = float(self.dataset.units(train.batch_mask(index)).sum())
             loss = -batch_log_prob.sum() * (weight * world.size) / units
@@ -365,5 +376,6 @@ class _LogProb(nn.Module):
         super().__init__()
         self.flow = flow
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        return self.flow.log_prob(x, mask)
+    def forward(self, x: Tensor, mask: Tensor, context: Tensor | None = None) -> Tensor:
+        """``log p(x | context)`` of ``x`` ``(B, N, D)`` with mask ``(B, N)``, shape ``(B,)``."""
+        return self.flow.log_prob(x, mask, context=context)

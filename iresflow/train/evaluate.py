@@ -4,7 +4,9 @@ The test NLL is reported in the dataset's unit and in the original units of the 
 preprocessing's log-Jacobian is added, :meth:`~iresflow.data.datasets.SequenceDataset.nll`). With
 the exact log-determinant it is deterministic; with the Russian-roulette estimator every sequence
 gets ``n_samples`` independent unbiased estimates and the NLL comes with its standard error
-:math:`\sqrt{\sum_b s_b^2} / \sum_b u_b` (independent sequences).
+:math:`\sqrt{\sum_b s_b^2} / \sum_b u_b` (independent sequences). A conditional run is evaluated
+and sampled under the context of every sequence (its label or covariates); a label-conditional
+run can also be scored as a classifier (:mod:`iresflow.train.classify`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -26,10 +27,22 @@ from iresflow.models.config import ModelConfig
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.averaging import copy_parameters, load_average, moving_average
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint
+from iresflow.train.classify import (
+    bayes_classify,
+    class_log_likelihoods,
+    class_prior,
+    confusion_matrix,
+)
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.distributed import current_world
 from iresflow.train.factories import load_data, resolve_device
-from iresflow.train.likelihood import log_prob_cost, sharded_log_prob, trimmed_batch
+from iresflow.train.likelihood import (
+    batch_context,
+    log_prob_cost,
+    sharded_log_prob,
+    trimmed_batch,
+)
+from iresflow.train.metrics import SCORE_SUFFIXES, write_scores
 from iresflow.train.paths import RunPaths
 from iresflow.train.plots import PlotLabels, plot_learning_curves, plot_marginals, plot_traces
 
@@ -42,6 +55,7 @@ __all__ = [
     "load_run",
     "plotted_test_sequences",
     "sample_run",
+    "sequence_scores",
     "write_plots",
 ]
 
@@ -95,12 +109,15 @@ class Samples:
             ``"tolerance"`` added: the true residual and the tolerance of the solve (over every
             residual step and sample) whose residual is largest relative to its tolerance, so
             ``"converged"`` holds iff ``residual < tolerance`` there.
+        context: The context every sample was drawn with (labels ``(num,)`` or covariates
+            ``(num, C)``, on the CPU), ``None`` for an unconditional run.
     """
 
     x: Tensor
     mask: Tensor
     lengths: Tensor
     diagnostics: dict[str, Any]
+    context: Tensor | None = None
 
 
 def load_run(
@@ -197,8 +214,10 @@ def evaluate_run(
     save: bool = True,
     target_stderr: float = TARGET_STDERR,
     scores: str | os.PathLike | None = None,
+    classify: bool = False,
 ) -> dict[str, Any]:
-    r"""Negative log-likelihood of a split in the dataset's unit.
+    r"""Negative log-likelihood of a split in the dataset's unit (and, for a label-conditional
+    run, the accuracy of its generative classifier).
 
     ``method="auto"`` (the end of ``iresflow train``) computes the NLL exactly when that is
     affordable, i.e. when the estimated cost (:func:`~iresflow.train.likelihood.log_prob_cost`)
@@ -217,9 +236,12 @@ def evaluate_run(
         save: Merge the result into ``evaluation.json`` of the run (keyed by split, then the
             method used); in a process group only rank 0 writes it.
         target_stderr: Standard error, in the dataset's unit, that ``"auto"`` aims for.
-        scores: Also write the per-sequence scores to this ``.npz`` file (rank 0): ``log_prob``,
-            the log-density of every sequence of the split in original units (in the split's
-            order), and for roulette with ``n_samples >= 2`` its standard error ``stderr``.
+        scores: Also write the per-sequence scores to this ``.csv`` or ``.npz`` file (rank 0),
+            one row per sequence in the split's order (:func:`sequence_scores`).
+        classify: Also classify every sequence by Bayes' rule
+            (:func:`~iresflow.train.classify.bayes_classify`, the prior being the class
+            frequencies of the training split) with the log-likelihoods of every class, computed
+            with the method used for the NLL; label-conditional runs only.
 
     In a process group (``iresflow evaluate --nproc N`` or under ``torchrun``) the ranks share
     the batches of the split and every rank returns the same result, equal to one process's
@@ -228,14 +250,19 @@ def evaluate_run(
     Returns:
         ``{"split", "method", "nll", "unit", "sequences", "checkpoint", "epoch"}`` with the
         method used, plus ``"n_samples"`` and ``"stderr"`` for the roulette method and
-        ``"choice"`` (why, in words) for ``"auto"``.
+        ``"choice"`` (why, in words) for ``"auto"``. With ``classify``, ``"classification"``:
+        ``{"accuracy", "confusion" (rows true, columns predicted), "classes", "prior"}``, saved
+        as ``evaluation.json[split]["classification"]`` with the method.
 
     Raises:
-        ValueError: unknown split or method, ``n_samples < 1``, ``target_stderr <= 0``, or
-            ``scores`` not ending in ``.npz``.
+        ValueError: unknown split or method, ``n_samples < 1``, ``target_stderr <= 0``,
+            ``scores`` not ending in ``.csv`` or ``.npz``, or ``classify`` for a run that is not
+            label-conditional.
     """
-    if scores is not None and not str(scores).endswith(".npz"):
-        raise ValueError(f"scores must name an .npz file, got {str(scores)!r}")
+    if scores is not None and Path(scores).suffix not in SCORE_SUFFIXES:
+        raise ValueError(f"scores must name a .csv or .npz file, got {str(scores)!r}")
+    if classify and run.model.config.num_classes == 0:
+        raise ValueError("classify needs a label-conditional run (condition = label)")
     if split not in ("test", "val", "train"):
         raise ValueError(f"split must be test, val or train, got {split!r}")
     if method not in ("exact", "roulette", "auto"):
@@ -272,17 +299,69 @@ def evaluate_run(
             result["stderr"] = run.dataset.nll_stderr(stderr, data)
     if choice is not None:
         result["choice"] = choice
-    if scores is not None and current_world().main:
-        arrays = {"log_prob": (log_prob + data.log_jacobian).numpy()}
-        if stderr is not None:
-            arrays["stderr"] = stderr.numpy()
-        Path(scores).parent.mkdir(parents=True, exist_ok=True)
-        np.savez(scores, **arrays)
-    if save and current_world().main:
+    class_scores = predicted = None
+    if classify:
+        class_scores = class_log_likelihoods(
+            run.model, data, method=method, n_samples=n_samples,
+            batch_size=run.config.batch_size, seed=seed,
+        )
+        prior = class_prior(run.dataset.train.labels, run.model.config.num_classes)
+        predicted = bayes_classify(class_scores, prior)
+        classes = run.dataset.classes
+        result["classification"] = {
+            "accuracy": float((predicted == data.labels).double().mean()),
+            "confusion": confusion_matrix(data.labels, predicted, len(classes)).tolist(),
+            "classes": list(classes),
+            "prior": prior.tolist(),
+        }
+    main = current_world().main
+    if scores is not None and main:
+        columns = sequence_scores(run, split, log_prob, stderr)
+        if class_scores is not None and predicted is not None:
+            columns["predicted"] = [run.dataset.classes[k] for k in predicted.tolist()]
+            for k, name in enumerate(run.dataset.classes):
+                columns[f"log_prob_{name}"] = class_scores[:, k] + data.log_jacobian
+        write_scores(scores, columns)
+    if save and main:
         results = _read_json(run.paths.evaluation)
-        results.setdefault(split, {})[method] = result
+        entry = results.setdefault(split, {})
+        entry[method] = {key: value for key, value in result.items() if key != "classification"}
+        if "classification" in result:
+            entry["classification"] = {**result["classification"], "method": method}
         run.paths.evaluation.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return result
+
+
+def sequence_scores(
+    run: LoadedRun, split: str, log_prob: Tensor, stderr: Tensor | None = None
+) -> dict[str, Any]:
+    """The per-sequence columns of ``evaluate_run(scores=...)`` for anomaly scoring.
+
+    Args:
+        run: A loaded run.
+        split: ``"test"``, ``"val"`` or ``"train"``.
+        log_prob: Model-space log-densities of the split's sequences, ``(B,)``.
+        stderr: Their standard errors ``(B,)``, or ``None``.
+
+    Returns:
+        Columns of length ``B``, in the split's order: ``index``, ``length`` (real frames),
+        ``log_prob`` (nats, original units), ``stderr`` (when given), ``nll`` (the sequence's
+        NLL in the dataset's unit, :meth:`~iresflow.data.datasets.SequenceDataset.sequence_nll`)
+        and, for labelled data, ``label`` (the class name).
+    """
+    data = getattr(run.dataset, split)
+    columns: dict[str, Any] = {
+        "index": torch.arange(len(data)),
+        "length": data.frames,
+        "log_prob": log_prob + data.log_jacobian,
+    }
+    if stderr is not None:
+        columns["stderr"] = stderr
+    columns["nll"] = run.dataset.sequence_nll(log_prob, data)
+    labels = getattr(data, "labels", None)  # a StoredSplit has none
+    if labels is not None and run.dataset.classes is not None:
+        columns["label"] = [run.dataset.classes[k] for k in labels.tolist()]
+    return columns
 
 
 def _choose_method(
@@ -323,7 +402,12 @@ def _choose_method(
 
 
 def sample_run(
-    run: LoadedRun, num: int, *, length: int | None = None, seed: int = 0
+    run: LoadedRun,
+    num: int,
+    *,
+    length: int | None = None,
+    seed: int = 0,
+    context: Tensor | None = None,
 ) -> Samples:
     """Draw sequences from a run's model by inverting the flow.
 
@@ -333,24 +417,31 @@ def sample_run(
         length: Common length of all samples; ``None`` draws the lengths from the training
             split's length distribution.
         seed: Seed of the lengths and of the base noise.
+        context: For a conditional run, the context of every sample: class indices ``(num,)``
+            (int64) or covariates ``(num, C)``; ``None`` for an unconditional run.
 
     Returns:
         :class:`Samples` in the data's original units.
 
     Raises:
-        ValueError: ``num < 1``, or ``length`` outside ``[1, max_len]``.
+        ValueError: ``num < 1``, ``length`` outside ``[1, max_len]``, or a context missing for a
+            conditional run, given to an unconditional one, or of the wrong shape.
         InversionError: a fixed-point inverse did not converge.
     """
     device = next(run.model.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
+    on_device = None if context is None else context.to(device)
     if length is None:
         lengths = run.dataset.sample_lengths(num, generator=torch.Generator().manual_seed(seed))
-        x, mask = run.model.sample(num, lengths=lengths, generator=generator)
+        x, mask = run.model.sample(num, lengths=lengths, generator=generator, context=on_device)
     else:
-        x, mask = run.model.sample(num, seq_len=length, generator=generator)
+        x, mask = run.model.sample(num, seq_len=length, generator=generator, context=on_device)
         lengths = torch.full((num,), length, dtype=torch.int64)
     diagnostics = {**run.model.inverse_diagnostics(), **_worst_solve(run.model)}
-    return Samples(run.dataset.to_raw(x, mask).cpu(), mask.cpu(), lengths.cpu(), diagnostics)
+    return Samples(
+        run.dataset.to_raw(x, mask).cpu(), mask.cpu(), lengths.cpu(), diagnostics,
+        None if context is None else context.cpu(),
+    )
 
 
 def write_plots(run: LoadedRun, *, seed: int = 0) -> list[Path]:
@@ -362,7 +453,9 @@ def write_plots(run: LoadedRun, *, seed: int = 0) -> list[Path]:
     and the test sequences of :func:`plotted_test_sequences`, as per-feature traces) and
     ``marginals.png`` (per-feature histograms of the frames of those test sequences and of the
     sampled frames), all in the data's original units with the dataset's axis names
-    (:meth:`~iresflow.train.plots.PlotLabels.for_dataset`).
+    (:meth:`~iresflow.train.plots.PlotLabels.for_dataset`). A conditional run samples sequence
+    ``i`` with the context (class or covariates) of the ``i``-th plotted test sequence, so the
+    samples and the real sequences they are drawn next to share their conditions.
 
     Args:
         run: A loaded run.
@@ -371,8 +464,10 @@ def write_plots(run: LoadedRun, *, seed: int = 0) -> list[Path]:
     Returns:
         The paths written.
     """
-    samples = sample_run(run, PLOT_SAMPLES, seed=seed)
     real, mask = plotted_test_sequences(run)
+    index = torch.arange(PLOT_SAMPLES) % len(real)
+    context = batch_context(run.model, run.dataset.test, index, torch.device("cpu"))
+    samples = sample_run(run, PLOT_SAMPLES, seed=seed, context=context)
     folder = run.paths.plots
     labels = PlotLabels.for_dataset(run.dataset.name)
     history, best_epoch = full_history(run)

@@ -92,11 +92,15 @@ def resolve_model_config(config: TrainConfig, dataset: SequenceDataset) -> Model
     """The run's model settings completed from the data: the model a checkpoint stores.
 
     ``features`` is the dataset's, ``max_len`` the dataset's longest sequence unless set, and
-    an automatic ``heads`` is fixed to its value for these features.
+    an automatic ``heads`` is fixed to its value for these features. The ``condition`` of the
+    run sets the context: with ``"label"`` ``num_classes`` is the number of the dataset's
+    classes, with ``"covariates"`` ``context_features`` is the width ``C`` of its covariates.
 
     Raises:
         ConfigError: settings the data rule out: ``max_len`` shorter than the longest
-            sequence, or heads that do not divide the number of features.
+            sequence, heads that do not divide the number of features, a ``condition`` the data
+            do not support (no labels or covariates in a split, e.g. a sequence-store folder),
+            or ``num_classes`` / ``context_features`` set to other values than the data's.
 
     Example:
         >>> config = TrainConfig(n_blocks=1, hidden=8)
@@ -114,10 +118,45 @@ def resolve_model_config(config: TrainConfig, dataset: SequenceDataset) -> Model
         model = model.replace(
             features=dataset.features,
             max_len=dataset.max_len if model.max_len is None else model.max_len,
+            **_context_settings(config, dataset),
         )
     except ConfigError as error:
         raise ConfigError(f"incompatible model settings for {dataset.name}: {error}") from None
     return model.replace(heads=model.resolved_heads)
+
+
+def _context_settings(config: TrainConfig, dataset: SequenceDataset) -> dict[str, int]:
+    """``num_classes`` or ``context_features`` of the run's ``condition``, from the data."""
+    if config.condition == "none":
+        return {}
+    kind = "labels" if config.condition == "label" else "covariates"
+    splits = {"train": dataset.train, "val": dataset.val, "test": dataset.test}
+    if any(isinstance(split, StoredSplit) for split in splits.values()):
+        raise ConfigError(
+            f"condition = {config.condition} needs {kind}, and a sequence-store folder "
+            f"({dataset.name}) holds none: train on a .npz or .ts file instead"
+        )
+    missing = [name for name, split in splits.items() if getattr(split, kind) is None]
+    if missing:
+        source = (
+            "class labels (japanese_vowels, the @classLabel of a .ts file, or y in an .npz file)"
+            if kind == "labels" else "covariates (an array c in an .npz file)"
+        )
+        raise ConfigError(
+            f"condition = {config.condition} needs {source} in every split, but the "
+            f"{', '.join(missing)} split(s) of {dataset.name} have none"
+        )
+    if kind == "labels":
+        name, value, what = "num_classes", len(dataset.classes or ()), "classes"
+    else:
+        name, value, what = "context_features", int(dataset.train.covariates.shape[1]), kind
+    given = getattr(config.model, name)
+    if given not in (0, value):
+        raise ConfigError(
+            f"{name} = {given} does not match the {value} {what} of {dataset.name} (leave it "
+            "0: it is taken from the data)"
+        )
+    return {name: value}
 
 
 def build_model(config: TrainConfig, dataset: SequenceDataset) -> ResidualFlowTransformer:

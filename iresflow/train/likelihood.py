@@ -20,6 +20,7 @@ from iresflow.train.distributed import all_gather_objects, current_world
 
 __all__ = [
     "INVERSE_CHECK_SEQUENCES",
+    "batch_context",
     "inverse_check",
     "log_prob_cost",
     "sharded_log_prob",
@@ -64,6 +65,58 @@ def trimmed_batch(
     return split.x[index, :longest].to(device), mask[:, :longest].to(device)
 
 
+def batch_context(
+    model: ResidualFlowTransformer,
+    split: SequenceSplit | StoredSplit,
+    index: Tensor,
+    device: torch.device,
+    *,
+    label: int | None = None,
+) -> Tensor | None:
+    """The context of the sequences ``index`` of a split for a model, on ``device``.
+
+    A label-conditional model (``num_classes > 0``) takes the split's class labels, a
+    covariate-conditional one (``context_features > 0`` alone) its covariates, an unconditional
+    one ``None``.
+
+    Args:
+        model: The flow.
+        split: Sequences with their ``labels`` ``(B,)`` or ``covariates`` ``(B, C)``.
+        index: Indices of the sequences, shape ``(b,)``.
+        device: Where the context goes.
+        label: Give every sequence this class instead of its own (label-conditional models;
+            to score each class, :func:`~iresflow.train.classify.class_log_likelihoods`).
+
+    Returns:
+        Labels ``(b,)`` int64, covariates ``(b, C)``, or ``None``.
+
+    Raises:
+        ValueError: a conditional model and a split without its context, or ``label`` for a
+            model that is not label-conditional.
+
+    Example:
+        >>> model = ResidualFlowTransformer(features=1, max_len=3, n_blocks=1, hidden=4,
+        ...                                 num_classes=2)
+        >>> mask = torch.ones(3, 3, dtype=torch.bool)
+        >>> split = SequenceSplit(torch.zeros(3, 3, 1), mask, torch.zeros(3),
+        ...                       labels=torch.tensor([1, 0, 1]))
+        >>> batch_context(model, split, torch.tensor([0, 2]), torch.device("cpu")).tolist()
+        [1, 1]
+    """
+    config = model.config
+    if label is not None:
+        if config.num_classes == 0:
+            raise ValueError("label needs a label-conditional model (num_classes > 0)")
+        return torch.full((len(index),), label, dtype=torch.int64, device=device)
+    if not config.conditional:
+        return None
+    kind = "labels" if config.num_classes > 0 else "covariates"
+    values = getattr(split, kind, None)  # a StoredSplit holds neither
+    if values is None:
+        raise ValueError(f"the model is conditional but the split has no {kind}")
+    return values[index].to(device)
+
+
 def split_log_prob(
     model: ResidualFlowTransformer,
     split: SequenceSplit | StoredSplit,
@@ -71,15 +124,20 @@ def split_log_prob(
     method: str,
     n_samples: int = 1,
     batch_size: int = 64,
+    label: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-sequence log-densities of a whole split, in batches; leaves the model in eval mode.
 
+    A conditional model is given the context of every sequence (:func:`batch_context`).
+
     Args:
         model: The flow (its device is used).
-        split: Sequences ``(B, N, D)`` with their mask.
+        split: Sequences ``(B, N, D)`` with their mask (and context).
         method: ``"exact"`` or ``"roulette"``.
         n_samples: Roulette estimates averaged per sequence (ignored by the exact method).
         batch_size: Sequences per forward pass.
+        label: Score every sequence under this class instead of its own (label-conditional
+            models).
 
     Returns:
         ``(log_prob, stderr)``, each of shape ``(B,)`` on the CPU in float64; ``stderr`` (the
@@ -91,7 +149,9 @@ def split_log_prob(
     values, errors = [], []
     with torch.no_grad():  # the estimators enable gradients where they need them
         for index in torch.arange(len(split)).split(batch_size):
-            value, error = _batch_log_prob(model, split, index, device, method, n_samples)
+            value, error = _batch_log_prob(
+                model, split, index, device, method, n_samples, label
+            )
             values.append(value)
             if error is not None:
                 errors.append(error)
@@ -163,6 +223,7 @@ def sharded_log_prob(
     n_samples: int = 1,
     batch_size: int = 64,
     seed: int = 0,
+    label: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`split_log_prob` shared among the ranks of a process group, gathered in order.
 
@@ -180,6 +241,8 @@ def sharded_log_prob(
         n_samples: Roulette estimates averaged per sequence (ignored by the exact method).
         batch_size: Sequences per forward pass.
         seed: Seed of the per-batch seeds.
+        label: Score every sequence under this class instead of its own (label-conditional
+            models).
 
     Returns:
         ``(log_prob, stderr)`` of shape ``(B,)`` on the CPU in float64, on every rank, as in
@@ -208,7 +271,9 @@ def sharded_log_prob(
     ):
         for k in range(world.rank, len(batches), world.size):
             torch.manual_seed(seeds[k])
-            value, error = _batch_log_prob(model, split, batches[k], device, method, n_samples)
+            value, error = _batch_log_prob(
+                model, split, batches[k], device, method, n_samples, label
+            )
             mine.append((k, value.double().cpu(), None if error is None else error.double().cpu()))
     parts = sorted(part for rank_parts in all_gather_objects(mine) for part in rank_parts)
     log_prob = torch.cat([value for _, value, _ in parts])
@@ -218,15 +283,18 @@ def sharded_log_prob(
 
 def _batch_log_prob(
     model: ResidualFlowTransformer, split: SequenceSplit | StoredSplit, index: Tensor,
-    device: torch.device, method: str, n_samples: int,
+    device: torch.device, method: str, n_samples: int, label: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-densities of the sequences ``index`` (and their standard errors, or ``None``)."""
     x, mask = trimmed_batch(split, index, device)
+    context = batch_context(model, split, index, device, label=label)
     if method == "exact":
-        return model.log_prob(x, mask, method="exact"), None
+        return model.log_prob(x, mask, method="exact", context=context), None
     if n_samples == 1:
-        return model.log_prob(x, mask, method="roulette"), None
-    return model.log_prob(x, mask, method="roulette", n_samples=n_samples, return_stderr=True)
+        return model.log_prob(x, mask, method="roulette", context=context), None
+    return model.log_prob(
+        x, mask, method="roulette", n_samples=n_samples, return_stderr=True, context=context
+    )
 
 
 def inverse_check(
@@ -239,7 +307,7 @@ def inverse_check(
 
     Args:
         model: The flow (its device is used).
-        split: Sequences ``(B, N, D)`` with their mask.
+        split: Sequences ``(B, N, D)`` with their mask (and context, :func:`batch_context`).
 
     Returns:
         ``{"inverse_iterations", "inverse_residual", "reconstruction_error"}``: the solver's
@@ -247,12 +315,14 @@ def inverse_check(
         frames (``inf`` when the inverse did not converge).
     """
     device = next(model.parameters()).device
-    x, mask = trimmed_batch(split, torch.arange(min(INVERSE_CHECK_SEQUENCES, len(split))), device)
+    index = torch.arange(min(INVERSE_CHECK_SEQUENCES, len(split)))
+    x, mask = trimmed_batch(split, index, device)
+    context = batch_context(model, split, index, device)
     model.eval()
     with torch.no_grad():
-        z = model.transform_to_noise(x, mask)
+        z = model.transform_to_noise(x, mask, context=context)
         try:
-            x_back = model.inverse(z, mask)
+            x_back = model.inverse(z, mask, context=context)
         except InversionError as error:
             return {
                 "inverse_iterations": float(error.iterations.max()),

@@ -1,15 +1,23 @@
-"""Writing the metrics of a run: JSONL and CSV tables, TensorBoard events, progress lines."""
+"""Writing the metrics of a run: JSONL and CSV tables, TensorBoard events, progress lines, and
+per-sequence score tables."""
 
 from __future__ import annotations
 
 import csv
 import json
+import os
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from iresflow.train.config import ConfigError
 from iresflow.train.paths import RunPaths
 
-__all__ = ["epoch_summary", "tensorboard_writer", "write_metrics"]
+__all__ = ["SCORE_SUFFIXES", "epoch_summary", "tensorboard_writer", "write_metrics", "write_scores"]
+
+#: File endings :func:`write_scores` writes.
+SCORE_SUFFIXES = (".csv", ".npz")
 
 
 def write_metrics(paths: RunPaths, history: list[dict[str, float]]) -> None:
@@ -65,3 +73,43 @@ def epoch_summary(row: dict[str, float], epochs: int) -> str:
         f"residual {row['inverse_residual']:.1e}, error {row['reconstruction_error']:.1e}  "
         f"({row['train_seconds']:.1f} s)"
     )
+
+
+def write_scores(path: str | os.PathLike, columns: dict[str, Any]) -> Path:
+    """Write a table of per-sequence scores as ``.csv`` (a header row, one row per sequence) or
+    ``.npz`` (one array per column), chosen by the suffix of ``path``.
+
+    Args:
+        path: Destination ending in ``.csv`` or ``.npz``; missing folders are created.
+        columns: Column name to values, each a sequence (tensor, array or list) of length ``B``.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValueError: another suffix, or columns of different lengths.
+
+    Example:
+        >>> import tempfile, pathlib, torch
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "s.csv"
+        >>> columns = {"index": torch.arange(2), "log_prob": torch.tensor([-1.5, 2.0])}
+        >>> _ = write_scores(path, columns)
+        >>> path.read_text().splitlines()
+        ['index,log_prob', '0,-1.5', '1,2.0']
+    """
+    path = Path(path)
+    if path.suffix not in SCORE_SUFFIXES:
+        raise ValueError(f"scores must name a .csv or .npz file, got {str(path)!r}")
+    arrays = {name: np.asarray(values) for name, values in columns.items()}
+    lengths = {len(values) for values in arrays.values()}
+    if len(lengths) > 1:
+        raise ValueError(f"score columns must have one length, got {sorted(lengths)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".npz":
+        np.savez(path, **arrays)
+        return path
+    with path.open("w", encoding="utf-8", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(arrays)
+        writer.writerows(zip(*(values.tolist() for values in arrays.values()), strict=True))
+    return path
