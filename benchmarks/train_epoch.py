@@ -51,6 +51,9 @@ ATTENTION = {"layers": ("attention", "mlp"), "ar_order": 0, "n_blocks": 8}
 TOLERANCE = 1e-10
 #: Minibatch size of both versions: the reference's default.
 BATCH_SIZE = 8
+#: The reference's optimisation defaults (no learning-rate warm-up then), given to the current
+#: code in the trajectory check so that both take the same optimiser steps.
+REFERENCE_OPTIMISATION = {"lr": 6e-3, "warmup": 0}
 
 
 # -- workers: run inside a subprocess with PYTHONPATH at one version of the code -------------
@@ -136,7 +139,10 @@ def _worker_trajectory(args: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    session = _session({**args["model"], "logdet": "exact"}, dtype=torch.float64)
+    settings = {**args["model"], "logdet": "exact"}
+    if not _is_reference():
+        settings |= REFERENCE_OPTIMISATION
+    session = _session(settings, dtype=torch.float64)
     model, train = session.model, session.dataset.train
     path = Path(args["weights"])
     if args["save"]:
