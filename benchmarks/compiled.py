@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from benchmarks.length_scaling import device_clock
 from iresflow.data.datasets import load_dataset
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.likelihood import trimmed_batch
@@ -37,16 +38,11 @@ __all__ = ["compile_branches", "fastest"]
 
 def fastest(call: Callable[[], object], repeats: int, device: torch.device) -> float:
     """Fastest of ``repeats`` calls of ``call``, in seconds (CPU time, or wall time on CUDA)."""
-    clock = time.perf_counter if device.type == "cuda" else time.process_time
     best = float("inf")
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = clock()
+        start = device_clock(device)
         call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, clock() - start)
+        best = min(best, device_clock(device) - start)
     return best
 
 

@@ -33,7 +33,8 @@ from iresflow.models.transformer import ResidualFlowTransformer
 FEATURES = 12
 
 
-def _clock(device: torch.device) -> float:
+def device_clock(device: torch.device) -> float:
+    """CPU seconds of this process, or wall seconds after a synchronisation on CUDA."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         return time.perf_counter()
@@ -53,10 +54,10 @@ def step_seconds(
     best = math.inf
     for i in range(repeats + 1):
         model.zero_grad(set_to_none=True)
-        start = _clock(device)
+        start = device_clock(device)
         (-model.log_prob(x, mask).sum()).backward()
         if i > 0:
-            best = min(best, _clock(device) - start)
+            best = min(best, device_clock(device) - start)
     return best
 
 
@@ -76,9 +77,9 @@ def sampling(length: int, num: int, device: torch.device) -> dict[str, tuple[flo
         for _, step in model.residual_steps():
             step.inverse_solver = solver
         model.sample(num, seq_len=length, generator=torch.Generator(device).manual_seed(0))
-        start = _clock(device)
+        start = device_clock(device)
         model.sample(num, seq_len=length, generator=torch.Generator(device).manual_seed(1))
-        seconds = _clock(device) - start
+        seconds = device_clock(device) - start
         counts = torch.cat([
             step.last_inverse_stats.iterations.double() for _, step in model.residual_steps()
         ])

@@ -163,6 +163,14 @@ def _contexts(device, config):
     return torch.randn(4, config["context_features"], device=device, dtype=F64)
 
 
+def _padded_inputs(device):
+    """Four float64 sequences ``(4, 5, 3)``, two of them padded at the end."""
+    x = torch.randn(4, 5, 3, device=device, dtype=F64)
+    mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2, [True] * 4 + [False],
+                         [True] * 5], device=device)
+    return x, mask
+
+
 SETTINGS = [{"num_classes": 3}, {"num_classes": 3, "context_features": 4},
             {"context_features": 2}]
 
@@ -170,9 +178,7 @@ SETTINGS = [{"num_classes": 3}, {"num_classes": 3, "context_features": 4},
 @pytest.mark.parametrize("settings", SETTINGS, ids=["labels", "labels-c4", "covariates"])
 def test_model_exact_log_prob_matches_jacobian_oracle(device, settings):
     model = _model(device, **settings)
-    x = torch.randn(4, 5, 3, device=device, dtype=F64)
-    mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2, [True] * 4 + [False],
-                         [True] * 5], device=device)
+    x, mask = _padded_inputs(device)
     context = _contexts(device, settings)
     log_prob = model.log_prob(x, mask, method="exact", context=context)
     for b in range(4):
@@ -192,9 +198,7 @@ def test_model_exact_log_prob_matches_jacobian_oracle(device, settings):
 @pytest.mark.parametrize("settings", SETTINGS[::2], ids=["labels", "covariates"])
 def test_model_round_trip_and_sampling(device, settings):
     model = _model(device, **settings)
-    x = torch.randn(4, 5, 3, device=device, dtype=F64)
-    mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2, [True] * 4 + [False],
-                         [True] * 5], device=device)
+    x, mask = _padded_inputs(device)
     context = _contexts(device, settings)
     z = model.transform_to_noise(x, mask, context=context)
     assert torch.allclose(model.inverse(z, mask, context=context), x, atol=1e-9)

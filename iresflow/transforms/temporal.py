@@ -132,7 +132,7 @@ class AutoregressiveLinear(DataInitializedTransform):
         Returns:
             ``(p + 1, p, D, D)``: the context-free ones of a conditional layer.
         """
-        return self.lag_weights * self._used_lags()
+        return self._sub_models(None)[0].squeeze(0).flip(1)
 
     def whitening_matrix(self) -> Tensor:
         r"""The lower-triangular :math:`L_j` (positive diagonal) at ``[j]``.
@@ -140,7 +140,7 @@ class AutoregressiveLinear(DataInitializedTransform):
         Returns:
             ``(p + 1, D, D)``: the context-free ones of a conditional layer.
         """
-        return torch.tril(self.lower, -1) + torch.diag_embed(torch.exp(self.log_diag))
+        return self._sub_models(None)[2].squeeze(0)
 
     def _used_lags(self) -> Tensor:
         """``(p + 1, p, 1, 1)``: 1 where sub-model ``j`` uses lag ``k`` (``k <= j``), else 0."""
@@ -161,7 +161,8 @@ class AutoregressiveLinear(DataInitializedTransform):
         r"""Every sequence's sub-models: lags, biases, whitening matrices, log-diagonals.
 
         Args:
-            context: ``(B, C)`` for a conditional layer, else ignored.
+            context: ``(B, C)`` for a conditional layer; ``None`` gives the context-free
+                sub-models.
 
         Returns:
             ``lags (b, p + 1, p, D, D)`` with ``[., j, p - k]`` holding :math:`A_{j,k}`,
@@ -170,7 +171,7 @@ class AutoregressiveLinear(DataInitializedTransform):
         """
         lags, bias = self.lag_weights.unsqueeze(0), self.bias.unsqueeze(0)
         log_diag, lower = self.log_diag.unsqueeze(0), self.lower.unsqueeze(0)
-        if self.context_net is not None:
+        if self.context_net is not None and context is not None:
             p, d = self.order, self.features
             delta_lags, delta_bias, delta_scale, delta_lower = self.context_net(context).split(
                 [p * d * d, d, d, d * d], dim=-1)
