@@ -317,7 +317,11 @@ def test_reported_residual_is_the_residual_of_the_returned_solution(device, solv
     y = torch.stack([hadamard(n, device)[3], -0.5 * hadamard(n, device)[7]])
     x_hat, stats = fixed_point_inverse(g, y, tol=tol, solver=solver)
     true_residual = (x_hat + g(x_hat) - y).abs().amax(1)
-    torch.testing.assert_close(stats.residual, true_residual, rtol=0, atol=1e-15)
+    # The solver evaluates g on the sub-batch still running, whose matmul may round differently
+    # from the whole batch's: allow the rounding level of x + g(x) - y with O(1) terms (a few
+    # ulps of |y|, ~1e-15), far below the 3.6x gap (~1e-8) between x^k and T(x^k) tested here.
+    ulps = 32 * torch.finfo(F64).eps * float(y.abs().max())
+    torch.testing.assert_close(stats.residual, true_residual, rtol=0, atol=ulps)
     assert bool(stats.converged.all()) and bool((true_residual < tol).all())
     assert torch.equal(stats.tolerance, torch.full_like(true_residual, tol))
     expected = torch.linalg.solve(torch.eye(n, dtype=F64, device=device) + a, y.T).T
