@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from iresflow.data.npz import read_npz, read_npz_covariates, read_npz_labels
 from iresflow.data.preprocessing import (
     LogitTransform,
     Preprocessing,
@@ -24,15 +25,7 @@ from iresflow.data.preprocessing import (
     interpolate_gaps,
     uniform_dequantize,
 )
-from iresflow.data.readers import (
-    observed_frames,
-    pad_sequences,
-    read_npz,
-    read_npz_covariates,
-    read_npz_labels,
-    read_ts,
-    read_weekly_csv,
-)
+from iresflow.data.readers import observed_frames, pad_sequences, read_ts, read_weekly_csv
 from iresflow.data.splits import SequenceDataset, SequenceSplit
 from iresflow.data.store import SequenceStore, StoredSplit, is_store
 
