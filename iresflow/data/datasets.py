@@ -322,8 +322,7 @@ def load_dataset(
 ) -> SequenceDataset:
     """Load a dataset by name, user sequences from an ``.npz``/``.ts`` file, or a store folder.
 
-    Every loader is offline and deterministic given ``seed``, which drives the random
-    validation/test split and the dequantisation noise.
+    Every loader is offline and deterministic given ``seed`` (random splits, dequantisation).
 
     * ``japanese_vowels``: official 270/370 train/test split; ``val_fraction`` of the official
       training cases are held out for validation; standardised; nats/frame.
@@ -339,10 +338,9 @@ def load_dataset(
       Standardised with the statistics of the training split's observed frames; nats/frame.
       Missing frames (a boolean ``mask`` in ``.npz``, ``?``/``NaN`` in ``.ts``) are unobserved.
       A ``UserWarning`` names every split with fewer than :data:`MIN_SPLIT_SEQUENCES` sequences.
-    * a sequence-store folder (:mod:`iresflow.data.store`) given as ``name``: data larger than
-      memory, read batch by batch from disk (:class:`~iresflow.data.store.StoredSplit`). A
-      random split like a user file without a test file; standardised with statistics of the
-      training frames computed in one streaming pass; nats/frame.
+    * a sequence-store folder (:mod:`iresflow.data.store`) as ``name``: data larger than memory,
+      read from disk (:class:`~iresflow.data.store.StoredSplit`), split like a user file without
+      a test file, standardised in one streaming pass; nats/frame.
 
     Args:
         name: One of :func:`available_datasets`, or a path ending in ``.npz``, ``.ts`` or
@@ -359,27 +357,15 @@ def load_dataset(
         The dataset.
 
     Raises:
-        ValueError: unknown name, missing or superfluous ``path``/``test_path``, bad
-            ``val_fraction``, or a malformed user file (naming the file and the problem).
+        ValueError: unknown name, missing or superfluous ``path``/``test_path``, bad values, or
+            a malformed user file (naming the file and the problem).
 
     Example:
         >>> ds = load_dataset("japanese_vowels", seed=0)
         >>> len(ds.train) + len(ds.val) + len(ds.test), ds.test.x.shape
         (640, torch.Size([370, 29, 12]))
     """
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {type(name).__name__}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float):
-        raise TypeError(f"val_fraction must be a float, got {type(val_fraction).__name__}")
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
-    for label, value in (("path", path), ("test_path", test_path)):
-        if value is not None and not isinstance(value, str | os.PathLike):
-            raise TypeError(f"{label} must be a str or os.PathLike, got {type(value).__name__}")
-    if isinstance(memory_cap, bool) or not isinstance(memory_cap, int) or memory_cap < 0:
-        raise ValueError(f"memory_cap must be an int >= 0 (megabytes), got {memory_cap!r}")
+    _check_load_arguments(name, seed, val_fraction, path, test_path, memory_cap)
     if is_store(name):
         if path is not None or test_path is not None:
             raise ValueError(f"a store folder takes no path or test_path ({name!r})")
@@ -405,3 +391,27 @@ def load_dataset(
         if value is not None:
             raise ValueError(f"{label} is only used by the 'npz' and 'ts' loaders, not {name!r}")
     return _LOADERS[key](seed, float(val_fraction))
+
+
+def _check_load_arguments(
+    name: object,
+    seed: object,
+    val_fraction: object,
+    path: object,
+    test_path: object,
+    memory_cap: object,
+) -> None:
+    """Types and ranges of :func:`load_dataset`'s arguments (``TypeError``/``ValueError``)."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float):
+        raise TypeError(f"val_fraction must be a float, got {type(val_fraction).__name__}")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
+    for label, value in (("path", path), ("test_path", test_path)):
+        if value is not None and not isinstance(value, str | os.PathLike):
+            raise TypeError(f"{label} must be a str or os.PathLike, got {type(value).__name__}")
+    if isinstance(memory_cap, bool) or not isinstance(memory_cap, int) or memory_cap < 0:
+        raise ValueError(f"memory_cap must be an int >= 0 (megabytes), got {memory_cap!r}")
