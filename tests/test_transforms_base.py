@@ -180,10 +180,12 @@ def test_chain_initialize_sets_the_data_layers_from_one_pass_and_nothing_else(de
     for layer, reference in ((chain.steps[0], first), (chain.steps[2], second)):
         torch.testing.assert_close(layer.shift, reference.shift, atol=1e-12, rtol=0)
         torch.testing.assert_close(layer.log_scale, reference.log_scale, atol=1e-12, rtol=0)
-    # Initialised layers keep their parameters.
+    # Initialised layers keep their parameters; a layer's own initialize fits it again.
     state = {k: v.clone() for k, v in chain.state_dict().items()}
     chain.initialize(5 * x, mask)
     assert all(torch.equal(v, state[k]) for k, v in chain.state_dict().items())
+    chain.steps[0].initialize(5 * x, mask)
+    torch.testing.assert_close(chain.steps[0].shift, 5 * first.shift, atol=1e-12, rtol=0)
     with pytest.raises(ValueError, match="NaN"):
         _power_chain(device).initialize(x.masked_fill(x > 1, float("nan")), mask)
 
