@@ -51,7 +51,8 @@ def private_uses(source: str, module: str) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("iresflow"):
             parts = node.module.split(".")
             first = next((i for i, part in enumerate(parts) if _private(part)), None)
-            if first is not None and not module.startswith(".".join(parts[:first]) + "."):
+            package = ".".join(parts[:first])
+            if first is not None and not (module + ".").startswith(package + "."):
                 found.append(f"line {node.lineno}: import from {node.module}")
             found += [f"line {node.lineno}: import {alias.name} from {node.module}"
                       for alias in node.names if _private(alias.name)]
@@ -74,7 +75,8 @@ def test_the_checker_finds_private_uses():
     ]
     own_package = "from iresflow.logdet._hutchinson import repeat_rows\n"
     assert private_uses(own_package, "iresflow.logdet.exact") == []
-    assert private_uses("from iresflow._validation import check_int\n", "iresflow.nn.mlp") == []
+    for module in ("iresflow.nn.mlp", "iresflow"):  # a module of the package, its __init__
+        assert private_uses("from iresflow._validation import check_int\n", module) == []
 
 
 def test_the_flow_contract_uses_no_private_name_of_another_module():
