@@ -2,7 +2,8 @@
 
 Oracles: a dense autograd Jacobian with ``slogdet`` for the density, ``torch.distributions`` for
 the base, ``torch.autograd.functional.jacobian`` for ``torch.func``; counted host reads for the
-hot path of a training step.
+hot path of a training step. A second base written here (a diagonal normal with a learned
+mean and scale, optionally shifted by the context) checks that any ``SequenceBase`` plugs in.
 """
 
 from __future__ import annotations
@@ -11,18 +12,21 @@ import math
 
 import pytest
 import torch
+from torch import Tensor, nn
 
 import iresflow
 from iresflow.data.datasets import load_dataset
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.models.config import ModelConfig
-from iresflow.models.distributions import StandardNormalSequence
+from iresflow.models.distributions import SequenceBase, StandardNormalSequence
 from iresflow.models.flow import SequenceFlow
 from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.nn.conditional import ConditionalLipschitzMLP, ContextEncoder
 from iresflow.nn.linear import SpectralLinear
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.transforms.actnorm import ActNorm
 from iresflow.transforms.base import SequenceCompositeTransform
+from iresflow.transforms.conditional import ConditionalAffine
 from iresflow.transforms.residual import ResidualTransform
 from tests.oracles import MixingBranch, count_host_reads, jacobian_logdet
 
@@ -31,7 +35,33 @@ def _mask(lengths: list[int], n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
 
 
-def _flow(device, dtype) -> SequenceFlow:
+class DiagonalNormalSequence(SequenceBase):
+    """Independent normal frames, mean ``loc + c W`` and standard deviation ``exp(log_scale)``."""
+
+    def __init__(self, features: int, context_features: int = 0) -> None:
+        super().__init__()
+        self.features = features
+        self.loc = nn.Parameter(0.5 * torch.randn(features))
+        self.log_scale = nn.Parameter(0.3 * torch.randn(features))
+        self.weight = nn.Parameter(torch.randn(context_features, features))
+
+    def mean(self, context: Tensor | None, batch: int) -> Tensor:
+        """``(B, 1, D)``: the mean of every sequence's frames."""
+        loc = self.loc.expand(batch, -1)
+        return (loc if context is None else loc + context @ self.weight).unsqueeze(1)
+
+    def log_prob(self, z, mask=None, context=None):
+        u = (z - self.mean(context, z.shape[0])) * torch.exp(-self.log_scale)
+        per_frame = (-0.5 * u.square() - self.log_scale - 0.5 * math.log(2 * math.pi)).sum(-1)
+        return (per_frame if mask is None else per_frame * mask).sum(-1)
+
+    def sample(self, mask, generator=None, temperature=1.0, *, context=None, dtype=None):
+        noise = torch.randn(*mask.shape, self.features, generator=generator, dtype=dtype)
+        z = self.mean(context, mask.shape[0]) + temperature * torch.exp(self.log_scale) * noise
+        return torch.where(mask.unsqueeze(-1), z, 0.0)
+
+
+def _flow(device, dtype, base: SequenceBase | None = None) -> SequenceFlow:
     """ActNorm, a position-wise and a mixing residual block; ActNorm initialised, eval mode."""
     chain = SequenceCompositeTransform(
         [ActNorm(3), ResidualTransform(LipschitzMLP((3, 8, 3), coeff=0.9), logdet="exact"),
@@ -39,9 +69,16 @@ def _flow(device, dtype) -> SequenceFlow:
                            logdet="exact")],
         names=["actnorm", "mlp", "mixing"],
     )
-    flow = SequenceFlow(chain, features=3, max_len=5).to(device=device, dtype=dtype)
+    flow = SequenceFlow(chain, base, features=3, max_len=5).to(device=device, dtype=dtype)
     flow.initialize(torch.randn(6, 4, 3, device=device, dtype=dtype) * 2 + 1)
     return flow.eval()
+
+
+def _conditional_chain(device, dtype, *tail) -> SequenceCompositeTransform:
+    """ActNorm and a residual block whose branch takes a context of size 2."""
+    branch = ConditionalLipschitzMLP((3, 8, 3), 2, coeff=0.9)
+    steps = [ActNorm(3), ResidualTransform(branch, logdet="exact"), *tail]
+    return SequenceCompositeTransform(steps).to(device=device, dtype=dtype)
 
 
 def _model(device, dtype, **settings) -> ResidualFlowTransformer:
@@ -67,6 +104,112 @@ def test_log_prob_is_base_plus_dense_jacobian_logdet(device, dtype):
                                        rtol=tol)
 
 
+def test_log_prob_with_another_base_is_its_density_plus_dense_jacobian_logdet(device, dtype):
+    base = DiagonalNormalSequence(3)
+    flow = _flow(device, dtype, base)
+    x = torch.randn(3, 4, 3, device=device, dtype=dtype)
+    mask = _mask([4, 2, 1], 4, device)
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    normal = torch.distributions.Normal(base.loc, base.log_scale.exp())
+    for m in (mask, None):
+        z = flow.transform_to_noise(x, m)
+        density = normal.log_prob(z).sum(-1)
+        expected = (density if m is None else density * m).sum(-1)
+        expected = expected + jacobian_logdet(lambda t, mb: flow.transform_to_noise(t, mb), x, m)
+        for method in (None, "exact"):
+            torch.testing.assert_close(flow.log_prob(x, m, method=method).detach(),
+                                       expected.detach(), atol=tol, rtol=tol)
+    flow.log_prob(x, mask).sum().backward()
+    assert all(bool(p.grad.abs().sum() > 0) for p in (base.loc, base.log_scale))
+
+
+def test_sampling_and_inverse_with_another_base(device, dtype):
+    base = DiagonalNormalSequence(3)
+    flow = _flow(device, dtype, base)
+    lengths = torch.tensor([4, 2, 3], device=device)
+    x, mask = flow.sample(3, lengths=lengths, generator=torch.Generator(device).manual_seed(1),
+                          temperature=0.5)
+    assert torch.equal(mask, _mask([4, 2, 3], 4, device)) and not bool(x[~mask].any())
+    with torch.no_grad():
+        z = base.sample(mask, torch.Generator(device).manual_seed(1), 0.5, dtype=dtype)
+    tol = 1e-8 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(flow.transform_to_noise(x, mask), z, atol=tol, rtol=tol)
+    torch.testing.assert_close(flow.inverse(z, mask), x, atol=tol, rtol=tol)
+
+
+def test_a_conditional_base_receives_the_context_vector(device):
+    dtype = torch.float64
+    base = DiagonalNormalSequence(3, context_features=2)
+    flow = SequenceFlow(_conditional_chain(device, dtype), base, features=3,
+                        context_encoder=ContextEncoder(2, num_classes=3)).to(device, dtype)
+    labels = torch.tensor([0, 2, 1], device=device)
+    x = torch.randn(3, 4, 3, device=device, dtype=dtype)
+    mask = _mask([4, 2, 3], 4, device)
+    flow.initialize(x, mask, context=labels)
+    flow.eval()
+    z = flow.transform_to_noise(x, mask, context=labels)
+    c = flow.context_encoder(labels)
+    mean, scale = base.loc + c @ base.weight, base.log_scale.exp()
+    for b in range(3):
+        frames = torch.distributions.Normal(mean[b], scale).log_prob(z[b]).sum(-1)
+        density = (frames * mask[b]).sum()
+        jacobian = jacobian_logdet(
+            lambda t, mb, b=b: flow.transform_to_noise(t, mb, context=labels[b:b + 1]),
+            x[b:b + 1], mask[b:b + 1])
+        torch.testing.assert_close(flow.log_prob(x, mask, context=labels)[b].detach(),
+                                   (density + jacobian[0]).detach(), atol=1e-10, rtol=1e-10)
+    samples, _ = flow.sample(3, seq_len=4, generator=torch.Generator(device).manual_seed(2),
+                             context=labels)
+    with torch.no_grad():
+        noise = base.sample(mask.new_ones(3, 4), torch.Generator(device).manual_seed(2),
+                            context=c, dtype=dtype)
+    torch.testing.assert_close(flow.transform_to_noise(samples, context=labels), noise,
+                               atol=1e-8, rtol=1e-8)
+
+
+class AffineBase(SequenceBase):
+    """A standard normal seen through a ConditionalAffine: the conditional affine as a base."""
+
+    def __init__(self, affine: ConditionalAffine) -> None:
+        super().__init__()
+        self.features = affine.features
+        self.affine = affine
+        self.normal = StandardNormalSequence(affine.features)
+
+    def log_prob(self, z, mask=None, context=None):
+        y, logabsdet = self.affine(z, context, mask=mask)
+        return self.normal.log_prob(y, mask) + logabsdet
+
+    def sample(self, mask, generator=None, temperature=1.0, *, context=None, dtype=None):
+        y = self.normal.sample(mask, generator, temperature, dtype=dtype)
+        return self.affine.inverse(y, context, mask=mask)[0]
+
+
+def test_the_conditional_affine_step_and_the_same_map_as_a_base_give_one_density(device):
+    dtype = torch.float64
+    affine = ConditionalAffine(3, 2).to(device=device, dtype=dtype)
+    with torch.no_grad():  # a map away from the identity it starts as
+        for parameter in affine.parameters():
+            parameter.add_(0.5 * torch.randn_like(parameter))
+    step = _conditional_chain(device, dtype, affine)
+    encoder = ContextEncoder(2, num_classes=3).to(device=device, dtype=dtype)
+    in_chain = SequenceFlow(step, features=3, context_encoder=encoder)
+    as_base = SequenceFlow(SequenceCompositeTransform(list(step.steps)[:-1]), AffineBase(affine),
+                           features=3, context_encoder=encoder)
+    labels = torch.tensor([1, 0, 2], device=device)
+    x = torch.randn(3, 4, 3, device=device, dtype=dtype)
+    mask = _mask([4, 1, 3], 4, device)
+    in_chain.initialize(x, mask, context=labels)
+    in_chain.eval()
+    as_base.eval()
+    torch.testing.assert_close(as_base.log_prob(x, mask, context=labels),
+                               in_chain.log_prob(x, mask, context=labels), atol=1e-12, rtol=0)
+    draws = [flow.sample(3, seq_len=4, context=labels,
+                         generator=torch.Generator(device).manual_seed(3))[0]
+             for flow in (in_chain, as_base)]
+    torch.testing.assert_close(draws[1], draws[0], atol=1e-12, rtol=0)
+
+
 def test_methods_call_the_chain(device, dtype):
     flow = _flow(device, dtype)
     x = torch.randn(3, 4, 3, device=device, dtype=dtype)
@@ -87,6 +230,8 @@ def test_flow_rejects_bad_construction():
         SequenceFlow(ActNorm(2), features=2)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="base"):
         SequenceFlow(chain, StandardNormalSequence(3), features=2)
+    with pytest.raises(TypeError, match="base"):
+        SequenceFlow(chain, nn.Linear(2, 2), features=2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_len"):
         SequenceFlow(chain, features=2, max_len=0)
 

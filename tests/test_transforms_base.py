@@ -140,6 +140,56 @@ def test_a_chain_validates_once_per_call(device):
         chain(x, mask=padding_mask([4, 0, 3], 4, device))
 
 
+def test_the_unchecked_entry_is_the_checked_map_without_the_check(device):
+    chain = make_chain(device, logdet="exact")
+    x = torch.randn(3, 4, D, device=device, dtype=F64)
+    mask = padding_mask([4, 2, 3], 4, device)
+    for call in (chain, chain.inverse):
+        checked = call(x, mask=mask)
+        unchecked = call(x, mask=mask, check=False)
+        assert all(torch.equal(a, b) for a, b in zip(checked, unchecked, strict=True))
+    # The forward map reads no value on the host (the inverse's solver reads its convergence).
+    assert not count_host_reads(lambda: chain(x, mask=mask, logdet=False, check=False))
+    bad = x.masked_fill(x > 1, float("nan"))
+    assert bool(chain(bad, mask=mask, logdet=False, check=False)[0].isnan().any())
+
+
+def _power_chain(device) -> SequenceCompositeTransform:
+    """ActNorm (not initialised), a residual block with power-iteration spectral norms, ActNorm."""
+    mlp = LipschitzMLP((D, 16, D), coeff=0.9, sigma="power")
+    steps = [ActNorm(D), ResidualTransform(mlp, logdet="exact"), ActNorm(D)]
+    return SequenceCompositeTransform(steps).to(device=device, dtype=F64)
+
+
+def test_chain_initialize_sets_the_data_layers_from_one_pass_and_nothing_else(device):
+    chain = _power_chain(device).eval()
+    chain.steps[1].train()  # modes are restored member by member
+    x = torch.randn(5, 4, D, device=device, dtype=F64) * 3 + 1
+    mask = padding_mask([4, 1, 2, 3, 4], 4, device)
+    buffers = {k: v.clone() for k, v in chain.named_buffers() if not k.endswith("initialized")}
+    modes = {name: m.training for name, m in chain.named_modules()}
+    assert not chain.is_initialized and chain.steps[1].is_initialized
+    chain.initialize(x, mask)
+    assert chain.is_initialized and all(step.is_initialized for step in chain.steps)
+    assert {name: m.training for name, m in chain.named_modules()} == modes
+    assert all(torch.equal(v, buffers[k]) for k, v in chain.named_buffers() if k in buffers)
+    # The oracle: the layers one by one, in training mode, on the real frames.
+    first, second = ActNorm(D).to(device, F64), ActNorm(D).to(device, F64)
+    hidden = chain.steps[1](first(x, mask=mask)[0], mask=mask, logdet=False)[0]
+    second(hidden, mask=mask)
+    for layer, reference in ((chain.steps[0], first), (chain.steps[2], second)):
+        torch.testing.assert_close(layer.shift, reference.shift, atol=1e-12, rtol=0)
+        torch.testing.assert_close(layer.log_scale, reference.log_scale, atol=1e-12, rtol=0)
+    # Initialised layers keep their parameters; a layer's own initialize fits it again.
+    state = {k: v.clone() for k, v in chain.state_dict().items()}
+    chain.initialize(5 * x, mask)
+    assert all(torch.equal(v, state[k]) for k, v in chain.state_dict().items())
+    chain.steps[0].initialize(5 * x, mask)
+    torch.testing.assert_close(chain.steps[0].shift, 5 * first.shift, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="NaN"):
+        _power_chain(device).initialize(x.masked_fill(x > 1, float("nan")), mask)
+
+
 def test_chain_runs_under_torch_func(device):
     chain = make_chain(device)
     x = torch.randn(2, 4, D, device=device, dtype=F64)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from iresflow.logdet.base import repeat_rows
 from iresflow.nn.base import LipschitzBranch
 
 PROBES = ("rademacher", "gaussian")
@@ -95,11 +96,6 @@ def repeated_input(x: Tensor, copies: int, keep_graph: bool) -> Tensor:
 def repeated_mask(mask: Tensor | None, copies: int) -> Tensor | None:
     """Repeat a padding mask ``(B, N)`` to ``(P * B, N)`` (``None`` stays ``None``)."""
     return None if mask is None else repeat_rows(mask, copies)
-
-
-def repeat_rows(t: Tensor, copies: int) -> Tensor:
-    """``t`` repeated ``copies`` times along dim 0; ``t`` itself (no copy) for one copy."""
-    return t if copies == 1 else t.repeat(copies, *[1] * (t.dim() - 1))
 
 
 def vjp(y: Tensor, x: Tensor, w: Tensor, create_graph: bool) -> Tensor:

@@ -20,7 +20,7 @@ from torch import Tensor
 from iresflow._validation import check_inputs, value_checks
 from iresflow.nn.base import LipschitzBranch
 
-__all__ = ["LogDetEstimator", "check_logdet_dtype"]
+__all__ = ["LogDetEstimator", "check_logdet_dtype", "repeat_rows"]
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -37,7 +37,9 @@ class LogDetEstimator(ABC):
     :math:`\det(I + J_g)` equals the determinant of the real sub-block.
 
     Estimators are plain callables (not modules); the branch's ``training`` flag selects
-    training or evaluation behaviour where an estimator distinguishes them.
+    training or evaluation behaviour where an estimator distinguishes them. An engine may
+    evaluate the branch on the batch repeated along the rows (:func:`repeat_rows`: row ``r``
+    holds sequence ``r mod B``), e.g. one copy per Hutchinson probe.
     """
 
     def __call__(
@@ -102,3 +104,24 @@ def check_logdet_dtype(x: Tensor, name: str) -> None:
     """
     if x.dtype not in _DTYPES:
         raise TypeError(f"{name} must have dtype torch.float32 or torch.float64, got {x.dtype}")
+
+
+def repeat_rows(t: Tensor, copies: int) -> Tensor:
+    """``t`` repeated ``copies`` times along dim 0; ``t`` itself (no copy) for one copy.
+
+    The row layout of the repeated batches the engines evaluate a branch on: row ``r`` belongs
+    to sequence ``r mod B``, so a per-sequence tensor (a mask, a context) repeated the same way
+    follows its rows.
+
+    Args:
+        t: Per-sequence tensor with leading dimension ``B``.
+        copies: Number of copies, ``>= 1``.
+
+    Returns:
+        Shape ``(copies * B, ...)``.
+
+    Example:
+        >>> repeat_rows(torch.tensor([1, 2]), 3).tolist()
+        [1, 2, 1, 2, 1, 2]
+    """
+    return t if copies == 1 else t.repeat(copies, *[1] * (t.dim() - 1))

@@ -61,14 +61,9 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from iresflow._validation import value_checks
-from iresflow.logdet._hutchinson import (
-    power_series,
-    repeat_rows,
-    repeated_input,
-    repeated_mask,
-    vjp,
-)
+from iresflow.logdet._hutchinson import power_series, repeated_input, repeated_mask, vjp
 from iresflow.logdet._state import buffer_snapshot, call_with_buffers
+from iresflow.logdet.base import repeat_rows
 from iresflow.nn.base import Linearization, LinearizedPoint, LipschitzBranch
 
 __all__ = ["NeumannLogDetFunction", "neumann_logdet"]

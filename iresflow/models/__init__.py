@@ -1,8 +1,14 @@
-"""Ready-made flows: the generic masked sequence flow and the residual-flow Transformer."""
+"""Flows: the generic sequence flow (a chain and a base) and the residual-flow Transformer."""
 
 from iresflow.models.config import ModelConfig
-from iresflow.models.distributions import StandardNormalSequence
+from iresflow.models.distributions import SequenceBase, StandardNormalSequence
 from iresflow.models.flow import SequenceFlow
 from iresflow.models.transformer import ResidualFlowTransformer
 
-__all__ = ["ModelConfig", "ResidualFlowTransformer", "SequenceFlow", "StandardNormalSequence"]
+__all__ = [
+    "ModelConfig",
+    "ResidualFlowTransformer",
+    "SequenceBase",
+    "SequenceFlow",
+    "StandardNormalSequence",
+]

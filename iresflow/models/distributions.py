@@ -1,26 +1,86 @@
 r"""Base distributions of sequence flows and the padding masks of samples.
 
-:class:`StandardNormalSequence` is the density of the noise of a
-:class:`~iresflow.models.flow.SequenceFlow` over the real frames (docs/math.md#masks);
-:func:`sample_mask` builds the padding mask of sequences to sample.
+:class:`SequenceBase` is the contract of the density of a flow's noise over the real frames
+(docs/math.md#masks); :class:`StandardNormalSequence` is the default one. :func:`sample_mask`
+builds the padding mask of sequences to sample.
 """
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 
 import torch
 from torch import Tensor, nn
 
 from iresflow._validation import check_float, check_generator, check_int, check_sequence
 
-__all__ = ["StandardNormalSequence", "sample_mask"]
+__all__ = ["SequenceBase", "StandardNormalSequence", "sample_mask"]
 
 
-class StandardNormalSequence(nn.Module):
+class SequenceBase(nn.Module, ABC):
+    r"""The density of the noise of a :class:`~iresflow.models.flow.SequenceFlow`.
+
+    A distribution of sequences ``(B, N, D)`` with ``D = features`` whose density covers the
+    real frames only: padded frames never enter :meth:`log_prob`, and :meth:`sample` returns
+    zeros there. ``context`` is the context vector ``(B, C)`` of a conditional flow (the output
+    of its context encoder, ``None`` for an unconditional flow); a base that does not depend on
+    it ignores it, as nflows' distributions do. The flow validates its inputs before calling
+    the base, so implementations need not.
+
+    Subclasses set :attr:`features` and implement :meth:`log_prob` and :meth:`sample`.
+    """
+
+    #: Feature size ``D`` of every frame.
+    features: int
+
+    @abstractmethod
+    def log_prob(
+        self, z: Tensor, mask: Tensor | None = None, context: Tensor | None = None
+    ) -> Tensor:
+        """Log-density of every sequence, summed over its real frames.
+
+        Args:
+            z: Noise ``(B, N, D)``.
+            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real frames.
+            context: Context vector ``(B, C)`` of a conditional flow, or ``None``.
+
+        Returns:
+            Shape ``(B,)``.
+        """
+
+    @abstractmethod
+    def sample(
+        self,
+        mask: Tensor,
+        generator: torch.Generator | None = None,
+        temperature: float = 1.0,
+        *,
+        context: Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        """Draw noise on the real frames of ``mask``, zeros at padding.
+
+        Args:
+            mask: Boolean padding mask ``(B, N)``; the noise is drawn on its device.
+            generator: The only source of randomness (torch's global generator when ``None``).
+            temperature: Spread :math:`T > 0` of the draw relative to the density (1: the
+                density itself; the standard deviation of Gaussian noise is multiplied by
+                :math:`T`).
+            context: Context vector ``(B, C)`` of a conditional flow, or ``None``.
+            dtype: Floating dtype of the noise (a flow passes that of its parameters).
+
+        Returns:
+            Noise of shape ``(B, N, D)``.
+        """
+
+
+class StandardNormalSequence(SequenceBase):
     r"""Standard normal density of the real frames of a sequence (padding never enters).
 
     .. math:: \log p(Z) = \sum_{n\,:\,m_n = 1} \log\mathcal N(z_n; 0, I_D).
+
+    The context of a conditional flow is ignored.
 
     Args:
         features: Feature size ``D``.
@@ -37,16 +97,10 @@ class StandardNormalSequence(nn.Module):
         super().__init__()
         self.features = check_int(features, "features", 1)
 
-    def log_prob(self, z: Tensor, mask: Tensor | None = None) -> Tensor:
-        """Log-density of every sequence, summed over its real frames.
-
-        Args:
-            z: Noise ``(B, N, D)``.
-            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real frames.
-
-        Returns:
-            Shape ``(B,)``.
-        """
+    def log_prob(
+        self, z: Tensor, mask: Tensor | None = None, context: Tensor | None = None
+    ) -> Tensor:
+        """See :meth:`SequenceBase.log_prob`; ``context`` is ignored."""
         z = check_sequence(z, "z", features=self.features, allow_2d=False)
         per_frame = -0.5 * z.square().sum(-1) - 0.5 * z.shape[-1] * math.log(2 * math.pi)
         if mask is not None:
@@ -59,6 +113,7 @@ class StandardNormalSequence(nn.Module):
         generator: torch.Generator | None = None,
         temperature: float = 1.0,
         *,
+        context: Tensor | None = None,
         dtype: torch.dtype | None = None,
     ) -> Tensor:
         r"""Draw :math:`z_n \sim \mathcal N(0, T^2 I_D)` on the real frames, zeros at padding.
@@ -67,6 +122,7 @@ class StandardNormalSequence(nn.Module):
             mask: Boolean padding mask ``(B, N)``; the noise is drawn on its device.
             generator: Optional ``torch.Generator`` (on the mask's device).
             temperature: Standard deviation :math:`T > 0`.
+            context: Ignored.
             dtype: Floating dtype of the noise (default: torch's default dtype).
 
         Returns:

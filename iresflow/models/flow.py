@@ -1,17 +1,20 @@
 r"""A masked sequence flow: a transform chain plus a base distribution.
 
 :class:`SequenceFlow` is nflows' ``Flow(transform, base)`` for variable-length sequences: a
-:class:`~iresflow.transforms.base.SequenceTransform` maps data to noise, and
-:class:`~iresflow.models.distributions.StandardNormalSequence` is the density of the noise over
+:class:`~iresflow.transforms.base.SequenceTransform` maps data to noise, and a
+:class:`~iresflow.models.distributions.SequenceBase` (by default the standard normal
+:class:`~iresflow.models.distributions.StandardNormalSequence`) is the density of the noise over
 the real frames, so that
 
-.. math:: \log p(X) = \sum_{n\,:\,m_n = 1} \log\mathcal N(z_n; 0, I_D) + \log|\det J_f(X)|,
-    \qquad Z = f(X)
+.. math:: \log p(X) = \log p_{\rm base}(Z) + \log|\det J_f(X)|, \qquad Z = f(X)
 
 (docs/math.md#change-of-variables, docs/math.md#masks).
 
-Every method calls the chain (its unchecked path, after one validation at the door, see
-:mod:`iresflow.transforms.base`); ready-made models such as
+The flow only composes: every method validates once at the door and then calls the chain's
+unchecked entry (``check=False``, see :mod:`iresflow.transforms.base`) and the base; the
+log-determinant method is chosen by :func:`~iresflow.logdet.policy.logdet_policy`, and the
+data-dependent initialisation is the chain's
+(:meth:`~iresflow.transforms.base.SequenceTransform.initialize`). Ready-made models such as
 :class:`~iresflow.models.transformer.ResidualFlowTransformer` only build the chain.
 """
 
@@ -31,12 +34,10 @@ from iresflow._validation import (
     value_checks,
 )
 from iresflow.logdet.base import LogDetEstimator
-from iresflow.logdet.exact import ExactLogDet
-from iresflow.logdet.roulette import RouletteLogDet, predraw_counts
+from iresflow.logdet.policy import LogDetPolicy, logdet_policy, set_generator
 from iresflow.models import evaluation
-from iresflow.models.distributions import StandardNormalSequence, sample_mask
+from iresflow.models.distributions import SequenceBase, StandardNormalSequence, sample_mask
 from iresflow.nn.conditional import ContextEncoder
-from iresflow.transforms.actnorm import DataInitializedTransform
 from iresflow.transforms.base import LogDetRequest, SequenceCompositeTransform
 from iresflow.transforms.residual import ResidualTransform
 
@@ -54,7 +55,9 @@ class SequenceFlow(nn.Module):
 
     Args:
         transform: The chain from data to noise.
-        base: Density of the noise; ``StandardNormalSequence(features)`` when ``None``.
+        base: Density of the noise, any :class:`~iresflow.models.distributions.SequenceBase`
+            with ``features`` features; ``StandardNormalSequence(features)`` when ``None``. A
+            conditional flow passes its context vector to the base too.
         features: Feature size ``D`` of every frame.
         max_len: Longest sequence accepted (``None``: any).
         context_encoder: For a conditional flow :math:`p(x \mid c)`, the
@@ -77,7 +80,7 @@ class SequenceFlow(nn.Module):
     def __init__(
         self,
         transform: SequenceCompositeTransform,
-        base: StandardNormalSequence | None = None,
+        base: SequenceBase | None = None,
         *,
         features: int,
         max_len: int | None = None,
@@ -92,8 +95,9 @@ class SequenceFlow(nn.Module):
         self.max_len = None if max_len is None else check_int(max_len, "max_len", 1)
         if base is None:
             base = StandardNormalSequence(self.features)
-        if not isinstance(base, StandardNormalSequence) or base.features != self.features:
-            raise TypeError(f"base must be a StandardNormalSequence({self.features})")
+        if not isinstance(base, SequenceBase) or base.features != self.features:
+            raise TypeError(f"base must be a SequenceBase with features={self.features}, got "
+                            f"{base!r}")
         if context_encoder is not None and not isinstance(context_encoder, ContextEncoder):
             raise TypeError(f"context_encoder must be a ContextEncoder or None, got "
                             f"{type(context_encoder).__name__}")
@@ -117,21 +121,20 @@ class SequenceFlow(nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor]:
         r"""Log-density, in nats, of the sequences as given (docs/math.md#change-of-variables).
 
-        The base log-density summed over the real frames plus the log-determinant of the chain
-        (padded frames never enter). Differentiable (for training) when grad mode is on.
+        The base log-density of the noise plus the log-determinant of the chain (padded frames
+        never enter). Differentiable (for training) when grad mode is on.
 
         Args:
             x: Sequences, shape ``(B, N, D)`` with ``D = features`` and ``N <= max_len``.
             mask: Optional boolean padding mask ``(B, N)``, ``True`` for real frames.
-            method: Log-determinant of the residual blocks: ``None`` uses each block's
+            method: Log-determinant of the residual blocks
+                (:func:`~iresflow.logdet.policy.logdet_policy`): ``None`` uses each block's
                 configured estimator; ``"exact"`` the dense Jacobian of every block, evaluated
                 in length-sorted chunks (:func:`~iresflow.models.evaluation.exact_in_chunks`);
                 ``"roulette"`` the unbiased Russian-roulette estimator (20 exact terms in
-                ``eval()`` mode): the configured estimators, with their generators, where all
-                blocks are configured with roulette, else a default
-                :class:`~iresflow.logdet.roulette.RouletteLogDet` on torch's global generator.
-                In training mode the exact method first initialises data-dependent layers from
-                the whole batch (:meth:`initialize`).
+                ``eval()`` mode), the configured ones where all blocks have one. In training
+                mode the exact method first initialises data-dependent layers from the whole
+                batch (:meth:`initialize`).
             n_samples: Number of independent estimates averaged (stochastic estimators only;
                 must be 1 for ``"exact"``).
             return_stderr: Also return the standard error of the average
@@ -148,40 +151,29 @@ class SequenceFlow(nn.Module):
         Raises:
             ValueError: invalid inputs or options.
         """
-        if method not in (None, "exact", "roulette"):
-            raise ValueError(f"method must be None, 'exact' or 'roulette', got {method!r}")
+        policy = logdet_policy(self.estimators(), method)
         n_samples = check_int(n_samples, "n_samples", 1)
         if chunk_size is not None:
             chunk_size = check_int(chunk_size, "chunk_size", 1)
-        estimators = self.estimators()
-        exact = method == "exact" or (
-            method is None and bool(estimators)
-            and all(isinstance(e, ExactLogDet) for e in estimators)
-        )
-        if exact and n_samples != 1:
+        if policy.exact and n_samples != 1:
             raise ValueError(f"the exact log-density is deterministic: n_samples must be 1, "
                              f"got {n_samples}")
-        if return_stderr and not exact and n_samples < 2:
+        if return_stderr and not policy.exact and n_samples < 2:
             raise ValueError("return_stderr needs n_samples >= 2 for a stochastic estimator")
-        logdet: LogDetRequest = True
-        if exact:
-            logdet = ExactLogDet()
-        elif method == "roulette" and not all(isinstance(e, RouletteLogDet) for e in estimators):
-            logdet = RouletteLogDet()
-        x, mask, c = self._check(x, mask, "x", logdet, context)
+        x, mask, c = self._check(x, mask, "x", policy.request, context)
 
         with value_checks(False):
-            if exact:
+            if policy.exact:
                 if self.training:
-                    self._initialize(x, mask, c)
+                    self.transform.initialize(x, mask, context=c, check=False)
                 value = evaluation.exact_in_chunks(
-                    lambda xc, mc, *cc: self._log_prob(xc, mc, logdet, *cc), x, mask, chunk_size,
+                    lambda xc, mc, *cc: self._log_prob(xc, mc, policy, *cc), x, mask, chunk_size,
                     () if c is None else (c,),
                 )
                 stderr = torch.zeros_like(value)
             else:
                 value, stderr = evaluation.average_estimates(
-                    lambda: self._log_prob(x, mask, logdet, c), n_samples
+                    lambda: self._log_prob(x, mask, policy, c), n_samples
                 )
         return (value, stderr) if return_stderr else value
 
@@ -199,8 +191,7 @@ class SequenceFlow(nn.Module):
             ``z`` of shape ``(B, N, D)``, equal to ``x`` at padded positions.
         """
         x, mask, c = self._check(x, mask, "x", False, context)
-        with value_checks(False):
-            return self.transform._forward(x, c, mask, False)[0]
+        return self.transform(x, c, mask=mask, logdet=False, check=False)[0]
 
     def inverse(
         self, z: Tensor, mask: Tensor | None = None, *, context: Tensor | None = None
@@ -223,8 +214,7 @@ class SequenceFlow(nn.Module):
         """
         with torch.no_grad():
             z, mask, c = self._check(z, mask, "z", False, context)
-            with value_checks(False):
-                return self.transform._inverse(z, c, mask, False)[0]
+            return self.transform.inverse(z, c, mask=mask, logdet=False, check=False)[0]
 
     @torch.no_grad()
     def sample(
@@ -261,12 +251,11 @@ class SequenceFlow(nn.Module):
         generator = check_generator(generator)
         reference = self._reference()
         mask = sample_mask(num, seq_len, lengths, self.max_len, reference.device)
-        z = self.base.sample(mask, generator, temperature, dtype=reference.dtype)
         c = self._context(context, num, reference)
+        z = self.base.sample(mask, generator, temperature, context=c, dtype=reference.dtype)
         if c is not None:  # the chain's option checks of the context
             self.transform.check_call(z, c, mask=mask, logdet=False, name="z")
-        with value_checks(False):
-            return self.transform._inverse(z, c, mask, False)[0], mask
+        return self.transform.inverse(z, c, mask=mask, logdet=False, check=False)[0], mask
 
     # ----------------------------------------------------------------------------------------
     # training support
@@ -277,11 +266,11 @@ class SequenceFlow(nn.Module):
     ) -> None:
         """Initialise every data-dependent layer (ActNorm, autoregressive) from a whole batch.
 
-        One pass through the chain in training mode without log-determinants; every other
-        state is left as it was (buffers such as power-iteration vectors, the training flag,
-        random generators). Call it with the first (global) batch before training, e.g. on
-        every rank of a distributed run; a single process may also leave it to the first
-        training forward.
+        The chain's :meth:`~iresflow.transforms.base.SequenceTransform.initialize`: one pass in
+        training mode without log-determinants; every other state is left as it was (buffers
+        such as power-iteration vectors, the training flag, random generators). Call it with
+        the first (global) batch before training, e.g. on every rank of a distributed run; a
+        single process may also leave it to the first training forward.
 
         Args:
             x: Sequences ``(B, N, D)``.
@@ -289,8 +278,7 @@ class SequenceFlow(nn.Module):
             context: Conditioning input of a conditional flow (see :meth:`log_prob`).
         """
         x, mask, c = self._check(x, mask, "x", False, context)
-        with value_checks(False):
-            self._initialize(x, mask, c)
+        self.transform.initialize(x, mask, context=c, check=False)
 
     def set_generator(self, generator: torch.Generator | None) -> None:
         """Make ``generator`` the generator of every stochastic log-determinant estimator.
@@ -299,10 +287,7 @@ class SequenceFlow(nn.Module):
             generator: A ``torch.Generator`` on the model's device, or ``None`` for torch's
                 global one.
         """
-        generator = check_generator(generator)
-        for estimator in self.estimators():
-            if hasattr(estimator, "generator"):
-                estimator.generator = generator
+        set_generator(self.estimators(), generator)
 
     def estimators(self) -> list[LogDetEstimator]:
         """The configured log-determinant estimator of every residual block, in chain order."""
@@ -391,33 +376,10 @@ class SequenceFlow(nn.Module):
         return x, mask, c
 
     def _log_prob(
-        self, x: Tensor, mask: Tensor | None, logdet: LogDetRequest, context: Tensor | None = None
+        self, x: Tensor, mask: Tensor | None, policy: LogDetPolicy,
+        context: Tensor | None = None,
     ) -> Tensor:
         """One pass: base log-density of the noise plus the chain's log-determinant."""
-        calls = [logdet if isinstance(logdet, LogDetEstimator) else estimator
-                 for estimator in self.estimators()]
-        roulette = [c for c in calls if isinstance(c, RouletteLogDet)]
-        if roulette:  # every count of the pass in one draw (one host read per generator)
-            predraw_counts(roulette)
-        z, logabsdet = self.transform._forward(x, context, mask, logdet)
-        return self.base.log_prob(z, mask) + logabsdet
-
-    def _initialize(self, x: Tensor, mask: Tensor | None, context: Tensor | None = None) -> None:
-        layers = [m for m in self.modules() if isinstance(m, DataInitializedTransform)]
-        if all(m.is_initialized for m in layers):
-            return
-        saved = {
-            (module, name): buffer.clone()
-            for module in self.modules() if not isinstance(module, DataInitializedTransform)
-            for name, buffer in module.named_buffers(recurse=False)
-        }
-        was_training = self.training
-        self.train()
-        try:
-            with torch.no_grad():
-                self.transform._forward(x, context, mask, False)
-        finally:
-            self.train(was_training)
-            with torch.no_grad():
-                for (module, name), value in saved.items():
-                    getattr(module, name).copy_(value)
+        policy.prepare_pass()
+        z, logabsdet = self.transform(x, context, mask=mask, logdet=policy.request, check=False)
+        return self.base.log_prob(z, mask, context) + logabsdet

@@ -22,7 +22,8 @@ class DataInitializedTransform(SequenceTransform):
     The shared initialisation mechanism of :class:`ActNorm` and
     :class:`~iresflow.transforms.temporal.AutoregressiveLinear`: the first forward (data to
     noise) in training mode calls :meth:`_initialize` on that batch under ``torch.no_grad``, or
-    :meth:`initialize` does so explicitly. This is the one in-forward state change of the
+    :meth:`initialize` (of the layer, or of a chain holding it) does so explicitly. This is the
+    one in-forward state change of the
     library. It is recorded in the boolean buffer ``initialized``, which is part of the
     ``state_dict`` so that a loaded model is not re-initialised, and mirrored in a host-side
     flag (:attr:`is_initialized`) so that a forward never synchronises with the device. In
@@ -46,14 +47,28 @@ class DataInitializedTransform(SequenceTransform):
         """Whether the data-dependent initialisation has happened (read without a host sync)."""
         return self._initialized
 
-    def initialize(self, inputs: Tensor, mask: Tensor | None = None) -> None:
-        """Set the parameters from ``inputs`` now (whatever the mode) and mark them initialised.
+    def initialize(
+        self,
+        inputs: Tensor,
+        mask: Tensor | None = None,
+        *,
+        context: Tensor | None = None,
+        check: bool = True,
+    ) -> None:
+        """Set the parameters from ``inputs`` now, whatever the mode and also when initialised.
+
+        Unlike a chain's :meth:`~iresflow.transforms.base.SequenceTransform.initialize`, which
+        initialises only the layers that are not initialised yet, the layer's own call fits it
+        again.
 
         Args:
             inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
             mask: Optional boolean padding mask ``(B, N)`` (only with ``(B, N, D)`` inputs).
+            context: Conditioning input (checked; the fit does not depend on it).
+            check: Validate the call (see :meth:`forward`).
         """
-        inputs, mask = self.check_call(inputs, mask=mask)
+        if check:
+            inputs, mask = self.check_call(inputs, context, mask=mask, logdet=False)
         with value_checks(False):
             self._run_initialization(inputs, mask)
 

@@ -17,10 +17,15 @@ through, for variable-length batches.
 
 **Checked and unchecked paths.** The public :meth:`~SequenceTransform.forward` and
 :meth:`~SequenceTransform.inverse` validate once (:meth:`~SequenceTransform.check_call`: one
-host synchronisation for the values, see :mod:`iresflow._validation`) and then run the unchecked
+host synchronisation for the values, see :mod:`iresflow._validation`) and then run the
 ``_forward`` / ``_inverse`` that subclasses implement, with value checks switched off for the
-layers they call. A composite, and a model built on one, call the members' unchecked paths
-directly, so a batch is validated once per call of the outermost entry point.
+layers they call. ``check=False`` is the unchecked entry for callers that validated the batch
+already: a composite calls its members that way, and a model its chain, so a batch is validated
+once per call of the outermost entry point.
+
+**Data-dependent initialisation.** :meth:`~SequenceTransform.initialize` sets the layers whose
+parameters come from data (:class:`~iresflow.transforms.actnorm.ActNorm`, the autoregressive
+layer) from a whole batch, in one pass, and leaves every other state as it was.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 
+import torch
 from nflows.transforms.base import Transform
 from torch import Tensor, nn
 
@@ -76,10 +82,11 @@ class SequenceTransform(Transform, ABC):
     log-determinant of the inverse map, so that for :math:`y = f(x)` the two log-determinants sum
     to zero.
 
-    Subclasses implement the unchecked paths ``_forward(inputs, context, mask, logdet)`` and
-    ``_inverse(...)`` (same arguments, inputs already validated, returning ``(outputs,
-    logabsdet or None)``), may set ``features`` (the feature size ``D`` they require) and may
-    extend ``_check_options(inputs, context, logdet)`` with checks that read no tensor values.
+    Subclasses implement ``_forward(inputs, context, mask, logdet)`` and ``_inverse(...)``
+    (same arguments, inputs already validated, returning ``(outputs, logabsdet or None)``),
+    which only :class:`SequenceTransform` calls, may set ``features`` (the feature size ``D``
+    they require) and may extend ``_check_options(inputs, context, logdet)`` with checks that
+    read no tensor values. Layers initialised from data override :attr:`is_initialized`.
     """
 
     #: Feature size ``D`` the transform requires, or ``None`` for any.
@@ -92,6 +99,7 @@ class SequenceTransform(Transform, ABC):
         *,
         mask: Tensor | None = None,
         logdet: LogDetRequest = True,
+        check: bool = True,
     ) -> tuple[Tensor, Tensor | None]:
         r"""Map data to noise.
 
@@ -100,13 +108,17 @@ class SequenceTransform(Transform, ABC):
             context: Conditioning input (``None`` for unconditional transforms).
             mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
             logdet: ``True``, ``False`` or an estimator (see :data:`LogDetRequest`).
+            check: Validate the call (:meth:`check_call`). ``False`` is the unchecked entry
+                for callers that validated ``inputs``, ``mask`` and ``logdet`` already (no
+                host read).
 
         Returns:
             ``outputs`` with the shape of ``inputs`` and
             :math:`\log|\det J_f(x)|` per sequence, shape ``(B,)`` (``None`` with
             ``logdet=False``).
         """
-        inputs, mask = self.check_call(inputs, context, mask=mask, logdet=logdet)
+        if check:
+            inputs, mask = self.check_call(inputs, context, mask=mask, logdet=logdet)
         with value_checks(False):
             return self._forward(inputs, context, mask, logdet)
 
@@ -117,6 +129,7 @@ class SequenceTransform(Transform, ABC):
         *,
         mask: Tensor | None = None,
         logdet: LogDetRequest = True,
+        check: bool = True,
     ) -> tuple[Tensor, Tensor | None]:
         r"""Map noise to data.
 
@@ -125,13 +138,17 @@ class SequenceTransform(Transform, ABC):
             context: Conditioning input (``None`` for unconditional transforms).
             mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
             logdet: ``True``, ``False`` or an estimator (see :data:`LogDetRequest`).
+            check: Validate the call (:meth:`check_call`). ``False`` is the unchecked entry
+                for callers that validated ``inputs``, ``mask`` and ``logdet`` already (no
+                host read).
 
         Returns:
             ``outputs`` with the shape of ``inputs`` and
             :math:`\log|\det J_{f^{-1}}(y)|` per sequence, shape ``(B,)`` (``None`` with
             ``logdet=False``).
         """
-        inputs, mask = self.check_call(inputs, context, mask=mask, logdet=logdet)
+        if check:
+            inputs, mask = self.check_call(inputs, context, mask=mask, logdet=logdet)
         with value_checks(False):
             return self._inverse(inputs, context, mask, logdet)
 
@@ -170,6 +187,60 @@ class SequenceTransform(Transform, ABC):
         )
         self._check_options(inputs, context, logdet)
         return inputs, mask
+
+    @property
+    def is_initialized(self) -> bool:
+        """Whether every layer of the transform that is initialised from data has been.
+
+        True for a transform without such layers; a chain is initialised when all its
+        members are.
+        """
+        return all(m.is_initialized for m in self.modules()
+                   if m is not self and isinstance(m, SequenceTransform))
+
+    @torch.no_grad()
+    def initialize(
+        self,
+        inputs: Tensor,
+        mask: Tensor | None = None,
+        *,
+        context: Tensor | None = None,
+        check: bool = True,
+    ) -> None:
+        """Initialise the layers set from data that are not initialised yet from one batch.
+
+        One pass from data to noise in training mode, without log-determinants and gradients,
+        in which every such layer sets its parameters from its inputs (e.g.
+        :class:`~iresflow.transforms.actnorm.ActNorm`); the buffers of every other module
+        (e.g. power-iteration vectors) and the training flags are restored afterwards. Does
+        nothing when :attr:`is_initialized`. Call it with the first (global) batch before
+        training, e.g. on every rank of a distributed run.
+
+        Args:
+            inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
+            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
+            context: Conditioning input (``None`` for unconditional transforms).
+            check: Validate the call (see :meth:`forward`).
+        """
+        if check:
+            inputs, mask = self.check_call(inputs, context, mask=mask, logdet=False)
+        if self.is_initialized:
+            return
+        waiting = {id(m) for m in self.modules()
+                   if isinstance(m, SequenceTransform) and not m.is_initialized}
+        saved = {(module, name): buffer.clone()
+                 for module in self.modules() if id(module) not in waiting
+                 for name, buffer in module.named_buffers(recurse=False)}
+        modes = {module: module.training for module in self.modules()}
+        self.train()
+        try:
+            with value_checks(False):
+                self._forward(inputs, context, mask, False)
+        finally:
+            for module, training in modes.items():
+                module.training = training
+            for (module, name), value in saved.items():
+                getattr(module, name).copy_(value)
 
     def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
         """Checks of a call specific to the transform; must not read tensor values."""
@@ -300,9 +371,9 @@ class SequenceCompositeTransform(SequenceTransform):
         outputs = inputs
         total = None if logdet is False else inputs.new_zeros(inputs.shape[0])
         for t in members:
-            if isinstance(t, SequenceTransform):
-                call = t._inverse if inverse else t._forward
-                outputs, logabsdet = call(outputs, context, mask, logdet)
+            if isinstance(t, SequenceTransform):  # validated by the chain's own entry point
+                call = t.inverse if inverse else t
+                outputs, logabsdet = call(outputs, context, mask=mask, logdet=logdet, check=False)
             else:  # a plain nflows transform (mask is None here): its own public call
                 outputs, logabsdet = (t.inverse if inverse else t)(outputs, context)
             if total is not None:

@@ -10,8 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from iresflow.inverse.fixed_point import InverseStats, fixed_point_inverse
-from iresflow.logdet._hutchinson import repeat_rows
-from iresflow.logdet.base import LogDetEstimator, check_logdet_dtype
+from iresflow.logdet.base import LogDetEstimator, check_logdet_dtype, repeat_rows
 from iresflow.logdet.exact import ExactLogDet
 from iresflow.logdet.factory import make_logdet
 from iresflow.nn.base import LipschitzBranch
@@ -238,7 +237,7 @@ class _ContextBound(LipschitzBranch):
     r"""A conditional branch with its context bound: :math:`x \mapsto g(x, c)` for the engines.
 
     The log-determinant engines evaluate a branch on the batch repeated ``copies`` times along
-    the rows (:func:`~iresflow.logdet._hutchinson.repeat_rows`); row ``r`` then belongs to
+    the rows (:func:`~iresflow.logdet.base.repeat_rows`); row ``r`` then belongs to
     sequence ``r mod B``, and so does its context. The context is listed among the parameters,
     so that the memory-efficient Neumann backward returns its gradient too (on to whatever
     produced it, e.g. a label embedding).
