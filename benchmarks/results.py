@@ -1,9 +1,11 @@
 """The results table: iresflow against Gaussians, AR models, nflows flows and a torchdiffeq CNF.
 
 Protocol (same for every model): the splits, preprocessing and units of
-:func:`iresflow.data.datasets.load_dataset` (``seed=0``); one trainer
-(:func:`benchmarks.baselines.training.fit_model`: Adam, minibatches of 64, early stopping on the
-validation NLL, the same epoch and time budget per run); the widths of the baselines chosen so
+:func:`iresflow.data.datasets.load_dataset` (``seed=0``); one trainer, the loop of
+``iresflow train`` (:func:`iresflow.train.fit.fit` with the settings of :func:`train_config`:
+Adam at a constant learning rate, minibatches of 64, early stopping on the validation NLL, the
+same epoch and time budget per run; the iresflow rows are built from their settings exactly as
+``iresflow train`` builds them); the widths of the baselines chosen so
 that their parameter counts match the default iresflow model on each dataset; every trained
 model tuned over the same learning-rate grid on the validation split with seed 0, then the best
 configuration trained with the remaining seeds. Reported per model: test NLL (mean and standard
@@ -61,12 +63,16 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks.baselines.autoregressive import AutoregressiveGaussian
-from benchmarks.baselines.cnf import CNF
+from benchmarks.baselines.cnf import CNF, FixedProbeValidation
 from benchmarks.baselines.gaussian import FrameGaussian, SequenceGaussian
 from benchmarks.baselines.nflows_models import frame_maf, sequence_maf, sequence_realnvp
 from benchmarks.baselines.recurrent import RecurrentFlow
-from benchmarks.baselines.training import fit_model, split_log_prob
 from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
+from iresflow.train.config import TrainConfig
+from iresflow.train.epoch import TrainingSession
+from iresflow.train.factories import build_model
+from iresflow.train.fit import fit
+from iresflow.train.likelihood import split_log_prob
 
 DATASETS = ("japanese_vowels", "digits_rows", "co2_windows")
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -86,6 +92,10 @@ MAX_AR_ORDER = 3
 #: Modes of the trainer (module docstring) and their budgets on top of ``FULL``/``QUICK``.
 MODES = ("table", "convergence", "budget")
 CONVERGENCE = {"max_seconds": 7200.0, "max_epochs": 2000, "patience": 30}
+#: Gradient-norm clip of every trained model.
+GRAD_CLIP = 100.0
+#: Sequences per forward pass when the test split is scored.
+EVAL_BATCH = 256
 #: Learning-curve points: the test NLL is recorded when the optimisation time has grown by
 #: this factor since the last point (and after the last epoch).
 CURVE_GROWTH = 1.25
@@ -138,10 +148,7 @@ def _always(ds: SequenceDataset) -> str | None:
 
 def _iresflow(recipe: str) -> Callable[[SequenceDataset, int], nn.Module]:
     def build(ds: SequenceDataset, width: int) -> nn.Module:
-        from iresflow.models.transformer import ResidualFlowTransformer
-
-        return ResidualFlowTransformer(features=ds.features, max_len=ds.max_len,
-                                       **IRESFLOW_RECIPES[recipe])
+        return build_model(TrainConfig(data=ds.name, **IRESFLOW_RECIPES[recipe]), ds)
     return build
 
 
@@ -173,6 +180,9 @@ class ModelSpec:
             (empty: fixed architecture).
         trained: Gradient training (else a closed-form fit).
         fit: Closed-form fit ``(model, dataset) -> extra record fields`` (untrained rows).
+        recipe: The iresflow recipe (:data:`IRESFLOW_RECIPES`): the model settings of the
+            row's :class:`~iresflow.train.config.TrainConfig`, from which training builds the
+            flow as ``iresflow train`` does (``None``: a baseline).
     """
 
     key: str
@@ -183,6 +193,7 @@ class ModelSpec:
     widths: tuple[int, ...] = ()
     trained: bool = True
     fit: Callable[[nn.Module, SequenceDataset], dict[str, Any]] = _fit_on_train
+    recipe: str | None = None
 
 
 WIDTHS = tuple(range(8, 257, 4))
@@ -208,13 +219,13 @@ MODELS = (
     ModelSpec("cnf", "CNF (torchdiffeq, attention field)", "parallel", _always,
               lambda ds, w: CNF(ds.features, ds.max_len, hidden=w), WIDTHS),
     ModelSpec("iresflow", "iresflow (default: AR(3), temporal conv + MLP)", "parallel", _always,
-              _iresflow("default")),
+              _iresflow("default"), recipe="default"),
     ModelSpec("iresflow_transformer", "iresflow, Transformer recipe (L2 attention + MLP, no AR)",
-              "parallel", _always, _iresflow("transformer")),
+              "parallel", _always, _iresflow("transformer"), recipe="transformer"),
     ModelSpec("iresflow_frames", "iresflow, frames only (MLP, no AR: ablation)", "parallel",
-              _always, _iresflow("frames")),
+              _always, _iresflow("frames"), recipe="frames"),
     ModelSpec("iresflow_lipschitznorm", "iresflow (LipschitzNorm attention)", "parallel",
-              _always, _iresflow("lipschitznorm")),
+              _always, _iresflow("lipschitznorm"), recipe="lipschitznorm"),
 )
 SPECS = {spec.key: spec for spec in MODELS}
 #: Rows compared by the issue's target: iresflow against the other parallel samplers.
@@ -274,15 +285,33 @@ def dataset(name: str, subset: tuple[int, int, int] | None) -> SequenceDataset:
                                test=head(ds.test, subset[2]))
 
 
-def _is_iresflow(spec: ModelSpec) -> bool:
-    return spec.key.startswith("iresflow")
+def train_config(spec: ModelSpec, name: str, lr: float, seed: int, budget: Budget
+                 ) -> TrainConfig:
+    """The training settings of a row: the protocol's, and an iresflow row's model settings.
+
+    Adam at the constant learning rate ``lr`` (no warm-up, no schedule), minibatches of
+    ``budget.batch_size``, gradient-norm clipping at :data:`GRAD_CLIP`, at most
+    ``budget.max_epochs`` epochs and ``budget.max_seconds`` seconds of optimisation (0: no
+    limit), early stopping after ``budget.patience`` epochs without a better validation NLL; the
+    rest are the defaults of ``iresflow train`` (validation with 4 roulette estimates per
+    sequence for a flow).
+
+    Example:
+        >>> config = train_config(SPECS["iresflow"], "co2_windows", 3e-3, 1, FULL)
+        >>> config.lr, config.seed, config.scheduler, config.max_seconds, config.layers
+        (0.003, 1, 'none', 30.0, ('conv', 'mlp'))
+    """
+    recipe = IRESFLOW_RECIPES[spec.recipe] if spec.recipe is not None else {}
+    return TrainConfig(
+        data=name, seed=seed, device="cpu", lr=lr, batch_size=budget.batch_size,
+        epochs=budget.max_epochs, max_seconds=budget.max_seconds, patience=budget.patience,
+        scheduler="none", warmup=0, clip=GRAD_CLIP, **recipe,
+    )
 
 
-def _fixed_probe_log_prob(model: CNF) -> Callable[[Tensor, Tensor | None], Tensor]:
-    """The CNF's validation estimate: Hutchinson with the same probes at every epoch."""
-    def log_prob(x: Tensor, mask: Tensor | None) -> Tensor:
-        return model.log_prob(x, mask, exact=False, generator=torch.Generator().manual_seed(0))
-    return log_prob
+def _inner(model: nn.Module) -> nn.Module:
+    """The model itself, without the CNF's validation wrapper."""
+    return model.cnf if isinstance(model, FixedProbeValidation) else model
 
 
 def _time_sampling(model: nn.Module, ds: SequenceDataset, num: int) -> float:
@@ -293,84 +322,101 @@ def _time_sampling(model: nn.Module, ds: SequenceDataset, num: int) -> float:
         kwargs = {"seq_len": ds.max_len}
     start = time.perf_counter()
     with torch.no_grad():
-        model.sample(num, **kwargs)
+        _inner(model).sample(num, **kwargs)
     return (time.perf_counter() - start) / num
 
 
 def _build(spec: ModelSpec, ds: SequenceDataset, budget: Budget, seed: int
-           ) -> tuple[nn.Module, Callable[[Tensor, Tensor | None], Tensor], int]:
-    """The model of a row (seeded), its validation log-density and its width."""
+           ) -> tuple[nn.Module, int]:
+    """The model of a row (seeded) and its width.
+
+    The CNF is wrapped in :class:`~benchmarks.baselines.cnf.FixedProbeValidation`, so that its
+    validation estimate uses the same Hutchinson probes at every epoch.
+    """
     width = matched_width(spec, ds, target_params(ds.name))
     torch.manual_seed(seed)
     model = spec.build(ds, width)
     if isinstance(model, CNF):
         model.exact_max_dim = budget.cnf_exact_max_dim
-        return model, _fixed_probe_log_prob(model), width
-    return model, model.log_prob, width
+        return FixedProbeValidation(model), width
+    return model, width
 
 
-def _curve_recorder(log_prob: Callable[[Tensor, Tensor | None], Tensor], ds: SequenceDataset
-                    ) -> tuple[Callable[[int, float, bool], None], list[list[float]]]:
-    """An ``on_epoch`` callback recording ``[seconds, test NLL]`` at geometric time steps.
+def _curve_recorder(ds: SequenceDataset
+                    ) -> tuple[Callable[[TrainingSession, dict[str, float]], None],
+                               list[list[float]]]:
+    """An ``on_epoch`` hook of :func:`~iresflow.train.fit.fit` recording ``[seconds, test NLL]``.
 
-    The test NLL of the current parameters uses ``log_prob`` (the validation estimator). A point
-    is added after the first and the last epoch, and whenever the optimisation time has grown by
-    :data:`CURVE_GROWTH` since the last point.
+    The test NLL of the current parameters uses the model's own ``log_prob`` in ``eval()``
+    mode (a flow's configured estimator: one roulette estimate; the CNF's fixed probes). A
+    point is added after the first and the last epoch, and whenever the optimisation time has
+    grown by :data:`CURVE_GROWTH` since the last point.
     """
     curve: list[list[float]] = []
 
-    def record(epoch: int, seconds: float, last: bool) -> None:
+    def record(session: TrainingSession, row: dict[str, float]) -> None:
+        seconds, last = session.train_seconds, session.stop_reason() is not None
         if curve and not last and seconds < CURVE_GROWTH * curve[-1][0]:
             return
-        curve.append([seconds, ds.nll(split_log_prob(log_prob, ds.test), ds.test)])
+        log_prob, _ = split_log_prob(session.model, ds.test, batch_size=EVAL_BATCH)
+        curve.append([seconds, ds.nll(log_prob, ds.test)])
 
     return record, curve
 
 
-def _train(model: nn.Module, val_log_prob: Callable[[Tensor, Tensor | None], Tensor],
-           spec: ModelSpec, ds: SequenceDataset, lr: float | None, seed: int, budget: Budget
-           ) -> dict[str, Any]:
+def fit_row(spec: ModelSpec, model: nn.Module | None, ds: SequenceDataset, lr: float | None,
+            seed: int, budget: Budget) -> tuple[nn.Module, dict[str, Any]]:
+    """Train (or fit in closed form) the model of a row and score it on the validation split.
+
+    A trained row goes through :func:`~iresflow.train.fit.fit` with :func:`train_config`; an
+    iresflow row is built there from its settings (``model`` is ignored), as ``iresflow
+    train`` builds it.
+
+    Returns:
+        The fitted model (best validation epoch, ``eval()`` mode) and the record of the fit.
+    """
     start = time.perf_counter()
     if spec.trained:
-        on_epoch, curve = _curve_recorder(val_log_prob, ds)
-        result = fit_model(
-            model, ds.train, ds.val, lr=lr, batch_size=budget.batch_size,
-            max_epochs=budget.max_epochs, max_seconds=budget.max_seconds,
-            patience=budget.patience, val_log_prob=val_log_prob,
-            generator=torch.Generator().manual_seed(seed), on_epoch=on_epoch,
-        )
+        assert lr is not None
+        on_epoch, curve = _curve_recorder(ds)
+        result = fit(train_config(spec, ds.name, lr, seed, budget), ds,
+                     None if spec.recipe is not None else model, on_epoch=on_epoch)
+        model = result.model
+        epochs = result.steps / math.ceil(len(ds.train) / budget.batch_size)
         record: dict[str, Any] = {
-            "epochs": result.epochs, "best_epoch": result.best_epoch,
-            "seconds_per_epoch": result.seconds_per_epoch, "stopped": result.stopped,
-            "curve": curve}
+            "epochs": epochs, "best_epoch": result.best_epoch,
+            "seconds_per_epoch": result.train_seconds / epochs, "stopped": result.stopped,
+            "curve": curve, "val_nll": result.best_val_nll}
     else:
+        assert model is not None
         record = {"epochs": None, "best_epoch": None, "seconds_per_epoch": None,
                   "stopped": "closed form", **spec.fit(model, ds)}
+        record["val_nll"] = ds.nll(split_log_prob(model, ds.val, batch_size=EVAL_BATCH)[0],
+                                   ds.val)
     record["fit_seconds"] = time.perf_counter() - start
     record["params"] = count_parameters(model)
     model.eval()
-    # model selection uses the validation estimate of early stopping
-    record["val_nll"] = ds.nll(split_log_prob(val_log_prob, ds.val), ds.val)
-    return record
+    return model, record
 
 
-def _test(model: nn.Module, spec: ModelSpec, ds: SequenceDataset, budget: Budget
-          ) -> dict[str, Any]:
-    model.eval()
+def score_row(model: nn.Module, spec: ModelSpec, ds: SequenceDataset, budget: Budget
+             ) -> dict[str, Any]:
+    """Test NLL (iresflow: exact, and the roulette estimate with its standard error) and the
+    sampling time of a fitted row."""
+    model = _inner(model).eval()
     record: dict[str, Any] = {}
     start = time.perf_counter()
-    if _is_iresflow(spec):
-        exact = lambda x, m: model.log_prob(x, m, method="exact")  # noqa: E731
-        roulette = lambda x, m: model.log_prob(  # noqa: E731
-            x, m, method="roulette", n_samples=budget.roulette_samples, return_stderr=True)
-        record["test_nll"] = ds.nll(split_log_prob(exact, ds.test), ds.test)
-        record["test_seconds"] = time.perf_counter() - start
-        estimate, stderr = split_log_prob(roulette, ds.test)
+    method = "exact" if spec.recipe is not None else None
+    log_prob, _ = split_log_prob(model, ds.test, method=method, batch_size=EVAL_BATCH)
+    record["test_nll"] = ds.nll(log_prob, ds.test)
+    record["test_seconds"] = time.perf_counter() - start
+    if spec.recipe is not None:
+        estimate, stderr = split_log_prob(model, ds.test, method="roulette",
+                                          n_samples=budget.roulette_samples,
+                                          batch_size=EVAL_BATCH)
+        assert stderr is not None
         record["test_nll_roulette"] = ds.nll(estimate, ds.test)
         record["test_nll_roulette_stderr"] = ds.nll_stderr(stderr, ds.test)
-    else:
-        record["test_nll"] = ds.nll(split_log_prob(model.log_prob, ds.test), ds.test)
-        record["test_seconds"] = time.perf_counter() - start
     if isinstance(model, CNF):
         exact_test = model.uses_exact_divergence(ds.max_len)
         record["test_divergence"] = "exact" if exact_test else "hutchinson"
@@ -398,16 +444,17 @@ def run_task(stage: str, name: str, key: str, lr: float | None, seed: int, budge
     """
     spec = SPECS[key]
     ds = dataset(name, budget.subset)
-    model, val_log_prob, width = _build(spec, ds, budget, seed)
+    model, width = _build(spec, ds, budget, seed)
     record: dict[str, Any] = {"dataset": name, "model": key, "lr": lr, "seed": seed,
                               "width": width or None}
     if stage in ("train", "full"):
-        record.update(_train(model, val_log_prob, spec, ds, lr, seed, budget))
+        model, fitted = fit_row(spec, model, ds, lr, seed, budget)
+        record.update(fitted)
     else:
         assert state is not None
         model.load_state_dict(state)
     if stage in ("test", "full"):
-        record.update(_test(model, spec, ds, budget))
+        record.update(score_row(model, spec, ds, budget))
     if stage == "train":
         record["state"] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     return record
@@ -685,19 +732,21 @@ def replace_between_markers(text: str, block: str, source: str) -> str:
 
 def results_markdown(report: dict[str, Any]) -> str:
     """The whole ``results.md`` page."""
-    command = report["meta"]["command"]
     budget = report["meta"]["budget"]
     return (
         "# Results\n\n"
-        f"Generated by `{command}` (benchmarks/results.py); do not edit the table by hand.\n\n"
+        f"{provenance_text(report['meta'])} Do not edit the table by hand.\n\n"
         f"{START}\n{markdown_tables(report)}\n{END}\n\n"
         "## Protocol\n\n"
         "* Data: `iresflow.data.load_dataset(name, seed=0)`: the same splits, preprocessing and "
         "units (original units, including the preprocessing's log-Jacobian) for every model.\n"
-        "* Training: one trainer for every model (`benchmarks/baselines/training.py`): Adam, "
-        "minibatches of 64 sequences, loss = NLL per real frame, gradient-norm clipping at 100, "
-        "validation after every epoch, early stopping, best validation epoch restored; the same "
-        "epoch and time budget per run.\n"
+        f"* Training: one trainer for every model, the loop of `iresflow train` ({TRAINER}, "
+        "with the settings of `benchmarks.results.train_config`): Adam at a constant learning "
+        "rate, minibatches of 64 sequences, loss = NLL per unit of the dataset, gradient-norm "
+        "clipping at 100, validation after every epoch, early stopping after `patience` epochs "
+        "without a better validation NLL, best validation epoch restored; the same epoch and "
+        "time budget per run. The iresflow rows are built from their settings as `iresflow "
+        "train` builds them.\n"
         "* Tuning: learning rates "
         f"{', '.join(f'{lr:g}' for lr in budget['lrs'])} on the validation split with seed 0; "
         "the best one is then trained with the remaining seeds. Widths of MAF, RealNVP, CNF "
@@ -705,9 +754,9 @@ def results_markdown(report: dict[str, Any]) -> str:
         "are chosen so that their parameter counts are closest to the default iresflow model "
         "(4 blocks, hidden 64) on each dataset. Validation (early stopping and the choice of "
         "learning rate) uses each model's cheap evaluation: the exact density for the Gaussians "
-        "and nflows models, iresflow's default log-determinant estimator (Russian roulette, "
-        "evaluation mode), and a Hutchinson estimate with probes fixed across epochs for the "
-        "CNF.\n"
+        "and nflows models, the validation of `iresflow train` for iresflow (Russian roulette, "
+        "4 estimates per sequence, and the inverse check), and a Hutchinson estimate with "
+        "probes fixed across epochs for the CNF.\n"
         "* iresflow: test NLL with the exact log-determinant (dense Jacobians), next to the "
         f"Russian-roulette estimate ({budget['roulette_samples']} estimates per sequence; "
         "standard error over sequences and seeds).\n"
@@ -737,6 +786,61 @@ def results_markdown(report: dict[str, Any]) -> str:
         f"{report['meta']['wall_seconds'] / 60:.0f} min wall time with "
         f"{report['meta']['jobs']} parallel run(s) of {report['meta']['threads']} thread(s).\n"
     )
+
+
+#: The trainer of the rows this version of the script trains.
+TRAINER = "`iresflow.train.fit.fit`"
+#: The trainer of rows stored before the benchmarks trained through ``iresflow train``'s loop.
+EARLIER_TRAINER = "`fit_model` of the former `benchmarks/baselines/training.py`"
+
+
+def provenance_text(meta: dict[str, Any]) -> str:
+    """Which command (and trainer) produced which rows of a report.
+
+    Example:
+        >>> provenance_text({"provenance": [{"command": "python -m benchmarks.results",
+        ...                                  "models": ["iresflow"], "trainer": TRAINER}]})
+        'Rows of iresflow generated by `python -m benchmarks.results` (trained by `iresflow.train.fit.fit`).'
+    """  # noqa: E501
+    parts = []
+    for source in meta["provenance"]:
+        models = ", ".join(source["models"])
+        parts.append(f"Rows of {models} generated by `{source['command']}` (trained by "
+                     f"{source.get('trainer', EARLIER_TRAINER)}).")
+    return " ".join(parts)
+
+
+def merge_report(stored: dict[str, Any], fresh: dict[str, dict[str, Any]], keys: tuple[str, ...],
+                 budget: Budget) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """The stored rows of a report with those of ``keys`` replaced by ``fresh`` ones.
+
+    Args:
+        stored: A report written by :func:`main` (``results.json``).
+        fresh: ``{dataset: {model: entry}}`` of the models re-run.
+        keys: The models re-run.
+        budget: Their budget, which must be the stored one.
+
+    Returns:
+        The merged entries (rows in the order of :data:`MODELS`) and the stored provenance
+        with the re-run models taken out (sources left without rows are dropped).
+
+    Raises:
+        ValueError: the stored report has another budget.
+    """
+    if stored["meta"]["budget"] != json.loads(json.dumps(dataclasses.asdict(budget))):
+        raise ValueError(f"the stored report has the budget {stored['meta']['budget']}, not "
+                         f"{dataclasses.asdict(budget)}: run every model, without --merge")
+    merged: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys([*stored["datasets"], *fresh]):
+        old, new = stored["datasets"].get(name, {}), fresh.get(name, {})
+        merged[name] = {key: new[key] if key in keys else old[key] for key in SPECS
+                        if key in new or (key in old and key not in keys)}
+    meta = stored["meta"]
+    sources = meta.get("provenance") or [{"command": meta["command"], "models": sorted(
+        {key for rows in stored["datasets"].values() for key in rows})}]
+    kept = [{**source, "models": [k for k in source["models"] if k not in keys]}
+            for source in sources]
+    return merged, [source for source in kept if source["models"]]
 
 
 def mode_budget(base: Budget, mode: str, seconds: float | None = None) -> Budget:
@@ -880,6 +984,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, help="folder for results.md/json "
                         "(default docs/; quick benchmarks/out/quick/)")
     parser.add_argument("--readme", type=Path, help="also replace the table in this README")
+    parser.add_argument("--merge", action="store_true", help="re-run only --models: keep the "
+                        "other rows stored in the report of this mode (OUT/STEM.json)")
     args = parser.parse_args(argv)
 
     try:
@@ -895,6 +1001,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.readme is not None:  # fail before the runs, not after
         replace_between_markers(args.readme.read_text(), "", str(args.readme))
     names, keys = tuple(args.datasets), tuple(args.models)
+    stored = json.loads((out / f"{stem}.json").read_text()) if args.merge else None
+    if stored is not None:  # a report of another budget is refused before the runs
+        try:
+            merge_report(stored, {}, keys, budget)
+        except ValueError as error:
+            parser.error(str(error))
     torch.set_num_threads(args.threads)
 
     start = time.perf_counter()
@@ -902,11 +1014,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     entries = run_all(names, keys, budget, args.jobs, args.threads, print)
     command = "python -m benchmarks.results" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    provenance = [{"command": command, "models": list(keys), "trainer": TRAINER}]
+    if stored is not None:
+        entries, earlier = merge_report(stored, entries, keys, budget)
+        provenance += earlier
+        names = tuple(entries)
     report: dict[str, Any] = {
         "meta": {
             "quick": args.quick,
             "mode": args.mode,
             "command": command,
+            "provenance": provenance,
             "budget": dataclasses.asdict(budget),
             "threads": args.threads,
             "jobs": args.jobs,
