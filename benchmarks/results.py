@@ -32,6 +32,10 @@ Run from the repository root::
     python -m benchmarks.results --jobs 2 --readme README.md   # the full table, docs/results.*
     python -m benchmarks.results --jobs 2 --mode convergence   # docs/results_convergence.*
     python -m benchmarks.results --jobs 2 --mode budget --budget 60   # docs/results_budget60.*
+    python -m benchmarks.results --jobs 1 --models iresflow --merge   # re-run some rows only
+
+With ``--merge`` only the ``--models`` are run (on ``--datasets``); the other rows are kept from
+the stored report of the mode, and the page says which command produced which rows.
 
 The table is written to ``docs/results.md`` between ``<!-- results:start -->`` and
 ``<!-- results:end -->`` (and with ``--readme`` between the same markers in the README), the raw

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from benchmarks.baselines.nflows_models import frame_maf
+from iresflow.cli import parse_train_config
 from iresflow.data.datasets import SequenceSplit
 from iresflow.train.checkpoint import load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
@@ -75,7 +76,8 @@ def test_max_seconds_is_a_checked_setting() -> None:
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ConfigError, match="max_seconds"):
             TrainConfig(max_seconds=bad)
-    assert "max_seconds" in TrainConfig().to_toml()
+    assert "max_seconds = 0.0" in TrainConfig().to_toml()
+    assert parse_train_config(["--max-seconds", "2.5"]).max_seconds == 2.5  # a flag too
 
 
 def test_fit_trains_any_density_model_in_float64() -> None:
