@@ -18,6 +18,7 @@ from iresflow.train.fit import fit
 from iresflow.train.likelihood import DensityModel, placement, split_log_prob, trimmed_batch
 from iresflow.train.loop import train
 from iresflow.train.paths import RunPaths
+from tests.oracles import assert_close_runs
 from tests.tiny_runs import TINY
 
 
@@ -101,3 +102,14 @@ def test_trimmed_batch_takes_the_dtype_and_split_log_prob_checks_the_method() ->
     assert torch.equal(x, split.x[:, :2].double())
     with pytest.raises(ValueError, match="method"):
         split_log_prob(frame_maf(2, 3, hidden=4, n_layers=1), split, method="dense")
+
+
+@pytest.mark.slow
+def test_max_seconds_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
+    config = TrainConfig(**TINY).replace(
+        epochs=2, batch_size=3, max_seconds=1e-9, logdet="exact", nproc=2
+    )
+    ddp = train(config, tmp_path / "ddp", progress=False)
+    assert len(ddp.history) == 1 and ddp.history[0]["steps"] == 1.0
+    train(config.replace(nproc=1), tmp_path / "single", progress=False)
+    assert_close_runs(tmp_path / "single", tmp_path / "ddp", 1e-5)
