@@ -10,8 +10,10 @@ import torch
 from benchmarks.baselines.nflows_models import frame_maf
 from iresflow.cli import parse_train_config
 from iresflow.data.datasets import SequenceSplit
+from iresflow.train import fit as fit_module
 from iresflow.train.checkpoint import load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
+from iresflow.train.distributed import World
 from iresflow.train.epoch import TrainingSession
 from iresflow.train.factories import build_model, load_data
 from iresflow.train.fit import fit
@@ -55,6 +57,13 @@ def test_fit_hook_does_not_change_training() -> None:
     hooked = fit(config, data, on_epoch=draw)
     assert seen == [1, 2]
     assert _without_seconds(hooked.history) == _without_seconds(plain.history)
+
+
+def test_fit_refuses_a_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fit_module, "current_world", lambda: World(1, 2))
+    config = TrainConfig(**TINY)
+    with pytest.raises(RuntimeError, match="one process"):
+        fit(config, load_data(config))
 
 
 def test_max_seconds_ends_the_epoch_after_a_step_and_resumes(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from iresflow.data.datasets import SequenceDataset
 from iresflow.train.averaging import averaged_parameters
 from iresflow.train.config import TrainConfig
-from iresflow.train.distributed import World
+from iresflow.train.distributed import World, current_world
 from iresflow.train.epoch import TrainingSession
 from iresflow.train.factories import build_model, resolve_device
 from iresflow.train.metrics import epoch_summary
@@ -139,6 +139,10 @@ def fit(
     Returns:
         A :class:`FitResult`.
 
+    Raises:
+        RuntimeError: called in a process group (train data-parallel with
+            :func:`~iresflow.train.loop.train` and ``nproc``).
+
     Example:
         >>> from iresflow.train.factories import load_data
         >>> config = TrainConfig(max_train=8, max_eval=4, n_blocks=1, hidden=8, epochs=1,
@@ -147,6 +151,8 @@ def fit(
         >>> result.best_epoch, result.stopped, result.model.training
         (1, 'epochs', False)
     """
+    if current_world().size > 1:
+        raise RuntimeError("fit trains in one process; in a process group use train()")
     device = resolve_device(config.device)
     devices = [device] if device.type == "cuda" else []
     with deterministic_algorithms(), torch.random.fork_rng(devices=devices):
