@@ -14,9 +14,9 @@ nats per frame, in the original units of the data:
   with the same settings;
 * **nflows MAF over frames** (the second peer): nflows' masked autoregressive flow on single
   frames, frames i.i.d. (:func:`benchmarks.baselines.nflows_models.frame_maf`, 4 layers), its
-  width raised until it has at least as many parameters as ours, trained with the same learning
-  rate, batch size and epochs by :func:`benchmarks.baselines.training.fit_model` (Adam, best
-  validation epoch kept);
+  width raised until it has at least as many parameters as ours, trained with the same settings
+  by the same loop (:func:`iresflow.train.fit.fit`, the loop of ``iresflow train`` in memory;
+  best validation epoch kept);
 * **Gaussian over frames**: one full-covariance Gaussian fitted in closed form to the training
   frames (:func:`benchmarks.gaussian_baseline.gaussian_frame_baseline`).
 
@@ -43,13 +43,14 @@ from pathlib import Path
 import torch
 
 from benchmarks.baselines.nflows_models import FrameFlow, frame_maf
-from benchmarks.baselines.training import fit_model, split_log_prob
 from benchmarks.gaussian_baseline import gaussian_frame_baseline
 from iresflow.data.datasets import SequenceDataset
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.config import TrainConfig
 from iresflow.train.evaluate import evaluate_run, load_run
 from iresflow.train.factories import load_data
+from iresflow.train.fit import fit
+from iresflow.train.likelihood import split_log_prob
 from iresflow.train.loop import train
 
 #: Settings of ours: the library defaults, trained for the full schedule (no early stop).
@@ -88,16 +89,12 @@ def matched_maf(target: int, features: int, max_len: int) -> tuple[FrameFlow, in
 def train_and_test_maf(
     maf: FrameFlow, config: TrainConfig, dataset: SequenceDataset
 ) -> dict[str, float]:
-    """Train the frame MAF with the flows' optimisation settings; exact test NLL."""
+    """Train the frame MAF with the flows' settings and loop; exact test NLL."""
     start = time.perf_counter()
-    result = fit_model(
-        maf, dataset.train, dataset.val, lr=config.lr, batch_size=config.batch_size,
-        max_epochs=config.epochs, max_seconds=math.inf, patience=config.epochs,
-        generator=torch.Generator().manual_seed(config.seed),
-    )
+    result = fit(config, dataset, maf)
     trained = time.perf_counter() - start
     start = time.perf_counter()
-    log_prob = split_log_prob(maf.log_prob, dataset.test)
+    log_prob, _ = split_log_prob(maf, dataset.test, batch_size=256)
     return {
         "nll": dataset.nll(log_prob, dataset.test),
         "best_epoch": result.best_epoch,

@@ -41,9 +41,9 @@ import torch
 from torch import Tensor
 
 from benchmarks.baselines.autoregressive import AutoregressiveGaussian
-from benchmarks.baselines.training import split_log_prob
 from iresflow._validation import check_mask, check_sequence
 from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
+from iresflow.train.likelihood import placement, split_log_prob
 
 __all__ = ["lag1_autocorrelation", "order_metrics", "shuffle_frames"]
 
@@ -125,11 +125,6 @@ def lag1_autocorrelation(x: Tensor, mask: Tensor | None = None) -> Tensor:
     return (a * b).sum(0) / (a.square().sum(0) * b.square().sum(0)).sqrt()
 
 
-def _device(model: Any) -> torch.device:
-    tensors = [*model.parameters(), *model.buffers()]
-    return tensors[0].device if tensors else torch.device("cpu")
-
-
 def order_metrics(
     model: SequenceModel,
     dataset: SequenceDataset,
@@ -156,20 +151,14 @@ def order_metrics(
         (``autocorr_samples``) and of the noise (``autocorr_noise``), and seconds taken.
     """
     split = dataset.test if split is None else split
-    device = _device(model)
-
-    def log_prob(x: Tensor, mask: Tensor | None) -> Tensor:
-        x = x.to(device)
-        mask = mask.to(device) if mask is not None else None
-        if method is None:
-            return model.log_prob(x, mask)
-        return model.log_prob(x, mask, method=method)
-
+    device = placement(model)[0]
     start = time.perf_counter()
     shuffled = SequenceSplit(shuffle_frames(split.x, split.mask, generator), split.mask,
                              split.log_jacobian)
-    test_nll = dataset.nll(split_log_prob(log_prob, split, batch_size), split)
-    shuffled_nll = dataset.nll(split_log_prob(log_prob, shuffled, batch_size), shuffled)
+    log_prob, _ = split_log_prob(model, split, method=method, batch_size=batch_size)
+    test_nll = dataset.nll(log_prob, split)
+    log_prob, _ = split_log_prob(model, shuffled, method=method, batch_size=batch_size)
+    shuffled_nll = dataset.nll(log_prob, shuffled)
     lengths = split.mask.sum(1).to(device)
     samples, noise = [], []
     with torch.no_grad():

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
+import json
 import math
 
 import numpy as np
@@ -16,23 +17,32 @@ from benchmarks.baselines.autoregressive import (
     lagged,
     left_align,
 )
-from benchmarks.baselines.cnf import CNF, exact_divergence, hutchinson_divergence
+from benchmarks.baselines.cnf import (
+    CNF,
+    FixedProbeValidation,
+    exact_divergence,
+    hutchinson_divergence,
+)
 from benchmarks.baselines.gaussian import FrameGaussian, SequenceGaussian, fit_gaussian
 from benchmarks.baselines.nflows_models import frame_maf, sequence_maf, sequence_realnvp
 from benchmarks.baselines.recurrent import RecurrentFlow
-from benchmarks.baselines.training import batch_of, fit_model, split_log_prob
 from benchmarks.results import (
     END,
     FULL,
     START,
     mean_curve,
+    merge_report,
     mode_budget,
+    provenance_text,
     replace_between_markers,
     summarize,
     target_check,
 )
-from iresflow.data.datasets import SequenceSplit
+from iresflow.data.datasets import SequenceDataset, SequenceSplit
 from iresflow.models.distributions import sample_mask
+from iresflow.train.config import TrainConfig
+from iresflow.train.fit import fit
+from iresflow.train.likelihood import split_log_prob
 from tests.oracles import finite_difference_grad, jacobian, jacobian_logdet
 
 MASK = torch.tensor([[True, True, True], [True, False, False], [True, True, False]])
@@ -413,62 +423,73 @@ def test_cnf_samples_are_zero_at_padding() -> None:
 # trainer and evaluation
 
 
+def _dataset(train: SequenceSplit, val: SequenceSplit) -> SequenceDataset:
+    return SequenceDataset("toy", train.x.shape[-1], train.x.shape[1], "nats/frame", train, val,
+                           val)
+
+
+def _config(**settings: object) -> TrainConfig:
+    """The trainer of ``iresflow train`` with the results table's optimisation protocol."""
+    protocol = {"scheduler": "none", "warmup": 0, "clip": 100.0, "device": "cpu"}
+    return TrainConfig(**{**protocol, **settings})
+
+
 @pytest.mark.parametrize("name", ["frame_maf", "maf", "realnvp", "cnf", "recurrent"])
 def test_baselines_train_to_finite_nll(name: str) -> None:
     builders = {
         "frame_maf": lambda: frame_maf(2, 3, hidden=8, n_layers=1),
         "maf": lambda: sequence_maf(3, 2, hidden=8, n_layers=1),
         "realnvp": lambda: sequence_realnvp(3, 2, hidden=8, n_layers=2),
-        "cnf": lambda: CNF(2, 3, hidden=8, eval_tol=1e-3),
+        "cnf": lambda: FixedProbeValidation(CNF(2, 3, hidden=8, eval_tol=1e-3)),
         "recurrent": lambda: RecurrentFlow(2, 3, hidden=8, n_layers=1),
     }
     model = builders[name]()
     fixed = name in ("maf", "realnvp")
     mask = None if fixed else MASK.repeat(4, 1)
     split = _split(torch.randn(12, 3, 2), mask)
-    result = fit_model(model, split, split, lr=1e-2, batch_size=6, max_epochs=2,
-                       generator=torch.Generator().manual_seed(0))
-    values = split_log_prob(model.log_prob, split)
-    assert result.epochs == 2 and bool(torch.isfinite(values).all())
-    assert math.isfinite(result.best_val_loss)
+    result = fit(_config(lr=1e-2, batch_size=6, epochs=2), _dataset(split, split), model)
+    values, _ = split_log_prob(model, split)
+    assert len(result.history) == 2 and result.steps == 4
+    assert bool(torch.isfinite(values).all()) and math.isfinite(result.best_val_nll)
+    assert result.model is model and not model.training
 
 
-def test_fit_model_improves_and_restores_the_best_epoch() -> None:
-    x = torch.randn(64, 3, 2) * 3.0 + 1.0  # far from the initial standard normal
+def test_baselines_train_in_float64_and_restore_the_best_epoch() -> None:
+    x = torch.randn(64, 3, 2, dtype=torch.float64) * 3.0 + 1.0  # far from a standard normal
     train, val = _split(x[:48]), _split(x[48:])
-    model = frame_maf(2, 3, hidden=8, n_layers=1)
-    model.eval()
-    initial = -float(split_log_prob(model.log_prob, val).sum()) / 48
-    calls: list[tuple[int, float, bool, bool]] = []
-    result = fit_model(model, train, val, lr=1e-2, batch_size=16, max_epochs=15,
-                       generator=torch.Generator().manual_seed(0),
-                       on_epoch=lambda e, s, last: calls.append((e, s, last, model.training)))
-    final = -float(split_log_prob(model.log_prob, val).sum()) / 48
+    model = frame_maf(2, 3, hidden=8, n_layers=1).double()
+    initial = float(-split_log_prob(model, val)[0].sum()) / 48
+    calls: list[tuple[int, bool, float]] = []
+
+    def on_epoch(session: object, row: dict[str, float]) -> None:
+        calls.append((row["epoch"], model.training, float(-split_log_prob(model, val)[0].sum())))
+
+    result = fit(_config(lr=1e-2, batch_size=16, epochs=15, patience=3), _dataset(train, val),
+                 model, on_epoch=on_epoch)
+    final = float(-split_log_prob(model, val)[0].sum()) / 48
+    assert next(model.parameters()).dtype == torch.float64
     assert [c[0] for c in calls] == list(range(1, len(result.history) + 1))
-    assert [c[2] for c in calls] == [False] * (len(calls) - 1) + [True]
-    assert not any(c[3] for c in calls)  # called in eval mode
-    assert all(a[1] <= b[1] for a, b in itertools.pairwise(calls))
-    assert calls[-1][1] == pytest.approx(result.train_seconds)
-    assert result.best_val_loss < initial
-    assert final == pytest.approx(result.best_val_loss, rel=1e-6)
-    assert result.best_val_loss == pytest.approx(min(result.history))
+    assert not any(c[1] for c in calls)  # called in eval mode
+    val_nll = [row["val_nll"] for row in result.history]
+    assert [c[2] / 48 for c in calls] == pytest.approx(val_nll, rel=1e-12)  # float64
+    assert result.best_val_nll < initial
+    assert final == pytest.approx(result.best_val_nll, rel=1e-12)
+    assert result.best_val_nll == min(val_nll)
+    assert result.best_epoch == val_nll.index(min(val_nll)) + 1
 
 
-def test_split_log_prob_keeps_order_and_trims_padding() -> None:
-    x = torch.arange(1, 4, dtype=torch.float32).reshape(3, 1, 1).expand(3, 4, 1)
-    mask = torch.tensor([[True] * 4, [True, False, False, False], [True, True, False, False]])
-    split = _split(x, mask)
-    lengths = []
-
-    def first_value(xb: torch.Tensor, mb: torch.Tensor | None) -> torch.Tensor:
-        lengths.append(xb.shape[1])
-        return xb[:, 0, 0].double()
-
-    out = split_log_prob(first_value, split, batch_size=1)
-    assert out.tolist() == [1.0, 2.0, 3.0]
-    assert sorted(lengths) == [1, 2, 4]
-    xb, mb = batch_of(split, torch.tensor([1, 2]))
-    assert xb.shape == (2, 2, 1) and mb.tolist() == [[True, False], [True, True]]
+def test_cnf_validation_uses_fixed_probes_and_training_mode_is_the_cnf() -> None:
+    cnf = _tiny_cnf(torch.float64)
+    model = FixedProbeValidation(cnf, seed=3)
+    x = torch.randn(4, 3, 2, dtype=torch.float64)
+    model.eval()
+    expected = cnf.log_prob(x, exact=False, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(model.log_prob(x), expected) and torch.equal(model.log_prob(x), expected)
+    model.train()
+    torch.manual_seed(0)
+    trained = model.log_prob(x)
+    torch.manual_seed(0)
+    assert torch.equal(trained, cnf.log_prob(x)) and trained.requires_grad
 
 
 def test_sample_mask_rejects_bad_arguments() -> None:
@@ -544,3 +565,29 @@ def test_replace_between_markers() -> None:
     assert replace_between_markers(text, "new", "x") == f"intro\n{START}\nnew\n{END}\nrest\n"
     with pytest.raises(ValueError, match="markers"):
         replace_between_markers("no markers", "new", "README.md")
+
+
+def test_merge_report_replaces_only_the_rerun_rows() -> None:
+    budget = json.loads(json.dumps(dataclasses.asdict(FULL)))
+    stored = {
+        "meta": {"command": "python -m benchmarks.results --jobs 2", "budget": budget},
+        "datasets": {
+            "a": {"iresflow": {"old": 1}, "gaussian_frames": {"old": 2}, "maf": {"old": 3}},
+            "b": {"iresflow": {"old": 4}, "maf": {"old": 5}},
+        },
+    }
+    rerun = "python -m benchmarks.results --models iresflow --datasets a --merge"
+    fresh = {"a": {"iresflow": {"new": 1, "generated_by": rerun, "trainer": "`fit`"}}}
+    merged = merge_report(stored, fresh, FULL)
+    old = {"generated_by": "python -m benchmarks.results --jobs 2"}
+    assert merged == {"a": {"gaussian_frames": {"old": 2, **old}, "maf": {"old": 3, **old},
+                            "iresflow": fresh["a"]["iresflow"]},
+                      "b": {"iresflow": {"old": 4, **old}, "maf": {"old": 5, **old}}}
+    assert list(merged["a"]) == ["gaussian_frames", "maf", "iresflow"]  # the table's order
+    text = provenance_text(merged)
+    assert text.startswith("Rows of gaussian_frames, maf, iresflow generated by "
+                           "`python -m benchmarks.results --jobs 2` (trained by `fit_model` of "
+                           "the former")
+    assert text.endswith(f"Rows of iresflow generated by `{rerun}` (trained by `fit`).")
+    with pytest.raises(ValueError, match="budget"):
+        merge_report(stored, fresh, mode_budget(FULL, "table", 5))

@@ -2,6 +2,7 @@
 
 Every model exposes ``log_prob(x, mask=None) -> (B,)`` and
 ``sample(num, seq_len=None, lengths=None) -> (num, N, D)``, the same calling convention as
-``iresflow.models.transformer.ResidualFlowTransformer``, so one trainer and one evaluation
-routine serve all of them.
+``iresflow.models.flow.SequenceFlow``, so the trainer of ``iresflow train``
+(:func:`iresflow.train.fit.fit`) and its evaluation
+(:func:`iresflow.train.likelihood.split_log_prob`) serve all of them.
 """

@@ -30,7 +30,13 @@ from torchdiffeq import odeint, odeint_adjoint
 from iresflow._validation import check_mask, check_sequence
 from iresflow.models.distributions import sample_mask
 
-__all__ = ["CNF", "AttentionVectorField", "exact_divergence", "hutchinson_divergence"]
+__all__ = [
+    "CNF",
+    "AttentionVectorField",
+    "FixedProbeValidation",
+    "exact_divergence",
+    "hutchinson_divergence",
+]
 
 
 def exact_divergence(v: Tensor, x: Tensor, create_graph: bool = False) -> Tensor:
@@ -302,3 +308,33 @@ class CNF(nn.Module):
             return self.field(t, x, mask)
 
         return odeint(velocity, z, times, rtol=tol, atol=tol, method="dopri5")[-1], mask
+
+
+class FixedProbeValidation(nn.Module):
+    """A CNF whose ``eval()``-mode density is Hutchinson's estimate with the same probes in every
+    call: the validation estimate of the results table, comparable from epoch to epoch.
+
+    In training mode :meth:`log_prob` is the CNF's own; the trainer validates in ``eval()``
+    mode, and a test uses :attr:`cnf` itself (its exact divergence where it applies).
+
+    Args:
+        cnf: The flow.
+        seed: Seed of the probes.
+
+    Example:
+        >>> model = FixedProbeValidation(CNF(2, max_len=3, hidden=8)).eval()
+        >>> x = torch.randn(4, 3, 2)
+        >>> torch.equal(model.log_prob(x), model.log_prob(x))
+        True
+    """
+
+    def __init__(self, cnf: CNF, seed: int = 0) -> None:
+        super().__init__()
+        self.cnf, self.seed = cnf, seed
+
+    def log_prob(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Log-densities ``(B,)`` of ``x`` ``(B, N, D)`` (fixed probes in ``eval()`` mode)."""
+        if self.training:
+            return self.cnf.log_prob(x, mask)
+        probes = torch.Generator(x.device).manual_seed(self.seed)
+        return self.cnf.log_prob(x, mask, exact=False, generator=probes)

@@ -6,7 +6,10 @@
 - :mod:`~iresflow.train.factories`: the device, the data and the model of a configuration.
 - :mod:`~iresflow.train.epoch`: the optimisation state, a training epoch, validation.
 - :mod:`~iresflow.train.averaging`: the moving average of the weights.
-- :mod:`~iresflow.train.likelihood`: log-densities of whole splits, the inverse check.
+- :mod:`~iresflow.train.likelihood`: what a trainable model is (``DensityModel``),
+  log-densities of whole splits, the inverse check.
+- :mod:`~iresflow.train.fit`: the epoch loop of every run, and :func:`~iresflow.train.fit.fit`,
+  training in memory from Python (the benchmarks train every model with it).
 - :mod:`~iresflow.train.loop`: :func:`~iresflow.train.loop.train`, the orchestration of a run.
 - :mod:`~iresflow.train.metrics`: metrics tables, TensorBoard events, progress lines.
 - :mod:`~iresflow.train.checkpoint`: atomic, code-free checkpoint files.

@@ -44,7 +44,8 @@ __all__ = [
 
 # Settings that may change when a run is resumed; every other one must match the checkpoint.
 RESUMABLE_FIELDS = frozenset(
-    {"epochs", "patience", "device", "tensorboard", "max_eval", "on_nan", "memory_cap"}
+    {"epochs", "max_seconds", "patience", "device", "tensorboard", "max_eval", "on_nan",
+     "memory_cap"}
 )
 
 #: The model settings of a run: every :class:`~iresflow.models.config.ModelConfig` field but
@@ -115,6 +116,10 @@ class TrainConfig:
     weight_decay: float = setting(0.0, "weight decay")
     batch_size: int = setting(32, "sequences per minibatch")
     epochs: int = setting(60, "maximum number of epochs")
+    max_seconds: float = setting(
+        0.0, "stop after this many seconds of optimisation in total (validation excluded), "
+        "checked after every step; the epoch cut short is validated as usual (0: no limit)"
+    )
     scheduler: str = setting(
         "cosine", "learning-rate schedule (plateau: halve on a stalled val NLL)",
         ("plateau", "cosine", "none"),
@@ -185,7 +190,7 @@ class TrainConfig:
         check_range("lr", self.lr, 0.0, math.inf)
         if not 0.0 <= self.ema < 1.0:
             raise ConfigError(f"ema must lie in [0, 1) (0: off), got {self.ema}")
-        for name in ("weight_decay", "clip"):
+        for name in ("weight_decay", "clip", "max_seconds"):
             if not 0.0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
         for name in ("bucket", "memory_cap"):

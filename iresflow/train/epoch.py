@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 
 from iresflow.data.batching import epoch_batches
 from iresflow.data.datasets import SequenceDataset
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.flow import SequenceFlow
 from iresflow.train.averaging import averaged_parameters, load_average, moving_average
 from iresflow.train.config import TrainConfig
 from iresflow.train.distributed import World, all_gather_objects, broadcast_object, shard
@@ -53,6 +53,7 @@ from iresflow.train.factories import resolve_model_config
 from iresflow.train.likelihood import (
     batch_context,
     inverse_check,
+    placement,
     split_log_prob,
     trimmed_batch,
 )
@@ -82,10 +83,16 @@ class TrainingDivergedError(RuntimeError):
 class TrainingSession:
     """The mutable state of one training run between epochs, and the epochs themselves.
 
+    The model is any :class:`~iresflow.train.likelihood.DensityModel` (the benchmarks train
+    their baselines here); the steps of a flow on top of that (data-dependent initialisation,
+    the generator of its estimators, the validation ``eval_method`` and the inverse check, the
+    context of a conditional flow) apply to a :class:`~iresflow.models.flow.SequenceFlow`.
+    Batches take the model's floating dtype, so a float64 model trains in float64.
+
     Args:
-        config: All settings of the run.
+        config: All settings of the run (the model settings are used for a flow only).
         dataset: Its data (:func:`~iresflow.train.factories.load_data`).
-        model: Its flow (:func:`~iresflow.train.factories.build_model`), on ``device``.
+        model: Its model (:func:`~iresflow.train.factories.build_model`), on ``device``.
         device: The training device.
         world: This process's place in the process group (data-parallel runs).
 
@@ -94,6 +101,7 @@ class TrainingSession:
         best_epoch: Epoch of the lowest validation NLL so far (0: none yet).
         best_metric: That NLL (``inf`` before the first candidate).
         bad_epochs: Epochs since the last improvement.
+        out_of_time: Whether the optimisation seconds reached ``max_seconds``.
         history: One metrics dict per completed epoch.
     """
 
@@ -101,13 +109,16 @@ class TrainingSession:
         self,
         config: TrainConfig,
         dataset: SequenceDataset,
-        model: ResidualFlowTransformer,
+        model: nn.Module,
         device: torch.device,
         world: World,
     ) -> None:
         self.config, self.dataset, self.model, self.device = config, dataset, model, device
         self.world = world
-        self.model_config = resolve_model_config(config, dataset)
+        self.flow = model if isinstance(model, SequenceFlow) else None
+        self.dtype = placement(model)[1]
+        flow = self.flow is not None
+        self.model_config = resolve_model_config(config, dataset) if flow else None
         self.replica: nn.Module = _LogProb(model)
         if world.size > 1:
             self.replica = nn.parallel.DistributedDataParallel(
@@ -143,17 +154,34 @@ class TrainingSession:
         self.estimator_generator = torch.Generator(device).manual_seed(
             config.seed + 1 + world.rank
         )
-        model.set_generator(self.estimator_generator)
+        if self.flow is not None:
+            self.flow.set_generator(self.estimator_generator)
         self.epoch = 0
         self.best_epoch = 0
         self.best_metric = math.inf
         self.bad_epochs = 0
+        self.out_of_time = False
         self.history: list[dict[str, float]] = []
 
     @property
     def cosine_epochs(self) -> int:
         """Epochs of the cosine annealing: those after the warm-up (at least one)."""
         return max(1, self.config.epochs - self.config.warmup)
+
+    @property
+    def train_seconds(self) -> float:
+        """Optimisation seconds of the completed epochs (validation excluded)."""
+        return sum(row["train_seconds"] for row in self.history)
+
+    def stop_reason(self) -> str | None:
+        """Why training ends now: ``"patience"`` (early stopping), ``"time"`` (``max_seconds``),
+        ``"epochs"``, or ``None`` to go on."""
+        config = self.config
+        if config.patience > 0 and self.bad_epochs >= config.patience:
+            return "patience"
+        if self.out_of_time:
+            return "time"
+        return "epochs" if self.epoch >= config.epochs else None
 
     # -- checkpoint state -------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -172,7 +200,7 @@ class TrainingSession:
         return {
             "format": CHECKPOINT_FORMAT,
             "config": self.config.to_dict(),
-            "model_config": self.model_config.to_dict(),
+            "model_config": None if self.model_config is None else self.model_config.to_dict(),
             "model": self.model.state_dict(),
             "ema": self.average.state_dict() if self.average is not None else None,
             "optimizer": self.optimizer.state_dict(),
@@ -209,70 +237,57 @@ class TrainingSession:
         self.estimator_generator.set_state(rng["estimator"])
         if "cuda" in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.device)
-        self.epoch = state["epoch"]
-        self.best_epoch = state["best_epoch"]
-        self.best_metric = state["best_metric"]
-        self.bad_epochs = state["bad_epochs"]
+        for name in ("epoch", "best_epoch", "best_metric", "bad_epochs"):
+            setattr(self, name, state[name])
         self.history = list(state["history"])
+        # The same on every rank: the history is the checkpoint's.
+        self.out_of_time = 0 < self.config.max_seconds <= self.train_seconds
 
     # -- epochs -----------------------------------------------------------------------------
     def train_epoch(self, bar: tqdm) -> dict[str, float]:
         """One pass over the training sequences; returns the epoch's training metrics.
 
+        The pass ends early, after the step at which the optimisation seconds of the run reach
+        ``max_seconds`` (:attr:`out_of_time`).
+
         Raises:
             TrainingDivergedError: every step was non-finite, or one was with ``on_nan = stop``.
         """
-        start = time.perf_counter()
-        train = self.dataset.train
+        start, spent, budget = time.perf_counter(), self.train_seconds, self.config.max_seconds
+        train, world = self.dataset.train, self.world
         batches = epoch_batches(
             train.frames, self.config.batch_size, self.shuffle, self.config.bucket
         )
         log_prob = torch.zeros(len(train), dtype=torch.float64)
-        kept = torch.ones(len(train), dtype=torch.bool)
+        kept = torch.zeros(len(train), dtype=torch.bool)  # sequences of the finite steps
         grad_norms = []
         self.model.train()
-        world = self.world
-        for step, index in enumerate(batches, start=1):
-            if step == 1 and self.epoch == 1:
-                # Data-dependent layers (ActNorm, the autoregressive fit) from the same leading
-                # training sequences on every rank, before the first step.
-                first = torch.arange(min(len(train), INIT_SEQUENCES))
-                self.model.initialize(
-                    *trimmed_batch(train, first, self.device),
-                    context=batch_context(self.model, train, first, self.device),
-                )
+        if self.epoch == 1 and self.flow is not None:
+            self._initialize(self.flow)
+        steps = 0
+        for steps, index in enumerate(batches, start=1):
             part, weight = shard(index, world)
-            x, mask = trimmed_batch(train, part, self.device)
-            context = batch_context(self.model, train, part, self.device)
-            batch_log_prob = self.replica(x, mask, context)
-            # Global-batch normalisation; times W to undo DDP's gradient average.
-            units = float(self.dataset.units(train.batch_mask(index)).sum())
-            loss = -batch_log_prob.sum() * (weight * world.size) / units
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            norm = nn.utils.clip_grad_norm_(self.parameters, self.config.clip or math.inf)
+            batch_log_prob, loss, norm = self._backward(index, part, weight)
             bar.update()
             # One host sync per step, after the backward pass: a non-finite loss or gradient
             # must never reach the optimiser, the moving average or a checkpoint.
-            finite = torch.isfinite(loss.detach()) & torch.isfinite(norm)
-            if world.size > 1:  # every rank skips the same steps
-                finite = finite.to(torch.int32)
-                torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
-            if not bool(finite):
-                self.unhealthy(f"non-finite loss or gradient at epoch {self.epoch}, step {step}")
+            over = budget > 0 and spent + time.perf_counter() - start >= budget
+            finite, self.out_of_time = self._agree(
+                torch.isfinite(loss.detach()) & torch.isfinite(norm), over
+            )
+            if finite:
+                grad_norms.append(norm)
+                self._apply()
+                kept[index] = True
+                if weight > 0:
+                    log_prob[part] = batch_log_prob.detach().double().cpu()
+                if not bar.disable and bar.n % 10 == 1:
+                    bar.set_postfix(loss=f"{float(loss):.4g}")
+            else:
+                self.unhealthy(f"non-finite loss or gradient at epoch {self.epoch}, step {steps}")
                 self.optimizer.zero_grad(set_to_none=True)
-                kept[index] = False
-                continue
-            grad_norms.append(norm)
-            self.optimizer.step()
-            if self.warmup is not None and self.warmup.last_epoch < self.warmup_steps:
-                self.warmup.step()
-            if self.average is not None:
-                self.average.update_parameters(self.model)
-            if weight > 0:
-                log_prob[part] = batch_log_prob.detach().double().cpu()
-            if not bar.disable and bar.n % 10 == 1:
-                bar.set_postfix(loss=f"{float(loss):.4g}")
+            if self.out_of_time:
+                break
         if not grad_norms:
             raise TrainingDivergedError(
                 f"training diverged at epoch {self.epoch}: every step had a non-finite loss or "
@@ -281,37 +296,88 @@ class TrainingSession:
         norms = torch.stack(grad_norms)
         if world.size > 1:  # each rank holds the log-densities of its shards
             torch.distributed.all_reduce(log_prob)
-        trained = train.subset(kept)
         return {
             "epoch": self.epoch,
-            "train_nll": self.dataset.nll(log_prob[kept], trained),
-            "skipped_steps": float(len(batches) - len(grad_norms)),
+            "train_nll": self.dataset.nll(log_prob[kept], train.subset(kept)),
+            "skipped_steps": float(steps - len(grad_norms)),
+            "steps": float(steps),
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": float(norms.mean()),
             "grad_norm_max": float(norms.max()),
             "train_seconds": time.perf_counter() - start,
         }
 
+    def _initialize(self, flow: SequenceFlow) -> None:
+        """Data-dependent layers of a flow (ActNorm, the autoregressive fit) from the same
+        leading training sequences on every rank, before the first step."""
+        train = self.dataset.train
+        first = torch.arange(min(len(train), INIT_SEQUENCES))
+        x, mask = trimmed_batch(train, first, self.device, self.dtype)
+        flow.initialize(x, mask, context=batch_context(flow, train, first, self.device))
+
+    def _backward(
+        self, index: Tensor, part: Tensor, weight: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Loss and gradients of this rank's ``part`` of the batch ``index``.
+
+        Returns:
+            The log-densities of ``part`` ``(b,)``, the loss and the gradient norm (clipped to
+            ``clip``; before clipping).
+        """
+        train = self.dataset.train
+        x, mask = trimmed_batch(train, part, self.device, self.dtype)
+        context = batch_context(self.model, train, part, self.device)
+        batch_log_prob = self.replica(x, mask, context)
+        # Global-batch normalisation; times W to undo DDP's gradient average.
+        units = float(self.dataset.units(train.batch_mask(index)).sum())
+        loss = -batch_log_prob.sum() * (weight * self.world.size) / units
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = nn.utils.clip_grad_norm_(self.parameters, self.config.clip or math.inf)
+        return batch_log_prob, loss, norm
+
+    def _agree(self, finite: Tensor, over: bool) -> tuple[bool, bool]:
+        """Whether the step is finite on every rank, and whether any rank is out of time."""
+        if self.world.size == 1:
+            return bool(finite), over
+        flags = torch.stack([finite, torch.full_like(finite, not over)]).to(torch.int32)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
+        every_finite, in_time = flags.tolist()  # every rank skips and stops alike
+        return bool(every_finite), not in_time
+
+    def _apply(self) -> None:
+        """The optimiser step of a finite batch, with the warm-up and the moving average."""
+        self.optimizer.step()
+        if self.warmup is not None and self.warmup.last_epoch < self.warmup_steps:
+            self.warmup.step()
+        if self.average is not None:
+            self.average.update_parameters(self.model)
+
     def validate(self) -> dict[str, float]:
-        """Validation NLL (with the averaged weights, if kept) and the inverse check.
+        """Validation NLL (with the averaged weights, if kept) and, for a flow, the inverse check.
+
+        A flow is validated with ``eval_method``, any other model with its own ``log_prob`` in
+        eval mode.
 
         Raises:
             TrainingDivergedError: a non-finite NLL or a diverging inverse with ``on_nan = stop``.
         """
         config, val = self.config, self.dataset.val
+        method = config.eval_method if self.flow is not None else None
         with averaged_parameters(self.model, self.average):
             log_prob, stderr = split_log_prob(
-                self.model, val, method=config.eval_method, n_samples=config.eval_n_samples,
+                self.model, val, method=method, n_samples=config.eval_n_samples,
                 batch_size=config.batch_size,
             )
             finite = bool(torch.isfinite(log_prob).all())
             row = {"val_nll": self.dataset.nll(log_prob, val) if finite else math.nan}
             if stderr is not None and finite:
                 row["val_nll_stderr"] = self.dataset.nll_stderr(stderr, val)
-            row.update(inverse_check(self.model, val))
+            if self.flow is not None:
+                row.update(inverse_check(self.flow, val))
         if not math.isfinite(row["val_nll"]):
             self.unhealthy(f"non-finite validation NLL at epoch {self.epoch}")
-        if not math.isfinite(row["reconstruction_error"]):
+        if not math.isfinite(row.get("reconstruction_error", 0.0)):
             self.unhealthy(
                 f"the inverse stopped converging at epoch {self.epoch} (residual "
                 f"{row['inverse_residual']:.2e} after {row['inverse_iterations']:.0f} iterations)"
@@ -343,7 +409,7 @@ class TrainingSession:
         improvement counts towards ``patience`` only when :meth:`patience_counts`.
         """
         metric = row["val_nll"]
-        candidate = math.isfinite(metric) and math.isfinite(row["reconstruction_error"])
+        candidate = math.isfinite(metric) and math.isfinite(row.get("reconstruction_error", 0.0))
         if candidate and metric < self.best_metric and self.healthy():
             self.best_metric, self.best_epoch, self.bad_epochs = metric, self.epoch, 0
         elif self.patience_counts():
@@ -370,12 +436,14 @@ class TrainingSession:
 
 
 class _LogProb(nn.Module):
-    """The flow's training log-density as ``forward``, the method DDP wraps."""
+    """The model's training log-density as ``forward``, the method DDP wraps."""
 
-    def __init__(self, flow: ResidualFlowTransformer) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.flow = flow
+        self.model = model
 
     def forward(self, x: Tensor, mask: Tensor, context: Tensor | None = None) -> Tensor:
         """``log p(x | context)`` of ``x`` ``(B, N, D)`` with mask ``(B, N)``, shape ``(B,)``."""
-        return self.flow.log_prob(x, mask, context=context)
+        if context is None:
+            return self.model.log_prob(x, mask)
+        return self.model.log_prob(x, mask, context=context)

@@ -1,28 +1,35 @@
-"""Whole splits through a flow: log-densities in batches and a check of the inverse.
+"""Whole splits through a density model: log-densities in batches and a check of the inverse.
 
-Used after every training epoch (validation) and by the evaluation of a finished run, which
-shares the batches among the ranks of a process group (:func:`sharded_log_prob`).
+Used after every training epoch (validation), by the evaluation of a finished run, which
+shares the batches among the ranks of a process group (:func:`sharded_log_prob`), and by the
+benchmarks for every model they train. The trainer and these functions need only a
+:class:`DensityModel`; the options of a flow (the log-determinant method, a context, the
+inverse) apply to a :class:`~iresflow.models.flow.SequenceFlow`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from typing import Protocol, runtime_checkable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from iresflow.data.datasets import SequenceSplit
 from iresflow.data.store import StoredSplit
 from iresflow.inverse.fixed_point import InversionError
 from iresflow.models.config import ModelConfig
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.flow import SequenceFlow
 from iresflow.train.distributed import all_gather_objects, current_world
 
 __all__ = [
     "INVERSE_CHECK_SEQUENCES",
+    "DensityModel",
     "batch_context",
     "inverse_check",
     "log_prob_cost",
+    "placement",
     "sharded_log_prob",
     "split_log_prob",
     "trimmed_batch",
@@ -35,8 +42,41 @@ INVERSE_CHECK_SEQUENCES = 8
 ROULETTE_PASSES = 12
 
 
+@runtime_checkable
+class DensityModel(Protocol):
+    """What the trainer needs of a model: per-sequence log-densities of a padded batch.
+
+    ``log_prob(x, mask)`` takes sequences ``(B, N, D)`` and their padding mask ``(B, N)``
+    (``True`` for real frames) and returns log-densities ``(B,)``, differentiable in training
+    mode; in ``eval()`` mode it is the estimate validation uses. Every
+    :class:`~iresflow.models.flow.SequenceFlow` is one, and so is each baseline of the
+    benchmarks.
+    """
+
+    def log_prob(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Log-densities ``(B,)`` of ``x`` ``(B, N, D)`` with mask ``(B, N)``."""
+        ...
+
+
+def placement(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """The device and floating dtype of a model's parameters (or buffers), where its batches go.
+
+    Example:
+        >>> placement(nn.Linear(2, 2).double())
+        (device(type='cpu'), torch.float64)
+    """
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    parameter = next((t for t in tensors if t.is_floating_point()), None)
+    if parameter is None:
+        return torch.device("cpu"), torch.get_default_dtype()
+    return parameter.device, parameter.dtype
+
+
 def trimmed_batch(
-    split: SequenceSplit | StoredSplit, index: Tensor, device: torch.device
+    split: SequenceSplit | StoredSplit,
+    index: Tensor,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The sequences ``index`` of a split, trimmed to the longest of them, on ``device``.
 
@@ -47,6 +87,7 @@ def trimmed_batch(
         split: Sequences ``(B, N, D)`` with their mask ``(B, N)``.
         index: Indices of the sequences to take, shape ``(b,)``.
         device: Where the batch goes.
+        dtype: Floating dtype of the sequences (default: the split's), e.g. a float64 model's.
 
     Returns:
         ``(x, mask)`` of shapes ``(b, n, D)`` and ``(b, n)``, ``n`` the longest length taken.
@@ -54,19 +95,20 @@ def trimmed_batch(
     Example:
         >>> mask = torch.tensor([[True, True, False], [True, False, False]])
         >>> split = SequenceSplit(mask.unsqueeze(-1).float(), mask, torch.zeros(2))
-        >>> x, m = trimmed_batch(split, torch.tensor([1]), torch.device("cpu"))
-        >>> x.shape, m.tolist()
-        (torch.Size([1, 1, 1]), [[True]])
+        >>> x, m = trimmed_batch(split, torch.tensor([1]), torch.device("cpu"), torch.float64)
+        >>> x.shape, x.dtype, m.tolist()
+        (torch.Size([1, 1, 1]), torch.float64, [[True]])
     """
     if isinstance(split, StoredSplit):  # read from disk
-        return split.batch(index, device)
+        x, mask = split.batch(index, device)
+        return x.to(dtype=dtype), mask
     mask = split.mask[index]
     longest = int(mask.sum(dim=1).max())
-    return split.x[index, :longest].to(device), mask[:, :longest].to(device)
+    return split.x[index, :longest].to(device, dtype), mask[:, :longest].to(device)
 
 
 def batch_context(
-    model: ResidualFlowTransformer,
+    model: nn.Module,
     split: SequenceSplit | StoredSplit,
     index: Tensor,
     device: torch.device,
@@ -75,26 +117,27 @@ def batch_context(
 ) -> Tensor | None:
     """The context of the sequences ``index`` of a split for a model, on ``device``.
 
-    A label-conditional model (``num_classes > 0``) takes the split's class labels, a
-    covariate-conditional one (``context_features > 0`` alone) its covariates, an unconditional
-    one ``None``.
+    A label-conditional flow (a context encoder with ``num_classes > 0``) takes the split's
+    class labels, a covariate-conditional one its covariates; an unconditional flow and any
+    other :class:`DensityModel` take ``None``.
 
     Args:
-        model: The flow.
+        model: The model.
         split: Sequences with their ``labels`` ``(B,)`` or ``covariates`` ``(B, C)``.
         index: Indices of the sequences, shape ``(b,)``.
         device: Where the context goes.
-        label: Give every sequence this class instead of its own (label-conditional models;
+        label: Give every sequence this class instead of its own (label-conditional flows;
             to score each class, :func:`~iresflow.train.classify.class_log_likelihoods`).
 
     Returns:
         Labels ``(b,)`` int64, covariates ``(b, C)``, or ``None``.
 
     Raises:
-        ValueError: a conditional model and a split without its context, or ``label`` for a
+        ValueError: a conditional flow and a split without its context, or ``label`` for a
             model that is not label-conditional.
 
     Example:
+        >>> from iresflow.models.transformer import ResidualFlowTransformer
         >>> model = ResidualFlowTransformer(features=1, max_len=3, n_blocks=1, hidden=4,
         ...                                 num_classes=2)
         >>> mask = torch.ones(3, 3, dtype=torch.bool)
@@ -103,14 +146,14 @@ def batch_context(
         >>> batch_context(model, split, torch.tensor([0, 2]), torch.device("cpu")).tolist()
         [1, 1]
     """
-    config = model.config
+    encoder = model.context_encoder if isinstance(model, SequenceFlow) else None
     if label is not None:
-        if config.num_classes == 0:
+        if encoder is None or encoder.num_classes == 0:
             raise ValueError("label needs a label-conditional model (num_classes > 0)")
         return torch.full((len(index),), label, dtype=torch.int64, device=device)
-    if not config.conditional:
+    if encoder is None:
         return None
-    kind = "labels" if config.num_classes > 0 else "covariates"
+    kind = "labels" if encoder.num_classes > 0 else "covariates"
     values = getattr(split, kind, None)  # a StoredSplit holds neither
     if values is None:
         raise ValueError(f"the model is conditional but the split has no {kind}")
@@ -118,40 +161,49 @@ def batch_context(
 
 
 def split_log_prob(
-    model: ResidualFlowTransformer,
+    model: nn.Module,
     split: SequenceSplit | StoredSplit,
     *,
-    method: str,
+    method: str | None = None,
     n_samples: int = 1,
     batch_size: int = 64,
     label: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-sequence log-densities of a whole split, in batches; leaves the model in eval mode.
 
-    A conditional model is given the context of every sequence (:func:`batch_context`).
+    A conditional flow is given the context of every sequence (:func:`batch_context`); the
+    batches take the model's device and floating dtype (:func:`placement`).
 
     Args:
-        model: The flow (its device is used).
+        model: A :class:`DensityModel`.
         split: Sequences ``(B, N, D)`` with their mask (and context).
-        method: ``"exact"`` or ``"roulette"``.
-        n_samples: Roulette estimates averaged per sequence (ignored by the exact method).
+        method: A flow's log-determinant, ``"exact"`` or ``"roulette"``; ``None``: the model's
+            own ``log_prob`` in eval mode (for a flow, its configured estimators).
+        n_samples: Roulette estimates averaged per sequence (``method = "roulette"`` only).
         batch_size: Sequences per forward pass.
         label: Score every sequence under this class instead of its own (label-conditional
-            models).
+            flows).
 
     Returns:
         ``(log_prob, stderr)``, each of shape ``(B,)`` on the CPU in float64; ``stderr`` (the
-        standard error of the roulette average) is ``None`` for the exact method and for a
-        single roulette sample.
+        standard error of the roulette average) is ``None`` unless ``n_samples > 1``.
+
+    Example:
+        >>> from iresflow.models.transformer import ResidualFlowTransformer
+        >>> model = ResidualFlowTransformer(features=2, max_len=3, n_blocks=1, hidden=4)
+        >>> split = SequenceSplit(torch.randn(5, 3, 2), torch.ones(5, 3, dtype=torch.bool),
+        ...                       torch.zeros(5, dtype=torch.float64))
+        >>> log_prob, stderr = split_log_prob(model.double(), split, method="exact")
+        >>> log_prob.shape, log_prob.dtype, stderr
+        (torch.Size([5]), torch.float64, None)
     """
-    device = next(model.parameters()).device
+    if method not in (None, "exact", "roulette"):
+        raise ValueError(f"method must be None, exact or roulette, got {method!r}")
     model.eval()
     values, errors = [], []
     with torch.no_grad():  # the estimators enable gradients where they need them
         for index in torch.arange(len(split)).split(batch_size):
-            value, error = _batch_log_prob(
-                model, split, index, device, method, n_samples, label
-            )
+            value, error = _batch_log_prob(model, split, index, method, n_samples, label)
             values.append(value)
             if error is not None:
                 errors.append(error)
@@ -216,10 +268,10 @@ def log_prob_cost(
 
 
 def sharded_log_prob(
-    model: ResidualFlowTransformer,
+    model: nn.Module,
     split: SequenceSplit | StoredSplit,
     *,
-    method: str,
+    method: str | None = None,
     n_samples: int = 1,
     batch_size: int = 64,
     seed: int = 0,
@@ -235,10 +287,10 @@ def sharded_log_prob(
     random states are restored afterwards. Without a process group it runs every batch itself.
 
     Args:
-        model: The flow (its device is used), the same on every rank.
+        model: A :class:`DensityModel`, the same on every rank.
         split: Sequences ``(B, N, D)`` with their mask, the same on every rank.
-        method: ``"exact"`` or ``"roulette"``.
-        n_samples: Roulette estimates averaged per sequence (ignored by the exact method).
+        method: As in :func:`split_log_prob`.
+        n_samples: Roulette estimates averaged per sequence (``method = "roulette"`` only).
         batch_size: Sequences per forward pass.
         seed: Seed of the per-batch seeds.
         label: Score every sequence under this class instead of its own (label-conditional
@@ -258,7 +310,7 @@ def sharded_log_prob(
         >>> torch.allclose(log_prob, split_log_prob(model, split, method="exact")[0])
         True
     """
-    device = next(model.parameters()).device
+    device = placement(model)[0]
     world = current_world()
     batches = torch.arange(len(split)).split(batch_size)
     seeds = torch.randint(
@@ -271,9 +323,7 @@ def sharded_log_prob(
     ):
         for k in range(world.rank, len(batches), world.size):
             torch.manual_seed(seeds[k])
-            value, error = _batch_log_prob(
-                model, split, batches[k], device, method, n_samples, label
-            )
+            value, error = _batch_log_prob(model, split, batches[k], method, n_samples, label)
             mine.append((k, value.double().cpu(), None if error is None else error.double().cpu()))
     parts = sorted(part for rank_parts in all_gather_objects(mine) for part in rank_parts)
     log_prob = torch.cat([value for _, value, _ in parts])
@@ -282,24 +332,24 @@ def sharded_log_prob(
 
 
 def _batch_log_prob(
-    model: ResidualFlowTransformer, split: SequenceSplit | StoredSplit, index: Tensor,
-    device: torch.device, method: str, n_samples: int, label: int | None = None,
+    model: nn.Module, split: SequenceSplit | StoredSplit, index: Tensor, method: str | None,
+    n_samples: int, label: int | None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-densities of the sequences ``index`` (and their standard errors, or ``None``)."""
-    x, mask = trimmed_batch(split, index, device)
+    device, dtype = placement(model)
+    x, mask = trimmed_batch(split, index, device, dtype)
+    options: dict[str, object] = {}
     context = batch_context(model, split, index, device, label=label)
-    if method == "exact":
-        return model.log_prob(x, mask, method="exact", context=context), None
-    if n_samples == 1:
-        return model.log_prob(x, mask, method="roulette", context=context), None
-    return model.log_prob(
-        x, mask, method="roulette", n_samples=n_samples, return_stderr=True, context=context
-    )
+    if context is not None:
+        options["context"] = context
+    if method is not None:
+        options["method"] = method
+    if method == "roulette" and n_samples > 1:
+        return model.log_prob(x, mask, n_samples=n_samples, return_stderr=True, **options)
+    return model.log_prob(x, mask, **options), None
 
 
-def inverse_check(
-    model: ResidualFlowTransformer, split: SequenceSplit | StoredSplit
-) -> dict[str, float]:
+def inverse_check(model: SequenceFlow, split: SequenceSplit | StoredSplit) -> dict[str, float]:
     """Map the first :data:`INVERSE_CHECK_SEQUENCES` sequences to noise and back.
 
     A fixed-point inverse that stops converging is reported, not raised (training goes on and
@@ -314,9 +364,9 @@ def inverse_check(
         largest iteration count and residual, and the largest absolute error over the real
         frames (``inf`` when the inverse did not converge).
     """
-    device = next(model.parameters()).device
+    device, dtype = placement(model)
     index = torch.arange(min(INVERSE_CHECK_SEQUENCES, len(split)))
-    x, mask = trimmed_batch(split, index, device)
+    x, mask = trimmed_batch(split, index, device, dtype)
     context = batch_context(model, split, index, device)
     model.eval()
     with torch.no_grad():

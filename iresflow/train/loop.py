@@ -4,24 +4,21 @@ r"""The training loop: minibatch maximum likelihood with early stopping and exac
 (:mod:`iresflow.train.factories`), starts the processes of a data-parallel run
 (:mod:`iresflow.train.distributed`) and runs epochs of a
 :class:`~iresflow.train.epoch.TrainingSession` (the objective, numerical health checks and the
-state of exact resume are described there) until ``epochs`` or early stopping. After every epoch
+state of exact resume are described there) until ``epochs``, early stopping or ``max_seconds``
+(:func:`~iresflow.train.fit.run_epochs`, which :func:`~iresflow.train.fit.fit` also runs to train
+in memory from Python, without a run folder). After every epoch
 the ``last`` (and, on improvement, ``best``) checkpoint is written atomically
 (:mod:`iresflow.train.checkpoint`) and the metrics are rewritten (:mod:`iresflow.train.metrics`).
 """
 
 from __future__ import annotations
 
-import math
 import os
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
@@ -34,7 +31,8 @@ from iresflow.train.distributed import (
 )
 from iresflow.train.epoch import TrainingSession
 from iresflow.train.factories import build_model, load_data, resolve_device
-from iresflow.train.metrics import epoch_summary, tensorboard_writer, write_metrics
+from iresflow.train.fit import deterministic_algorithms, run_epochs
+from iresflow.train.metrics import tensorboard_writer, write_metrics
 from iresflow.train.paths import RunPaths, check_run_folder, prepare_run_folder
 
 __all__ = ["TrainResult", "train"]
@@ -49,7 +47,7 @@ class TrainResult:
         epochs: Epochs completed in total (including those before a resume).
         best_epoch: Epoch of the lowest validation NLL.
         best_val_nll: That NLL, in the dataset's unit.
-        stopped_early: Whether early stopping ended the run.
+        stopped_early: Whether early stopping ended the run (not ``epochs`` or ``max_seconds``).
         history: One metrics dict per completed epoch.
     """
 
@@ -126,7 +124,7 @@ def train(
     dataset = load_data(config)
     # The run owns torch's global generators while it trains; the caller's are restored after.
     devices = [device] if device.type == "cuda" else []
-    with _deterministic_algorithms(), torch.random.fork_rng(devices=devices):
+    with deterministic_algorithms(), torch.random.fork_rng(devices=devices):
         torch.manual_seed(config.seed)
         model = build_model(config, dataset).to(device)  # settings checked before any deletion
         outcome: Any = None
@@ -157,60 +155,29 @@ def train(
 
 
 def _run_epochs(session: TrainingSession, paths: RunPaths, progress: bool) -> TrainResult:
-    """Epochs until ``epochs`` or early stopping; rank 0 writes checkpoints and metrics."""
+    """:func:`~iresflow.train.fit.run_epochs`; rank 0 writes checkpoints and metrics."""
     config, main = session.config, session.world.main
     writer = tensorboard_writer(paths, session.epoch) if config.tensorboard and main else None
-    stopped_early = config.patience > 0 and session.bad_epochs >= config.patience
+
+    def after_epoch(session: TrainingSession, row: dict[str, float]) -> None:
+        state = session.state()
+        if main:
+            save_checkpoint(state, paths.last)
+            if session.best_epoch == session.epoch:
+                save_checkpoint(state, paths.best)
+            write_metrics(paths, session.history)
+        if writer is not None:
+            for key, value in row.items():
+                if key != "epoch":
+                    writer.add_scalar(key, value, session.epoch)
+            writer.flush()
+
     try:
-        while session.epoch < config.epochs and not stopped_early:
-            session.epoch += 1
-            bar = tqdm(
-                total=math.ceil(len(session.dataset.train) / config.batch_size),
-                desc=f"epoch {session.epoch}/{config.epochs}",
-                disable=None if progress else True,
-                leave=False,
-            )
-            row = session.train_epoch(bar)
-            bar.set_postfix_str(f"train {row['train_nll']:.4g}, validating")
-            row.update(session.validate())
-            bar.close()  # the summary line below replaces it
-            session.advance(row)
-            session.history.append(row)
-            state = session.state()
-            if main:
-                save_checkpoint(state, paths.last)
-                if session.best_epoch == session.epoch:
-                    save_checkpoint(state, paths.best)
-                write_metrics(paths, session.history)
-            if writer is not None:
-                for key, value in row.items():
-                    if key != "epoch":
-                        writer.add_scalar(key, value, session.epoch)
-                writer.flush()
-            if progress:  # stderr: unbuffered, so logs of background runs stay current
-                tqdm.write(epoch_summary(row, config.epochs), file=sys.stderr)
-            stopped_early = config.patience > 0 and session.bad_epochs >= config.patience
+        reason = run_epochs(session, progress=progress, after_epoch=after_epoch)
     finally:
         if writer is not None:
             writer.close()
-    if progress and stopped_early:
-        tqdm.write(
-            f"early stop: no better validation NLL for {config.patience} counted epochs",
-            file=sys.stderr,
-        )
     return TrainResult(
-        paths, session.epoch, session.best_epoch, session.best_metric, stopped_early,
+        paths, session.epoch, session.best_epoch, session.best_metric, reason == "patience",
         session.history,
     )
-
-
-@contextmanager
-def _deterministic_algorithms() -> Iterator[None]:
-    """Deterministic kernels where torch has them (warnings elsewhere), restored afterwards."""
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)

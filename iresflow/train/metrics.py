@@ -68,11 +68,13 @@ def epoch_summary(row: dict[str, float], epochs: int) -> str:
     text = f"epoch {row['epoch']}/{epochs}  train {row['train_nll']:.4f}  val {row['val_nll']:.4f}"
     if "val_nll_stderr" in row:
         text += f" ± {row['val_nll_stderr']:.4f}"
-    return (
-        f"{text}  lr {row['lr']:.2e}  inverse {row['inverse_iterations']:.0f} it, "
-        f"residual {row['inverse_residual']:.1e}, error {row['reconstruction_error']:.1e}  "
-        f"({row['train_seconds']:.1f} s)"
-    )
+    text += f"  lr {row['lr']:.2e}"
+    if "inverse_iterations" in row:  # a flow's inverse check
+        text += (
+            f"  inverse {row['inverse_iterations']:.0f} it, residual "
+            f"{row['inverse_residual']:.1e}, error {row['reconstruction_error']:.1e}"
+        )
+    return f"{text}  ({row['train_seconds']:.1f} s)"
 
 
 def write_scores(path: str | os.PathLike, columns: dict[str, Any]) -> Path:
