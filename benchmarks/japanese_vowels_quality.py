@@ -47,8 +47,9 @@ from benchmarks.baselines.training import fit_model, split_log_prob
 from benchmarks.gaussian_baseline import gaussian_frame_baseline
 from iresflow.data.datasets import SequenceDataset
 from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.runs.evaluate import evaluate_run
+from iresflow.runs.load import load_run
 from iresflow.train.config import TrainConfig
-from iresflow.train.evaluate import evaluate_run, load_run
 from iresflow.train.factories import load_data
 from iresflow.train.loop import train
 

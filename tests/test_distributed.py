@@ -49,7 +49,7 @@ def test_a_label_conditional_run_in_two_processes_equals_one_process(tmp_path: P
     train(config, tmp_path / "single", progress=False)
     train(config.replace(nproc=2), tmp_path / "ddp", progress=False)
     assert_close_runs(tmp_path / "single", tmp_path / "ddp", 1e-5)
-    assert load_checkpoint(RunPaths(tmp_path / "ddp").last)["model_config"]["num_classes"] == 9
+    assert load_checkpoint(RunPaths(tmp_path / "ddp").last)["config"]["condition"] == "label"
 
 
 @pytest.mark.slow

@@ -45,11 +45,10 @@ from tqdm.auto import tqdm
 
 from iresflow.data.batching import epoch_batches
 from iresflow.data.datasets import SequenceDataset
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.flow import SequenceFlow
 from iresflow.train.averaging import averaged_parameters, load_average, moving_average
 from iresflow.train.config import TrainConfig
 from iresflow.train.distributed import World, all_gather_objects, broadcast_object, shard
-from iresflow.train.factories import resolve_model_config
 from iresflow.train.likelihood import (
     batch_context,
     inverse_check,
@@ -60,8 +59,9 @@ from iresflow.train.likelihood import (
 __all__ = ["CHECKPOINT_FORMAT", "TrainingDivergedError", "TrainingSession"]
 
 #: Version of the checkpoint layout of :meth:`TrainingSession.state` (2: the moving average is
-#: the ``state_dict`` of a :class:`torch.optim.swa_utils.AveragedModel`).
-CHECKPOINT_FORMAT = 2
+#: the ``state_dict`` of a :class:`torch.optim.swa_utils.AveragedModel`; 3: the model settings
+#: are stored once, in ``config``).
+CHECKPOINT_FORMAT = 3
 #: ReduceLROnPlateau settings of ``scheduler = "plateau"``.
 PLATEAU_FACTOR = 0.5
 PLATEAU_PATIENCE = 2
@@ -101,13 +101,12 @@ class TrainingSession:
         self,
         config: TrainConfig,
         dataset: SequenceDataset,
-        model: ResidualFlowTransformer,
+        model: SequenceFlow,
         device: torch.device,
         world: World,
     ) -> None:
         self.config, self.dataset, self.model, self.device = config, dataset, model, device
         self.world = world
-        self.model_config = resolve_model_config(config, dataset)
         self.replica: nn.Module = _LogProb(model)
         if world.size > 1:
             self.replica = nn.parallel.DistributedDataParallel(
@@ -172,7 +171,6 @@ class TrainingSession:
         return {
             "format": CHECKPOINT_FORMAT,
             "config": self.config.to_dict(),
-            "model_config": self.model_config.to_dict(),
             "model": self.model.state_dict(),
             "ema": self.average.state_dict() if self.average is not None else None,
             "optimizer": self.optimizer.state_dict(),
@@ -372,7 +370,7 @@ class TrainingSession:
 class _LogProb(nn.Module):
     """The flow's training log-density as ``forward``, the method DDP wraps."""
 
-    def __init__(self, flow: ResidualFlowTransformer) -> None:
+    def __init__(self, flow: SequenceFlow) -> None:
         super().__init__()
         self.flow = flow
 

@@ -15,7 +15,7 @@ from iresflow.data.datasets import SequenceSplit
 from iresflow.data.store import StoredSplit
 from iresflow.inverse.fixed_point import InversionError
 from iresflow.models.config import ModelConfig
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.flow import SequenceFlow
 from iresflow.train.distributed import all_gather_objects, current_world
 
 __all__ = [
@@ -66,7 +66,7 @@ def trimmed_batch(
 
 
 def batch_context(
-    model: ResidualFlowTransformer,
+    model: SequenceFlow,
     split: SequenceSplit | StoredSplit,
     index: Tensor,
     device: torch.device,
@@ -95,6 +95,7 @@ def batch_context(
             model that is not label-conditional.
 
     Example:
+        >>> from iresflow.models.transformer import ResidualFlowTransformer
         >>> model = ResidualFlowTransformer(features=1, max_len=3, n_blocks=1, hidden=4,
         ...                                 num_classes=2)
         >>> mask = torch.ones(3, 3, dtype=torch.bool)
@@ -118,7 +119,7 @@ def batch_context(
 
 
 def split_log_prob(
-    model: ResidualFlowTransformer,
+    model: SequenceFlow,
     split: SequenceSplit | StoredSplit,
     *,
     method: str,
@@ -216,7 +217,7 @@ def log_prob_cost(
 
 
 def sharded_log_prob(
-    model: ResidualFlowTransformer,
+    model: SequenceFlow,
     split: SequenceSplit | StoredSplit,
     *,
     method: str,
@@ -282,7 +283,7 @@ def sharded_log_prob(
 
 
 def _batch_log_prob(
-    model: ResidualFlowTransformer, split: SequenceSplit | StoredSplit, index: Tensor,
+    model: SequenceFlow, split: SequenceSplit | StoredSplit, index: Tensor,
     device: torch.device, method: str, n_samples: int, label: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-densities of the sequences ``index`` (and their standard errors, or ``None``)."""
@@ -298,7 +299,7 @@ def _batch_log_prob(
 
 
 def inverse_check(
-    model: ResidualFlowTransformer, split: SequenceSplit | StoredSplit
+    model: SequenceFlow, split: SequenceSplit | StoredSplit
 ) -> dict[str, float]:
     """Map the first :data:`INVERSE_CHECK_SEQUENCES` sequences to noise and back.
 
