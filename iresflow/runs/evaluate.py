@@ -149,15 +149,7 @@ def evaluate_run(
             batch_size=run.config.batch_size, seed=settings.seed,
         )
     log_prob, stderr = estimate
-    result: dict[str, Any] = {
-        "split": settings.split, "method": method, "nll": run.dataset.nll(log_prob, data),
-        "unit": run.dataset.unit, "sequences": len(data), "checkpoint": run.checkpoint,
-        "epoch": run.epoch,
-    }
-    if method == "roulette":
-        result["n_samples"] = n_samples
-        if stderr is not None:
-            result["stderr"] = run.dataset.nll_stderr(stderr, data)
+    result = _nll_result(run, settings.split, method, n_samples, estimate)
     if choice is not None:
         result["choice"] = choice
     columns = {} if settings.scores is None else sequence_scores(
@@ -170,6 +162,24 @@ def evaluate_run(
             write_scores(settings.scores, columns)
         if save:
             save_evaluation(run.paths, result)
+    return result
+
+
+def _nll_result(
+    run: LoadedRun, split: str, method: str, n_samples: int,
+    estimate: tuple[Tensor, Tensor | None],
+) -> dict[str, Any]:
+    """The result of :func:`evaluate_run` from the log-densities (and standard errors)."""
+    data, (log_prob, stderr) = getattr(run.dataset, split), estimate
+    result: dict[str, Any] = {
+        "split": split, "method": method, "nll": run.dataset.nll(log_prob, data),
+        "unit": run.dataset.unit, "sequences": len(data), "checkpoint": run.checkpoint,
+        "epoch": run.epoch,
+    }
+    if method == "roulette":
+        result["n_samples"] = n_samples
+        if stderr is not None:
+            result["stderr"] = run.dataset.nll_stderr(stderr, data)
     return result
 
 
