@@ -46,7 +46,7 @@ from sklearn.neighbors import KNeighborsClassifier
 
 from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
 from iresflow.models.transformer import ResidualFlowTransformer
-from iresflow.train.classify import class_log_likelihoods, confusion_matrix
+from iresflow.runs.classify import class_log_likelihoods, confusion_matrix
 
 __all__ = ["plot_class_samples", "train"]
 

@@ -46,8 +46,9 @@ from benchmarks.baselines.nflows_models import FrameFlow, frame_maf
 from benchmarks.gaussian_baseline import gaussian_frame_baseline
 from iresflow.data.datasets import SequenceDataset
 from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.runs.evaluate import evaluate_run
+from iresflow.runs.load import load_run
 from iresflow.train.config import TrainConfig
-from iresflow.train.evaluate import evaluate_run, load_run
 from iresflow.train.factories import load_data
 from iresflow.train.fit import fit
 from iresflow.train.likelihood import split_log_prob

@@ -194,8 +194,8 @@ def _fit_ar(dataset: SequenceDataset, order: int) -> AutoregressiveGaussian:
 
 def _flow(name: str, args: argparse.Namespace) -> tuple[Any, SequenceDataset, str]:
     """The iresflow model of a dataset: a given run folder, or a freshly trained one."""
+    from iresflow.runs.load import load_run
     from iresflow.train.config import TrainConfig
-    from iresflow.train.evaluate import load_run
     from iresflow.train.loop import train
 
     runs = dict(item.split("=", 1) for item in args.run)

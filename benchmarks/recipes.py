@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
+from iresflow.runs.evaluate import evaluate_run
+from iresflow.runs.load import load_run
 from iresflow.train.config import TrainConfig
-from iresflow.train.evaluate import evaluate_run, load_run
 from iresflow.train.loop import train
 
 DATASETS = ("japanese_vowels", "digits_rows", "co2_windows")

@@ -3,7 +3,8 @@
 Subpackages: :mod:`iresflow.nn` (Lipschitz branches), :mod:`iresflow.transforms` (invertible
 nflows transforms), :mod:`iresflow.logdet` (log-determinant engine), :mod:`iresflow.inverse`
 (fixed-point inverse engine), :mod:`iresflow.models` (ready-made flows), :mod:`iresflow.data`
-(offline datasets) and :mod:`iresflow.train` (training, checkpoints, evaluation).
+(offline datasets), :mod:`iresflow.train` (training, checkpoints, processes) and
+:mod:`iresflow.runs` (using a finished run: loading, evaluation, samples, figures).
 :func:`value_checks` switches the NaN/Inf and padding-mask value checks of every entry point
 off for a block (see :mod:`iresflow._validation`).
 """

@@ -16,7 +16,15 @@ from collections.abc import Iterable
 from dataclasses import field
 from typing import Any
 
-__all__ = ["ConfigError", "check_keys", "check_range", "setting", "validate_fields"]
+__all__ = [
+    "ConfigError",
+    "SettingsRecord",
+    "check_keys",
+    "check_minimum",
+    "check_range",
+    "setting",
+    "validate_fields",
+]
 
 
 class ConfigError(ValueError):
@@ -103,3 +111,57 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     if not isinstance(value, hint) or (hint is not bool and isinstance(value, bool)):
         raise ConfigError(f"{name} must be of type {hint.__name__}, got {value!r}")
     return value
+
+
+class SettingsRecord:
+    """Base of a frozen dataclass of settings: validated on construction, changed by copies.
+
+    Subclasses declare their fields with :func:`setting` and add their own checks in
+    :meth:`check`; :meth:`settings` lists the fields with their type hints, from which the
+    command line derives one flag per setting.
+
+    Example:
+        >>> @dataclasses.dataclass(frozen=True)
+        ... class Draw(SettingsRecord):
+        ...     num: int = setting(16, "sequences")
+        >>> Draw().replace(num=3).num
+        3
+        >>> Draw(num="3")
+        Traceback (most recent call last):
+        ...
+        iresflow._settings.ConfigError: num must be of type int, got '3'
+    """
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        self.check()
+
+    def check(self) -> None:
+        """Checks beyond types and choices (ranges, combinations); raise :class:`ConfigError`."""
+
+    @classmethod
+    def settings(cls) -> list[tuple[dataclasses.Field, Any]]:
+        """Every field with its type hint, in declaration order."""
+        hints = typing.get_type_hints(cls)
+        return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+
+    def replace(self, **changes: Any) -> Any:
+        """A validated copy with ``changes`` applied.
+
+        Raises:
+            ConfigError: an unknown setting or an invalid value.
+        """
+        check_keys(type(self), changes)
+        return dataclasses.replace(self, **changes)
+
+
+def check_minimum(record: Any, names: Iterable[str], low: int) -> None:
+    """Require every named field of ``record`` that is not ``None`` to be at least ``low``.
+
+    Raises:
+        ConfigError: naming the first field below ``low``.
+    """
+    for name in names:
+        value = getattr(record, name)
+        if value is not None and value < low:
+            raise ConfigError(f"{name} must be >= {low}, got {value}")

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from iresflow.cli import main
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.runs.load import load_run
+from iresflow.runs.sample import Samples, sample_run
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint
 from iresflow.train.config import TrainConfig
-from iresflow.train.evaluate import Samples, load_run, sample_run
+from iresflow.train.factories import build_model, load_data
 
 TINY = [
     "--n-blocks", "1", "--hidden", "8", "--max-train", "12", "--max-eval", "6",
@@ -116,11 +117,13 @@ def test_evaluate_scores_every_sequence_as_csv_or_npz(
         np.testing.assert_allclose(data["log_prob"], log_prob)
     capsys.readouterr()
     assert main(["evaluate", str(run), "--scores", str(tmp_path / "out.txt")]) == 1
-    assert "--scores must end in .csv or .npz" in _error_line(capsys)
+    assert "scores must name a .csv or .npz file" in _error_line(capsys)
     assert main(["evaluate", str(run), "--classify"]) == 1
-    assert "--classify needs a run trained with --condition label" in _error_line(capsys)
+    assert "classify needs a run trained with condition = label (--condition label)" in (
+        _error_line(capsys)
+    )
     assert main(["sample", str(run), "--label", "3"]) == 1
-    assert "--label needs a conditional run" in _error_line(capsys)
+    assert "label (--label) needs a conditional run" in _error_line(capsys)
 
 
 def test_sample_saves_raw_sequences_and_a_plot(
@@ -147,8 +150,8 @@ def test_info_reports_size_and_lipschitz_constants(
 ) -> None:
     assert main(["info", str(run), "--seq-len", "6"]) == 0
     out = capsys.readouterr().out
-    state = load_checkpoint(run / "checkpoints" / "best.pt")
-    model = ResidualFlowTransformer(**state["model_config"])
+    config = TrainConfig.from_dict(load_checkpoint(run / "checkpoints" / "best.pt")["config"])
+    model = build_model(config, load_data(config))
     assert f"parameters: {sum(p.numel() for p in model.parameters()):,}" in out
     assert "block0.attention" in out and "block0.mlp" in out
     assert 'attention = "lipschitznorm"' in out
@@ -163,6 +166,7 @@ def test_info_reports_size_and_lipschitz_constants(
         (["train", "--config", "{tmp}/missing.toml"], "cannot read config file"),
         (["evaluate", "{tmp}/missing"], "run folder not found"),
         (["info", "{tmp}"], "holds no checkpoint"),
+        (["sample", "{tmp}", "--num", "0"], "num must be >= 1, got 0"),
     ],
 )
 def test_errors_are_one_line_messages(
@@ -192,7 +196,7 @@ def test_bad_config_files_are_one_line_messages(
         (["train", "--attention", "dot"], "invalid choice: 'dot'"),
         (["train", "--epochs", "many"], "invalid int value: 'many'"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
-        (["sample", "run", "--num", "0"], "--num: expected a positive integer, got '0'"),
+        (["sample", "run", "--num", "many"], "argument --num: invalid int value: 'many'"),
     ],
 )
 def test_malformed_command_lines_exit_2(
@@ -358,7 +362,7 @@ def test_sample_reports_residual_against_tolerance(
     assert main(["sample", str(run), "--num", "2", "--out", str(out)]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("inverse:"))
     loaded = load_run(run)
-    samples = sample_run(loaded, 2)
+    samples = sample_run(loaded, num=2)
     residual, tolerance = samples.diagnostics["residual"], samples.diagnostics["tolerance"]
     assert 0 <= residual < tolerance and samples.diagnostics["converged"]
     assert f"worst residual {residual:.2e} against its tolerance {tolerance:.2e}: converged" in (

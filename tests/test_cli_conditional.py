@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from iresflow.cli import main
+from iresflow.runs.load import load_run
 from iresflow.train.checkpoint import load_checkpoint
 from iresflow.train.config import TrainConfig
 
@@ -68,8 +69,7 @@ def test_a_label_run_stores_its_condition_and_shows_it(
     label_run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert TrainConfig.from_toml(label_run / "config.toml").condition == "label"
-    state = load_checkpoint(label_run / "checkpoints" / "best.pt")
-    assert state["model_config"]["num_classes"] == 9
+    assert load_run(label_run).model_config.num_classes == 9
     assert (label_run / "plots" / "samples.png").is_file()
     capsys.readouterr()
     assert main(["info", str(label_run)]) == 0
@@ -119,11 +119,11 @@ def test_sample_draws_the_chosen_class(
     assert samples["x"].shape[0] == 4
     capsys.readouterr()
     assert main(["sample", str(label_run), "--label", "12", "--out", str(out)]) == 1
-    assert "--label must be one of 1, 2, 3, 4, 5, 6, 7, 8, 9, got '12'" in _error_line(capsys)
+    assert "label must be one of 1, 2, 3, 4, 5, 6, 7, 8, 9, got '12'" in _error_line(capsys)
     assert main(["sample", str(label_run), "--out", str(out)]) == 1
-    assert "conditioned on class labels: sample it with --label" in _error_line(capsys)
+    assert "conditioned on class labels: sample it with label (--label;" in _error_line(capsys)
     assert main(["sample", str(label_run), "--covariates", "1", "--out", str(out)]) == 1
-    assert "with --label (one of the classes 1, 2" in _error_line(capsys)
+    assert "with label (--label; one of the classes 1, 2" in _error_line(capsys)
 
 
 def test_a_conditional_run_resumes_with_its_condition(
@@ -158,13 +158,15 @@ def test_a_covariate_run_samples_at_the_given_covariates(
     assert "condition: covariates (1 per sequence)" in capsys.readouterr().out
     out = str(tmp_path / "s.npz")
     assert main(["sample", str(covariate_run), "--covariates", "1,2", "--out", out]) == 1
-    assert "--covariates must have 1 values for this run, got 2" in _error_line(capsys)
+    assert "covariates must have 1 values for this run, got 2" in _error_line(capsys)
     assert main(["sample", str(covariate_run), "--out", out]) == 1
-    assert "sample it with --covariates (1 values)" in _error_line(capsys)
+    assert "sample it with covariates (--covariates; 1 values)" in _error_line(capsys)
     assert main(["sample", str(covariate_run), "--label", "1", "--out", out]) == 1
-    assert "not --label" in _error_line(capsys)
+    assert "not label (--label)" in _error_line(capsys)
     assert main(["evaluate", str(covariate_run), "--classify"]) == 1
-    assert "--classify needs a run trained with --condition label" in _error_line(capsys)
+    assert "classify needs a run trained with condition = label (--condition label)" in (
+        _error_line(capsys)
+    )
 
 
 def test_condition_errors_are_one_line_messages(

@@ -17,9 +17,9 @@ from iresflow.data.batching import epoch_batches
 from iresflow.data.datasets import load_dataset
 from iresflow.data.preprocessing import Standardization
 from iresflow.data.store import SequenceStore, StoredSplit, is_store, write_store
+from iresflow.runs.load import load_run
 from iresflow.train.checkpoint import load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
-from iresflow.train.evaluate import load_run
 from iresflow.train.factories import load_data
 from iresflow.train.likelihood import trimmed_batch
 from iresflow.train.loop import train

@@ -9,7 +9,7 @@ import torch
 
 from iresflow.train.checkpoint import load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
-from iresflow.train.distributed import World, shard
+from iresflow.train.distributed import World, launch, lead_process, process_count, shard
 from iresflow.train.loop import train
 from iresflow.train.paths import RunPaths
 from tests.oracles import assert_close_runs
@@ -31,6 +31,25 @@ def test_shards_cover_every_global_batch_once() -> None:
             assert all(weight == 0.0 or len(part) > 0 for part, weight in parts)
 
 
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500"}
+
+
+def test_the_launcher_counts_processes_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in TORCHRUN:
+        monkeypatch.delenv(name, raising=False)
+    assert (process_count(1), process_count(3), lead_process()) == (1, 3, True)
+    assert launch(divmod, 1, "cpu", 7, 2) == (3, 1)  # one process: runs here
+    for name, value in TORCHRUN.items():
+        monkeypatch.setenv(name, value)
+    assert process_count(1) == process_count(2) == 2  # under torchrun the launch decides
+    assert not lead_process()  # rank 1 of the launch reports nothing
+    with pytest.raises(ConfigError, match="torchrun started 2 processes"):
+        process_count(3)
+    with pytest.raises(ConfigError, match="torchrun started 2 processes"):
+        launch(divmod, 3, "cpu", 7, 2)
+
+
 @pytest.mark.slow
 def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     # float32 model: the shards sum in another order, so agreement is to float32 precision.
@@ -49,7 +68,7 @@ def test_a_label_conditional_run_in_two_processes_equals_one_process(tmp_path: P
     train(config, tmp_path / "single", progress=False)
     train(config.replace(nproc=2), tmp_path / "ddp", progress=False)
     assert_close_runs(tmp_path / "single", tmp_path / "ddp", 1e-5)
-    assert load_checkpoint(RunPaths(tmp_path / "ddp").last)["model_config"]["num_classes"] == 9
+    assert load_checkpoint(RunPaths(tmp_path / "ddp").last)["config"]["condition"] == "label"
 
 
 @pytest.mark.slow

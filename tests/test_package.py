@@ -97,3 +97,21 @@ def test_docs_and_docstrings_cite_only_pages_the_repo_ships() -> None:
     for path in sources:
         cited |= set(re.findall(r"docs/math\.md#([a-z0-9-]+)", path.read_text("utf-8")))
     assert cited and cited <= anchors, sorted(cited - anchors)
+
+
+def test_training_and_runs_see_only_the_flow_contract() -> None:
+    """train/, runs/ and the CLI depend on SequenceFlow; only the model factory names the
+    concrete model class (docstring examples, ``>>>`` lines, may build one)."""
+    files = [PACKAGE / "cli.py", *(PACKAGE / "train").rglob("*.py"),
+             *(PACKAGE / "runs").rglob("*.py")]
+    assert len(files) > 20
+    offenders = []
+    for path in files:
+        if path == PACKAGE / "train" / "factories.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "ResidualFlowTransformer" in line and not line.lstrip().startswith((">>>", "...")):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{number}")
+    assert offenders == []
+    factory = (PACKAGE / "train" / "factories.py").read_text()
+    assert "ResidualFlowTransformer(" in factory  # the test looks where the name is

@@ -20,10 +20,11 @@ import torch
 from iresflow.cli import main
 from iresflow.data.datasets import SequenceSplit
 from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.runs.evaluate import evaluate_run
+from iresflow.runs.load import load_run
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint
 from iresflow.train.config import TrainConfig
 from iresflow.train.distributed import Launch, backend_for, torchrun_launch
-from iresflow.train.evaluate import evaluate_run, load_run
 from iresflow.train.likelihood import sharded_log_prob, split_log_prob
 from iresflow.train.loop import train
 from iresflow.train.paths import RunPaths

@@ -1,4 +1,4 @@
-"""Training, checkpoints, evaluation and figures of runs, one job per module.
+"""Training a run, one job per module (using a finished run is :mod:`iresflow.runs`).
 
 - :mod:`~iresflow.train.config`: :class:`~iresflow.train.config.TrainConfig`, the settings of a
   run (its model settings are a :class:`~iresflow.models.config.ModelConfig`).
@@ -11,10 +11,8 @@
 - :mod:`~iresflow.train.fit`: the epoch loop of every run, and :func:`~iresflow.train.fit.fit`,
   training in memory from Python (the benchmarks train every model with it).
 - :mod:`~iresflow.train.loop`: :func:`~iresflow.train.loop.train`, the orchestration of a run.
-- :mod:`~iresflow.train.metrics`: metrics tables, TensorBoard events, progress lines.
+- :mod:`~iresflow.train.metrics`: metrics tables, TensorBoard events, progress lines, scores.
 - :mod:`~iresflow.train.checkpoint`: atomic, code-free checkpoint files.
-- :mod:`~iresflow.train.distributed`: data-parallel processes (``--nproc`` and ``torchrun``).
-- :mod:`~iresflow.train.evaluate`: reloading a run, its test NLL, samples and figures.
-- :mod:`~iresflow.train.classify`: generative classification with a label-conditional flow.
-- :mod:`~iresflow.train.plots`: the figures.
+- :mod:`~iresflow.train.distributed`: data-parallel processes and the one launcher of every
+  command (``--nproc`` and ``torchrun``).
 """

@@ -7,9 +7,10 @@ previous checkpoint. :func:`load_checkpoint` reads it with ``torch.load(..., wei
 which refuses any pickled object other than plain data: opening a checkpoint never runs code.
 
 A training checkpoint (:meth:`iresflow.train.epoch.TrainingSession.state`, written by
-:mod:`iresflow.train.loop`) holds the keys ``format`` (2), ``config`` (the
-:class:`~iresflow.train.config.TrainConfig` as a flat dict), ``model_config`` (the run's
-:class:`~iresflow.models.config.ModelConfig` completed from the data, as a dict), ``model``,
+:mod:`iresflow.train.loop`) holds the keys ``format`` (3), ``config`` (the
+:class:`~iresflow.train.config.TrainConfig` as a flat dict: every setting of the run, the model's
+included; the data complete the model settings, :func:`~iresflow.train.factories.build_model`;
+format 2 also stored those completed settings as ``model_config``), ``model``,
 ``ema`` (the ``state_dict`` of the :class:`torch.optim.swa_utils.AveragedModel` of the weights,
 or ``None``; format 1 stored the averages by parameter name), ``optimizer``, ``scheduler``,
 ``warmup`` (the state of the learning-rate warm-up, or ``None``; absent before warm-up existed),

@@ -248,8 +248,9 @@ class TrainConfig:
         one definition.
 
         Example:
-            >>> [f.name for f, _ in TrainConfig.settings()][4:7]
-            ['max_eval', 'condition', 'max_len']
+            >>> names = [f.name for f, _ in TrainConfig.settings()]
+            >>> tuple(names[4:7])
+            ('max_eval', 'condition', 'max_len')
         """
         model_hints = typing.get_type_hints(ModelConfig)
         model_fields = [

@@ -26,7 +26,9 @@ exactly with the same ``nproc``.
 Two launchers, one code path: :func:`spawn` (``--nproc N`` on one machine) and ``torchrun``
 (one or several machines, :func:`torchrun_launch` reads its ``env://`` rendezvous) both run each
 process through :func:`run_rank`, which pins the process to its local GPU, joins the process
-group with the backend of the device and runs the work of one rank. See ``docs/scaling.md``.
+group with the backend of the device and runs the work of one rank. :func:`launch` chooses
+between them; it is the one place every command (training, evaluation) starts its processes.
+See ``docs/scaling.md``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
+from iresflow._settings import ConfigError
+
 __all__ = [
     "Launch",
     "World",
@@ -51,6 +55,9 @@ __all__ = [
     "backend_for",
     "broadcast_object",
     "current_world",
+    "launch",
+    "lead_process",
+    "process_count",
     "run_rank",
     "shard",
     "spawn",
@@ -167,6 +174,79 @@ def torchrun_launch(environ: Mapping[str, str] | None = None) -> Launch | None:
     return Launch(
         values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"]
     )
+
+
+def process_count(nproc: int) -> int:
+    """The number of processes a command asking for ``nproc`` runs in.
+
+    Under ``torchrun`` the launch decides: its ``WORLD_SIZE``, and ``nproc`` must be left at 1
+    or equal it. Otherwise ``nproc``.
+
+    Raises:
+        ConfigError: ``nproc`` other than 1 and ``WORLD_SIZE`` under ``torchrun``.
+        ValueError: a partial ``torchrun`` environment (:func:`torchrun_launch`).
+
+    Example:
+        >>> process_count(3)  # no torchrun in this process's environment
+        3
+    """
+    torchrun = torchrun_launch()
+    if torchrun is None:
+        return nproc
+    if nproc not in (1, torchrun.world_size):
+        raise ConfigError(
+            f"nproc={nproc}, but torchrun started {torchrun.world_size} processes: under "
+            "torchrun the launch sets the processes (drop nproc, --nproc)"
+        )
+    return torchrun.world_size
+
+
+def launch(function: Callable[..., Any], nproc: int, device_type: str, *args: Any,
+           **kwargs: Any) -> Any:
+    """Run ``function(*args, **kwargs)`` on every process of a command; the one launcher.
+
+    Inside a process group, or with one process (:func:`process_count`), the function runs
+    here. A process started by ``torchrun`` joins its ``env://`` group as its rank
+    (:func:`run_rank`); otherwise ``nproc > 1`` processes are started on this machine
+    (:func:`spawn`).
+
+    Args:
+        function: The work of one rank, a module-level function (pickled by name).
+        nproc: Processes asked for (``nproc`` setting, ``--nproc``).
+        device_type: ``"cpu"`` (``gloo``) or ``"cuda"`` (``nccl``, one GPU per process).
+        *args: Positional arguments of ``function``.
+        **kwargs: Keyword arguments of ``function``.
+
+    Returns:
+        What ``function`` returned here (on rank 0 when processes were started).
+
+    Raises:
+        ConfigError: ``nproc`` at odds with a ``torchrun`` launch.
+        Exception: the first exception of any rank (:func:`spawn`).
+
+    Example:
+        >>> launch(max, 1, "cpu", 2, 5)
+        5
+    """
+    count = process_count(nproc)
+    if count == 1 or current_world().size > 1:
+        return function(*args, **kwargs)
+    torchrun = torchrun_launch()
+    if torchrun is not None:
+        return run_rank(torchrun, device_type, function, *args, **kwargs)
+    return spawn(function, count, device_type, *args, **kwargs)
+
+
+def lead_process() -> bool:
+    """Whether this process reports a command's results: rank 0 of its process group or of its
+    ``torchrun`` launch (also after the group is gone), or a process on its own.
+
+    Example:
+        >>> lead_process()
+        True
+    """
+    torchrun = torchrun_launch()
+    return current_world().main and (torchrun is None or torchrun.rank == 0)
 
 
 def backend_for(device_type: str) -> str:

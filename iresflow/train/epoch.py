@@ -49,7 +49,6 @@ from iresflow.models.flow import SequenceFlow
 from iresflow.train.averaging import averaged_parameters, load_average, moving_average
 from iresflow.train.config import TrainConfig
 from iresflow.train.distributed import World, all_gather_objects, broadcast_object, shard
-from iresflow.train.factories import resolve_model_config
 from iresflow.train.likelihood import (
     batch_context,
     inverse_check,
@@ -61,8 +60,9 @@ from iresflow.train.likelihood import (
 __all__ = ["CHECKPOINT_FORMAT", "TrainingDivergedError", "TrainingSession"]
 
 #: Version of the checkpoint layout of :meth:`TrainingSession.state` (2: the moving average is
-#: the ``state_dict`` of a :class:`torch.optim.swa_utils.AveragedModel`).
-CHECKPOINT_FORMAT = 2
+#: the ``state_dict`` of a :class:`torch.optim.swa_utils.AveragedModel`; 3: the model settings
+#: are stored once, in ``config``).
+CHECKPOINT_FORMAT = 3
 #: ReduceLROnPlateau settings of ``scheduler = "plateau"``.
 PLATEAU_FACTOR = 0.5
 PLATEAU_PATIENCE = 2
@@ -117,8 +117,6 @@ class TrainingSession:
         self.world = world
         self.flow = model if isinstance(model, SequenceFlow) else None
         self.dtype = placement(model)[1]
-        flow = self.flow is not None
-        self.model_config = resolve_model_config(config, dataset) if flow else None
         self.replica: nn.Module = _LogProb(model)
         if world.size > 1:
             self.replica = nn.parallel.DistributedDataParallel(
@@ -200,7 +198,6 @@ class TrainingSession:
         return {
             "format": CHECKPOINT_FORMAT,
             "config": self.config.to_dict(),
-            "model_config": None if self.model_config is None else self.model_config.to_dict(),
             "model": self.model.state_dict(),
             "ema": self.average.state_dict() if self.average is not None else None,
             "optimizer": self.optimizer.state_dict(),

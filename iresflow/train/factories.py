@@ -2,8 +2,10 @@
 
 :func:`build_model` is the one place a training configuration becomes a model: the model settings
 of the run (:attr:`~iresflow.train.config.TrainConfig.model`) are completed from the data by
-:func:`resolve_model_config` and handed to the model's constructor; a checkpoint stores the
-resolved settings, from which the same model is rebuilt.
+:func:`resolve_model_config` and handed to the model's constructor. It is also the one place that
+names the concrete model class; the rest of the code sees a
+:class:`~iresflow.models.flow.SequenceFlow`. A checkpoint stores the run's settings, from which
+the same data and the same model are rebuilt.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import torch
 from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
 from iresflow.data.store import StoredSplit
 from iresflow.models.config import ModelConfig
+from iresflow.models.flow import SequenceFlow
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.config import DEVICE_PATTERN, ConfigError, TrainConfig
+from iresflow.train.distributed import current_world
 
 __all__ = [
     "build_model",
@@ -29,6 +33,9 @@ __all__ = [
 def resolve_device(name: str) -> torch.device:
     """Turn ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` into an available device.
 
+    In a process group on CUDA every process uses its own GPU, the one
+    :func:`~iresflow.train.distributed.run_rank` pinned it to.
+
     Raises:
         ConfigError: an unknown device, or CUDA requested but not available.
 
@@ -38,11 +45,13 @@ def resolve_device(name: str) -> torch.device:
     """
     if not DEVICE_PATTERN.match(name):
         raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {name!r}")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+    )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    if device.type == "cuda" and current_world().size > 1:  # one GPU per process
+        return torch.device("cuda", torch.cuda.current_device())
     return device
 
 
@@ -159,7 +168,7 @@ def _context_settings(config: TrainConfig, dataset: SequenceDataset) -> dict[str
     return {name: value}
 
 
-def build_model(config: TrainConfig, dataset: SequenceDataset) -> ResidualFlowTransformer:
+def build_model(config: TrainConfig, dataset: SequenceDataset) -> SequenceFlow:
     """Construct the (untrained) flow of a configuration for a dataset.
 
     Raises:
@@ -167,7 +176,7 @@ def build_model(config: TrainConfig, dataset: SequenceDataset) -> ResidualFlowTr
 
     Example:
         >>> config = TrainConfig(n_blocks=1, hidden=8)
-        >>> isinstance(build_model(config, load_data(config)), ResidualFlowTransformer)
-        True
+        >>> build_model(config, load_data(config)).max_len
+        29
     """
     return ResidualFlowTransformer(resolve_model_config(config, dataset))

@@ -127,7 +127,7 @@ def batch_context(
         index: Indices of the sequences, shape ``(b,)``.
         device: Where the context goes.
         label: Give every sequence this class instead of its own (label-conditional flows;
-            to score each class, :func:`~iresflow.train.classify.class_log_likelihoods`).
+            to score each class, :func:`~iresflow.runs.classify.class_log_likelihoods`).
 
     Returns:
         Labels ``(b,)`` int64, covariates ``(b, C)``, or ``None``.

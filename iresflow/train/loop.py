@@ -1,41 +1,42 @@
 r"""The training loop: minibatch maximum likelihood with early stopping and exact resume.
 
-:func:`train` prepares the run folder, builds the data and the model
-(:mod:`iresflow.train.factories`), starts the processes of a data-parallel run
-(:mod:`iresflow.train.distributed`) and runs epochs of a
+:func:`train` prepares the run folder, starts the processes of the run
+(:func:`~iresflow.train.distributed.launch`: ``nproc`` processes or a ``torchrun`` launch), builds
+the data and the model once per process (:mod:`iresflow.train.factories`) and runs epochs of a
 :class:`~iresflow.train.epoch.TrainingSession` (the objective, numerical health checks and the
 state of exact resume are described there) until ``epochs``, early stopping or ``max_seconds``
 (:func:`~iresflow.train.fit.run_epochs`, which :func:`~iresflow.train.fit.fit` also runs to train
 in memory from Python, without a run folder). After every epoch
 the ``last`` (and, on improvement, ``best``) checkpoint is written atomically
 (:mod:`iresflow.train.checkpoint`) and the metrics are rewritten (:mod:`iresflow.train.metrics`).
+:func:`train_and_finish` hands every process its trained model and data for more work (the
+test NLL and figures of ``iresflow train``, :func:`iresflow.runs.finish.train_and_evaluate`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from iresflow.data.datasets import SequenceDataset
+from iresflow.models.flow import SequenceFlow
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
-from iresflow.train.distributed import (
-    broadcast_object,
-    current_world,
-    run_rank,
-    spawn,
-    torchrun_launch,
-)
+from iresflow.train.distributed import broadcast_object, current_world, launch, process_count
 from iresflow.train.epoch import TrainingSession
 from iresflow.train.factories import build_model, load_data, resolve_device
 from iresflow.train.fit import deterministic_algorithms, run_epochs
 from iresflow.train.metrics import tensorboard_writer, write_metrics
 from iresflow.train.paths import RunPaths, check_run_folder, prepare_run_folder
 
-__all__ = ["TrainResult", "train"]
+__all__ = ["FittedRun", "TrainResult", "train", "train_and_finish"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,23 @@ class TrainResult:
     history: list[dict[str, float]]
 
 
+@dataclass(frozen=True)
+class FittedRun:
+    """A run just trained, in a process that trained it (what :func:`train_and_finish` hands on).
+
+    Attributes:
+        config: The settings of the run (``nproc`` the processes it ran in).
+        result: Its summary.
+        model: The flow with the weights of the last epoch, on the training device.
+        dataset: The data it was trained on.
+    """
+
+    config: TrainConfig
+    result: TrainResult
+    model: SequenceFlow
+    dataset: SequenceDataset
+
+
 def train(
     config: TrainConfig,
     run_dir: str | os.PathLike,
@@ -67,7 +85,7 @@ def train(
     overwrite: bool = False,
     progress: bool = True,
 ) -> TrainResult:
-    """Train a :class:`~iresflow.models.transformer.ResidualFlowTransformer`.
+    """Train the flow of a configuration (:func:`~iresflow.train.factories.build_model`).
 
     Args:
         config: All settings.
@@ -78,12 +96,11 @@ def train(
         overwrite: Replace an existing run in ``run_dir``.
         progress: Show a progress bar (on a terminal) and one summary line per epoch (stderr).
 
-    With ``config.nproc > 1`` and no process group yet, ``nproc`` processes are started
-    (:func:`~iresflow.train.distributed.spawn`), each runs this function as one rank of a
-    data-parallel run, and rank 0's result is returned; an error of any rank is re-raised here.
-    In a process started by ``torchrun`` (:func:`~iresflow.train.distributed.torchrun_launch`)
-    this function joins the ``env://`` process group as its rank instead
-    (:func:`~iresflow.train.distributed.run_rank`); ``nproc`` must then equal ``WORLD_SIZE``.
+    With ``config.nproc > 1`` and no process group yet, ``nproc`` processes are started, each
+    runs one rank of a data-parallel run, and rank 0's result is returned; an error of any rank
+    is re-raised here. In a process started by ``torchrun`` this function joins the ``env://``
+    process group as its rank instead; ``nproc`` must then be 1 (it becomes ``WORLD_SIZE``) or
+    equal ``WORLD_SIZE`` (:func:`~iresflow.train.distributed.launch`).
 
     Returns:
         A :class:`TrainResult`.
@@ -96,29 +113,69 @@ def train(
             that stopped converging, with ``on_nan = "stop"``
             (:class:`~iresflow.train.epoch.TrainingDivergedError`).
     """
+    return train_and_finish(
+        config, run_dir, _result, resume=resume, overwrite=overwrite, progress=progress
+    )
+
+
+def train_and_finish(
+    config: TrainConfig,
+    run_dir: str | os.PathLike,
+    finish: Callable[[FittedRun], T],
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> T:
+    """:func:`train`, then ``finish`` on every process with the model and data it trained.
+
+    Args:
+        config: All settings.
+        run_dir: Run folder.
+        finish: A module-level function (it is pickled by name for started processes) called
+            on every rank with its :class:`FittedRun`, inside the process group.
+        resume: As in :func:`train`.
+        overwrite: As in :func:`train`.
+        progress: As in :func:`train`.
+
+    Returns:
+        What ``finish`` returned here (on rank 0 when processes were started).
+
+    Raises:
+        ConfigError, CheckpointError, TrainingDivergedError: as in :func:`train`.
+    """
     paths = RunPaths(Path(run_dir))
-    device = resolve_device(config.device)
-    world = current_world()
-    launch = torchrun_launch()
-    if launch is not None and launch.world_size > 1 and world.size == 1:  # under torchrun
-        return run_rank(
-            launch, device.type, train, config, run_dir, resume=resume, overwrite=overwrite,
-            progress=progress,
-        )
-    if world.main:  # a folder that cannot be used is refused before the data and model load
+    if current_world().main:  # a folder that cannot be used is refused before anything starts
         check_run_folder(paths, resume=resume, overwrite=overwrite)
-    if config.nproc > 1 and world.size == 1:  # start the processes; each one calls train
-        return spawn(
-            train, config.nproc, device.type, config, run_dir, resume=resume,
-            overwrite=overwrite, progress=progress,
-        )
+    config = config.replace(nproc=process_count(config.nproc))
+    return launch(
+        _fit_and_finish, config.nproc, resolve_device(config.device).type, finish, config,
+        paths, resume, overwrite, progress,
+    )
+
+
+def _result(fitted: FittedRun) -> TrainResult:
+    return fitted.result
+
+
+def _fit_and_finish(
+    finish: Callable[[FittedRun], T], config: TrainConfig, paths: RunPaths, resume: bool,
+    overwrite: bool, progress: bool,
+) -> T:
+    return finish(_fit(config, paths, resume=resume, overwrite=overwrite, progress=progress))
+
+
+def _fit(
+    config: TrainConfig, paths: RunPaths, *, resume: bool, overwrite: bool, progress: bool
+) -> FittedRun:
+    """One process's part of the run: its data, its model and the epochs."""
+    world = current_world()
     if world.size != config.nproc:
         raise ConfigError(
             f"nproc={config.nproc} but the process group has {world.size} ranks (under torchrun, "
             "nproc must equal WORLD_SIZE)"
         )
-    if world.size > 1 and device.type == "cuda":  # one GPU per process
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(config.device)
     if device.type == "cuda":  # deterministic cuBLAS; must be set before the first CUDA matmul
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     dataset = load_data(config)
@@ -127,18 +184,7 @@ def train(
     with deterministic_algorithms(), torch.random.fork_rng(devices=devices):
         torch.manual_seed(config.seed)
         model = build_model(config, dataset).to(device)  # settings checked before any deletion
-        outcome: Any = None
-        state: dict[str, Any] | None = None
-        if world.main:  # only rank 0 touches the folder; the others learn the outcome
-            try:
-                state = prepare_run_folder(paths, config, resume=resume, overwrite=overwrite)
-            except (ConfigError, CheckpointError, OSError) as error:
-                outcome = error
-        outcome, resumed = broadcast_object((outcome, state is not None))
-        if outcome is not None:
-            raise outcome
-        if not world.main and resumed:
-            state = load_checkpoint(paths.last)
+        state = _prepare_folder(paths, config, resume=resume, overwrite=overwrite)
         session = TrainingSession(config, dataset, model, device, world)
         if state is not None:
             session.restore(state)
@@ -151,7 +197,27 @@ def train(
         result = _run_epochs(session, paths, progress and world.main)
         if world.size > 1:  # no rank returns before rank 0 has written the last files
             torch.distributed.barrier()
-        return result
+    return FittedRun(config, result, model, dataset)
+
+
+def _prepare_folder(
+    paths: RunPaths, config: TrainConfig, *, resume: bool, overwrite: bool
+) -> dict[str, Any] | None:
+    """Rank 0 prepares the run folder; every rank gets the outcome and the state to resume."""
+    world = current_world()
+    outcome: Any = None
+    state: dict[str, Any] | None = None
+    if world.main:  # only rank 0 touches the folder; the others learn the outcome
+        try:
+            state = prepare_run_folder(paths, config, resume=resume, overwrite=overwrite)
+        except (ConfigError, CheckpointError, OSError) as error:
+            outcome = error
+    outcome, resumed = broadcast_object((outcome, state is not None))
+    if outcome is not None:
+        raise outcome
+    if not world.main and resumed:
+        state = load_checkpoint(paths.last)
+    return state
 
 
 def _run_epochs(session: TrainingSession, paths: RunPaths, progress: bool) -> TrainResult:

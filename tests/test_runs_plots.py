@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from iresflow.train.plots import PlotLabels, plot_learning_curves, plot_marginals, plot_traces
+from iresflow.runs.plots import PlotLabels, plot_learning_curves, plot_marginals, plot_traces
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,4 @@
-"""Reloading a run: the stored model settings and the moving-average weights."""
+"""Reloading a run and its NLL: the stored settings, the moving-average weights, method auto."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from iresflow.models.config import ModelConfig
-from iresflow.train import evaluate
+from iresflow.runs import evaluate
+from iresflow.runs.evaluate import evaluate_run
+from iresflow.runs.load import full_history, load_run
 from iresflow.train.averaging import load_average, moving_average
 from iresflow.train.checkpoint import load_checkpoint
 from iresflow.train.config import TrainConfig
 from iresflow.train.epoch import TrainingSession
-from iresflow.train.evaluate import evaluate_run, full_history, load_run
 from iresflow.train.factories import load_data, resolve_model_config
 from iresflow.train.likelihood import log_prob_cost
 from iresflow.train.loop import train
@@ -27,11 +28,12 @@ def test_load_run_rebuilds_the_stored_model_with_averaged_weights(tmp_path: Path
     config = TrainConfig(**TINY).replace(ema=0.5)
     train(config, tmp_path / "run", progress=False)
     state = load_checkpoint(RunPaths(tmp_path / "run").best)
-    stored = ModelConfig.from_dict(state["model_config"])
-    assert stored == resolve_model_config(config, load_data(config))
-    assert (stored.features, stored.max_len, stored.heads) == (12, 29, 4)
-
+    assert state["config"] == config.to_dict() and "model_config" not in state  # stored once
     run = load_run(tmp_path / "run", device="cpu")
+    assert run.model_config == resolve_model_config(config, load_data(config))
+    resolved = run.model_config
+    assert (resolved.features, resolved.max_len, resolved.heads) == (12, 29, 4)
+
     average = moving_average(run.model, config.ema)
     load_average(average, state["ema"])
     averaged = dict(average.module.named_parameters())
@@ -96,9 +98,9 @@ def test_auto_prefers_exact_to_too_many_roulette_estimates(
     assert saved["choice"] == result["choice"]
     with pytest.raises(ValueError, match="target_stderr must be > 0"):
         evaluate_run(run, method="auto", target_stderr=0.0)
-    with pytest.raises(ValueError, match="n_samples must be a positive int"):
+    with pytest.raises(ValueError, match="n_samples must be >= 1, got 0"):
         evaluate_run(run, method="roulette", n_samples=0)
-    with pytest.raises(ValueError, match="method must be exact, roulette or auto"):
+    with pytest.raises(ValueError, match="method must be one of exact, roulette, auto, got 'se"):
         evaluate_run(run, method="series")
 
 

@@ -17,14 +17,14 @@ import torch
 from torch import Tensor
 
 from iresflow.data.datasets import SequenceSplit
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.flow import SequenceFlow
 from iresflow.train.likelihood import sharded_log_prob
 
 __all__ = ["bayes_classify", "class_log_likelihoods", "class_prior", "confusion_matrix"]
 
 
 def class_log_likelihoods(
-    model: ResidualFlowTransformer,
+    model: SequenceFlow,
     split: SequenceSplit,
     *,
     method: str = "exact",
@@ -53,6 +53,7 @@ def class_log_likelihoods(
         ValueError: the model is not label-conditional.
 
     Example:
+        >>> from iresflow.models.transformer import ResidualFlowTransformer
         >>> model = ResidualFlowTransformer(features=1, max_len=3, n_blocks=1, hidden=4,
         ...                                 num_classes=2)
         >>> split = SequenceSplit(torch.randn(5, 3, 1), torch.ones(5, 3, dtype=torch.bool),
@@ -60,7 +61,8 @@ def class_log_likelihoods(
         >>> class_log_likelihoods(model, split).shape
         torch.Size([5, 2])
     """
-    num_classes = model.config.num_classes
+    encoder = model.context_encoder
+    num_classes = 0 if encoder is None else encoder.num_classes
     if num_classes == 0:
         raise ValueError("class_log_likelihoods needs a label-conditional model (num_classes > 0)")
     columns = [

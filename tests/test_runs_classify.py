@@ -1,4 +1,4 @@
-"""Generative classification (iresflow.train.classify): per-class likelihoods, Bayes' rule."""
+"""Generative classification (iresflow.runs.classify): per-class likelihoods, Bayes' rule."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from iresflow.data.splits import SequenceSplit
 from iresflow.models.transformer import ResidualFlowTransformer
-from iresflow.train.classify import (
+from iresflow.runs.classify import (
     bayes_classify,
     class_log_likelihoods,
     class_prior,

@@ -1,0 +1,127 @@
+"""What the commands print about a run, as text: its summary, an evaluation, a set of samples.
+
+:func:`describe_run` is ``iresflow info``: the settings, the size and the certified and observed
+Lipschitz constants of every residual branch (settings: :class:`~iresflow.runs.settings.
+InfoSettings`). The other functions put the results of :mod:`iresflow.runs.evaluate` and
+:mod:`iresflow.runs.sample` into words.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from iresflow.runs.load import LoadedRun
+from iresflow.runs.sample import Samples
+from iresflow.runs.settings import InfoSettings
+from iresflow.train.config import ConfigError
+
+__all__ = ["describe_classification", "describe_evaluation", "describe_run", "describe_samples"]
+
+
+def describe_run(run: LoadedRun, settings: InfoSettings | None = None, **changes: Any) -> str:
+    """A run's data, checkpoint, condition, best validation NLL, size, settings and the
+    Lipschitz constants of its residual branches (certified and observed).
+
+    Args:
+        run: A loaded run.
+        settings: The sequence length of the Lipschitz report (default: the data's longest).
+        **changes: Fields of :class:`~iresflow.runs.settings.InfoSettings` to change.
+
+    Returns:
+        Lines of text.
+
+    Raises:
+        ConfigError: an invalid setting, or ``seq_len`` above the model's ``max_len``.
+    """
+    settings = (settings or InfoSettings()).replace(**changes)
+    seq_len = settings.seq_len if settings.seq_len is not None else run.dataset.max_len
+    longest = run.model.max_len
+    if longest is not None and seq_len > longest:
+        raise ConfigError(f"seq_len must be <= {longest} for this model, got {seq_len}")
+    data = run.dataset
+    lines = [
+        f"run: {run.paths.root}",
+        f"data: {data.name} ({data.features} features, up to {data.max_len} frames, NLL in "
+        f"{data.unit})",
+        f"checkpoint: {run.checkpoint}, epoch {run.epoch}",
+    ]
+    model = run.model_config
+    if run.config.condition == "label":
+        classes = data.classes or ()
+        lines.append(f"condition: label ({len(classes)} classes: {', '.join(classes)}; "
+                     f"embedding of size {model.resolved_context_features})")
+    elif run.config.condition == "covariates":
+        lines.append(f"condition: covariates ({model.context_features} per sequence)")
+    if run.history:
+        best = min(run.history, key=lambda row: row["val_nll"])
+        lines.append(f"best validation NLL: {best['val_nll']:.4f} (epoch {best['epoch']:.0f})")
+    lines += [
+        f"parameters: {sum(p.numel() for p in run.model.parameters()):,}",
+        "\nsettings:",
+        run.config.to_toml().rstrip(),
+    ]
+    generator = torch.Generator(next(run.model.parameters()).device).manual_seed(0)
+    report = run.model.lipschitz_report(seq_len, generator=generator)
+    lines += [
+        "guarantees: re-checked at load: every parameter finite, every certified Lipschitz "
+        "constant below 1 (weights are re-normalised in every forward pass)",
+        f"\nLipschitz constants of the residual branches (sequence length {seq_len}):",
+        f"{'branch':<24}{'type':<36}{'norm':>5}{'certified':>11}{'observed':>10}",
+    ]
+    lines += [
+        f"{row['name']:<24}{row['type']:<36}{row['norm']:>5}{row['certified']:>11.4f}"
+        f"{row['estimate']:>10.4f}"
+        for row in report
+    ]
+    return "\n".join(lines)
+
+
+def describe_evaluation(result: dict[str, Any]) -> str:
+    """One line for a result of :func:`~iresflow.runs.evaluate.evaluate_run`.
+
+    Example:
+        >>> describe_evaluation({"split": "test", "method": "exact", "nll": 1.5,
+        ...     "unit": "nats/frame", "sequences": 6, "checkpoint": "best", "epoch": 2})
+        'test NLL: 1.5000 nats/frame (exact; 6 sequences, best checkpoint of epoch 2)'
+    """
+    text = f"{result['split']} NLL: {result['nll']:.4f}"
+    if "stderr" in result:
+        text += f" ± {result['stderr']:.4f} (standard error)"
+    details = result.get("choice", result["method"])
+    if "n_samples" in result and "choice" not in result:
+        details += f", {result['n_samples']} estimates per sequence"
+    return (
+        f"{text} {result['unit']} ({details}; {result['sequences']} sequences, "
+        f"{result['checkpoint']} checkpoint of epoch {result['epoch']})"
+    )
+
+
+def describe_classification(classification: dict[str, Any]) -> str:
+    """Accuracy and the confusion matrix (rows true, columns predicted) as lines of text."""
+    classes, corner = classification["classes"], "true/predicted"
+    width = max(len(corner), *(len(name) for name in classes))
+    columns = max(5, *(len(name) + 1 for name in classes))
+    lines = [
+        f"accuracy (Bayes' rule, training class frequencies as prior): "
+        f"{classification['accuracy']:.4f}",
+        "confusion matrix (rows: true class, columns: predicted class):",
+        f"{corner:<{width}}" + "".join(f"{name:>{columns}}" for name in classes),
+    ]
+    for name, row in zip(classes, classification["confusion"], strict=True):
+        lines.append(f"{name:<{width}}" + "".join(f"{count:>{columns}}" for count in row))
+    return "\n".join(lines)
+
+
+def describe_samples(run: LoadedRun, samples: Samples) -> str:
+    """Two lines: what was drawn, and whether every fixed-point inverse converged."""
+    diagnostics = samples.diagnostics
+    verdict = "converged" if diagnostics["converged"] else "NOT converged: residual above tolerance"
+    return (
+        f"sampled {len(samples.lengths)} sequences of lengths {int(samples.lengths.min())}.."
+        f"{int(samples.lengths.max())} ({run.checkpoint} checkpoint, epoch {run.epoch})\n"
+        f"inverse: at most {diagnostics['max_iterations']} iterations per block; worst residual "
+        f"{diagnostics['residual']:.2e} against its tolerance {diagnostics['tolerance']:.2e}: "
+        f"{verdict}"
+    )

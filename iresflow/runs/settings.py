@@ -1,0 +1,144 @@
+"""The settings of using a finished run: which checkpoint, and how to evaluate, sample, inspect.
+
+One record per job, built with the settings gate of :mod:`iresflow._settings` like
+:class:`~iresflow.train.config.TrainConfig`: every default is defined here once, the Python
+functions take the record (or its fields as keywords) and the flags of ``iresflow evaluate``,
+``sample`` and ``info`` derive from the fields, so a value is checked in one place, the record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from iresflow._settings import ConfigError, SettingsRecord, check_minimum, setting
+from iresflow.train.config import DEVICE_PATTERN
+from iresflow.train.metrics import SCORE_SUFFIXES
+
+__all__ = ["EvaluateSettings", "InfoSettings", "RunSettings", "SampleSettings"]
+
+
+@dataclass(frozen=True)
+class RunSettings(SettingsRecord):
+    """Which state of a run to load (:func:`~iresflow.runs.load.load_run`).
+
+    Example:
+        >>> RunSettings().checkpoint
+        'best'
+        >>> RunSettings(device="tpu")
+        Traceback (most recent call last):
+        ...
+        iresflow._settings.ConfigError: device must be cpu, cuda, cuda:N or auto, got 'tpu'
+    """
+
+    checkpoint: str = setting(
+        "best", "which checkpoint to use (best: lowest validation NLL; last: latest epoch)",
+        ("best", "last"),
+    )
+    device: str | None = setting(None, "cpu, cuda, cuda:N or auto", unset="the run's")
+
+    def check(self) -> None:
+        if self.device is not None and not DEVICE_PATTERN.match(self.device):
+            raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class EvaluateSettings(SettingsRecord):
+    """How to measure a run's NLL (:func:`~iresflow.runs.evaluate.evaluate_run`).
+
+    Example:
+        >>> EvaluateSettings(method="roulette", n_samples=8).split
+        'test'
+        >>> EvaluateSettings(scores="out.txt")
+        Traceback (most recent call last):
+        ...
+        iresflow._settings.ConfigError: scores must name a .csv or .npz file, got 'out.txt'
+    """
+
+    split: str = setting("test", "split to evaluate", ("test", "val", "train"))
+    method: str = setting(
+        "exact",
+        "log-determinant: exact, unbiased Russian-roulette estimates, or auto (exact when "
+        "affordable, else enough roulette estimates for a standard error below target_stderr; "
+        "what train reports at its end)",
+        ("exact", "roulette", "auto"),
+    )
+    n_samples: int = setting(
+        4, "roulette estimates per sequence (>= 2 gives a standard error; for auto, the pilot's)"
+    )
+    seed: int = setting(0, "seed of the roulette estimates")
+    target_stderr: float = setting(
+        0.01, "standard error, in the dataset's unit, that the auto method aims for"
+    )
+    scores: str | None = setting(
+        None,
+        "also write per-sequence scores, one row per sequence in the split's order (index, "
+        "length, log_prob in nats and nll in the dataset's unit, label; with classify the "
+        "predicted label and the log-likelihood of every class) to this .csv or .npz file",
+        unset="none",
+    )
+    classify: bool = setting(
+        False,
+        "label-conditional runs: classify every sequence by Bayes' rule, argmax_k log "
+        "p(x | y=k) + log pi_k with pi the class frequencies of the training split, and report "
+        "the accuracy and the confusion matrix",
+    )
+    nproc: int = setting(
+        1,
+        "processes sharing the split, started by evaluate (gloo on the CPU, nccl with one GPU "
+        "each; under torchrun the launch decides)",
+    )
+
+    def check(self) -> None:
+        check_minimum(self, ("n_samples", "nproc"), 1)
+        if not self.target_stderr > 0:
+            raise ConfigError(f"target_stderr must be > 0, got {self.target_stderr}")
+        if self.scores is not None and Path(self.scores).suffix not in SCORE_SUFFIXES:
+            raise ConfigError(f"scores must name a .csv or .npz file, got {self.scores!r}")
+
+
+@dataclass(frozen=True)
+class SampleSettings(SettingsRecord):
+    """What to draw from a run (:func:`~iresflow.runs.sample.sample_run`).
+
+    Example:
+        >>> SampleSettings(num=0)
+        Traceback (most recent call last):
+        ...
+        iresflow._settings.ConfigError: num must be >= 1, got 0
+    """
+
+    num: int = setting(16, "sequences to draw")
+    length: int | None = setting(
+        None, "length of every sequence", unset="drawn from the training lengths"
+    )
+    seed: int = setting(0, "seed of the lengths and of the base noise")
+    label: str | None = setting(
+        None,
+        "class of every sample, one of the dataset's class names (runs trained with condition "
+        "label)",
+        unset="none",
+    )
+    covariates: tuple[float, ...] | None = setting(
+        None,
+        "covariates of every sample, one value per covariate (runs trained with condition "
+        "covariates; write --covariates=-1,2 for a leading minus sign)",
+        unset="none",
+    )
+
+    def check(self) -> None:
+        check_minimum(self, ("num", "length"), 1)
+        if self.label is not None and self.covariates is not None:
+            raise ConfigError("label and covariates exclude each other")
+
+
+@dataclass(frozen=True)
+class InfoSettings(SettingsRecord):
+    """What the report of a run covers (:func:`~iresflow.runs.report.describe_run`)."""
+
+    seq_len: int | None = setting(
+        None, "sequence length of the Lipschitz report", unset="the data's longest"
+    )
+
+    def check(self) -> None:
+        check_minimum(self, ("seq_len",), 1)
