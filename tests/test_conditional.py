@@ -11,11 +11,16 @@ from nflows.flows import Flow
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.models.config import ConfigError, ModelConfig
 from iresflow.models.transformer import ResidualFlowTransformer
-from iresflow.nn.conditional import (
-    ConditionalLipschitzMLP,
-    ConditionalTemporalConvBranch,
-    ContextEncoder,
+from iresflow.nn.attention import (
+    ContractiveL2MultiheadAttention,
+    ContractiveLipschitzNormAttention,
 )
+from iresflow.nn.base import LipschitzBranch
+from iresflow.nn.conditional import ConditionalBranch, ContextEncoder
+from iresflow.nn.conv import TemporalConvBranch
+from iresflow.nn.diagnostics import jacobian_norm
+from iresflow.nn.mlp import LipschitzMLP
+from iresflow.nn.positional import PositionalBranch, SinusoidalPositionalEncoding
 from iresflow.transforms.conditional import ConditionalAffine
 from iresflow.transforms.residual import ResidualTransform
 from tests.oracles import real_indices
@@ -32,8 +37,8 @@ def _randomize_context_nets(module: torch.nn.Module, scale: float = 1.0) -> None
 
 
 def _branches(device):
-    mlp = ConditionalLipschitzMLP((3, 16, 16, 3), context_features=2, coeff=0.9 ** (1 / 3))
-    conv = ConditionalTemporalConvBranch(3, 8, 2, kernel_size=3, coeff=0.9, max_len=6)
+    mlp = ConditionalBranch(LipschitzMLP((3, 16, 16, 3), coeff=0.9 ** (1 / 3)), 2)
+    conv = ConditionalBranch(TemporalConvBranch(3, 8, kernel_size=3, coeff=0.9, max_len=6), 2)
     return [b.to(device=device, dtype=F64).eval() for b in (mlp, conv)]
 
 
@@ -87,6 +92,74 @@ def test_conditional_branch_contract(device, kind):
         g(x, mask, context=torch.zeros(3, 2, device=device, dtype=F64))
     with pytest.raises(TypeError, match=r"\bcontext\b"):
         g(x, mask, context=None)
+
+
+def _attention_branch(kind: str, device) -> ConditionalBranch:
+    """A conditional contractive attention branch (D = 4, 2 heads) with a positional table."""
+    attention = (ContractiveL2MultiheadAttention(4, 2, coeff=0.9) if kind == "l2"
+                 else ContractiveLipschitzNormAttention(4, 2, coeff=0.9))
+    branch = ConditionalBranch(PositionalBranch(attention, SinusoidalPositionalEncoding(4)), 2)
+    _randomize_context_nets(branch, scale=3.0)
+    return branch.to(device=device, dtype=F64).eval()
+
+
+#: Masks of length 7 with gaps, a padded end and a single real token.
+GAP_MASKS = [[True] * 7, [True, False, True, True, False, False, True],
+             [False, True, True, False, True, True, False], [True] + [False] * 6]
+
+
+@pytest.mark.parametrize("kind", ["l2", "lipschitznorm"])
+def test_attention_certificate_holds_in_x_for_adversarial_contexts(device, kind):
+    """Gradient ascent of the Jacobian norm in the branch's own norm, over the inputs and half
+    of the contexts jointly (the other half random, some huge), with gaps in the masks: the
+    norm never exceeds the certificate, for every real length."""
+    g = _attention_branch(kind, device)
+    mask = torch.tensor(GAP_MASKS * 2, device=device)
+    x = torch.randn(8, 7, 4, device=device, dtype=F64, requires_grad=True)
+    c = torch.randn(8, 2, device=device, dtype=F64) * torch.tensor(
+        [1.0, 10.0, 100.0, 1.0, 1.0, 1.0, 1.0, 1.0], device=device, dtype=F64)[:, None]
+    c_opt = c[4:].clone().requires_grad_(True)
+    opt = torch.optim.Adam([x, c_opt], lr=0.1)
+    best = torch.zeros(8, device=device, dtype=F64)
+    for _ in range(40):
+        context = torch.cat([c[:4], c_opt])
+        norm = jacobian_norm(lambda t, c=context: g(t, mask, context=c), x, g.norm)
+        best = torch.maximum(best, norm.detach())
+        opt.zero_grad()
+        (-norm.sum()).backward()
+        opt.step()
+    bound = float(g.lipschitz_constant().detach())
+    assert bound == pytest.approx(0.9)
+    assert float(best.max()) <= bound + 1e-9
+    assert float(best.min()) > 0.01 * bound  # the search is not vacuous
+    # the context changes the map, of its own sequence only
+    x = torch.randn(8, 7, 4, device=device, dtype=F64)
+    out = g(x, mask, context=c)
+    other = c.clone()
+    other[1] += 1.0
+    changed = (g(x, mask, context=other) - out).abs().flatten(1).amax(1) > 0
+    assert changed.tolist() == [False, True] + [False] * 6
+    assert bool((out[~mask] == 0).all())
+
+
+@pytest.mark.parametrize("kind", ["l2", "lipschitznorm"])
+def test_attention_step_with_context_round_trip_and_logdet(device, kind):
+    g = _attention_branch(kind, device)
+    block = ResidualTransform(g, logdet="exact").eval()
+    x = torch.randn(4, 7, 4, device=device, dtype=F64)
+    mask = torch.tensor(GAP_MASKS, device=device)
+    c = torch.randn(4, 2, device=device, dtype=F64)
+    y, logabsdet = block(x, c, mask=mask)
+    x_rec, inverse_logabsdet = block.inverse(y, c, mask=mask)
+    assert torch.allclose(x_rec, x, atol=1e-9)
+    assert torch.allclose(logabsdet, -inverse_logabsdet, atol=1e-8)
+    for b in range(4):
+        mb, cb = mask[b : b + 1], c[b : b + 1]
+        jac = torch.autograd.functional.jacobian(
+            lambda t, mb=mb, cb=cb: t + g(t, mb, context=cb), x[b : b + 1]).reshape(28, 28)
+        idx = real_indices(mask, b, 7, 4).to(device)
+        assert torch.allclose(logabsdet[b], torch.linalg.slogdet(jac[idx][:, idx])[1],
+                              atol=1e-8)
 
 
 @pytest.mark.parametrize("logdet", ["exact", "roulette"])
@@ -175,17 +248,17 @@ SETTINGS = [{"num_classes": 3}, {"num_classes": 3, "context_features": 4},
             {"context_features": 2}]
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=["labels", "labels-c4", "covariates"])
-def test_model_exact_log_prob_matches_jacobian_oracle(device, settings):
-    model = _model(device, **settings)
-    x, mask = _padded_inputs(device)
-    context = _contexts(device, settings)
+def _assert_exact_log_prob_matches_oracle(model, x, mask, context):
+    """``log_prob(method="exact")`` against the autograd Jacobian of the whole flow + slogdet
+    over the real entries, sequence by sequence, and the chunked evaluation against both."""
     log_prob = model.log_prob(x, mask, method="exact", context=context)
-    for b in range(4):
+    batch, length, features = x.shape
+    for b in range(batch):
         mb, cb = mask[b : b + 1], context[b : b + 1]
         f = lambda t, mb=mb, cb=cb: model.transform_to_noise(t, mb, context=cb)  # noqa: E731
-        jac = torch.autograd.functional.jacobian(f, x[b : b + 1]).reshape(15, 15)
-        idx = real_indices(mask, b, 5, 3).to(device)
+        jac = torch.autograd.functional.jacobian(f, x[b : b + 1])
+        jac = jac.reshape(length * features, length * features)
+        idx = real_indices(mask, b, length, features).to(x.device)
         z = f(x[b : b + 1])[0][mask[b]]
         base = torch.distributions.Normal(0.0, 1.0).log_prob(z).sum()
         expected = base + torch.linalg.slogdet(jac[idx][:, idx])[1]
@@ -195,24 +268,55 @@ def test_model_exact_log_prob_matches_jacobian_oracle(device, settings):
     assert torch.allclose(chunked, log_prob, atol=1e-10)
 
 
-@pytest.mark.parametrize("settings", SETTINGS[::2], ids=["labels", "covariates"])
-def test_model_round_trip_and_sampling(device, settings):
+@pytest.mark.parametrize("settings", SETTINGS, ids=["labels", "labels-c4", "covariates"])
+def test_model_exact_log_prob_matches_jacobian_oracle(device, settings):
     model = _model(device, **settings)
     x, mask = _padded_inputs(device)
+    _assert_exact_log_prob_matches_oracle(model, x, mask, _contexts(device, settings))
+
+
+#: The residual-flow Transformer recipe, conditional.
+TRANSFORMER = {"layers": ("attention", "mlp"), "ar_order": 0}
+
+
+def _gap_inputs(device):
+    """Four float64 sequences ``(4, 6, 3)``: one full, one padded at the end, two with gaps."""
+    x = torch.randn(4, 6, 3, device=device, dtype=F64)
+    mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2,
+                         [True, True, False, True, False, True],
+                         [True, False, False, True, True, False]], device=device)
+    return x, mask
+
+
+@pytest.mark.parametrize("attention", ["l2", "lipschitznorm"])
+@pytest.mark.parametrize("settings", SETTINGS[::2], ids=["labels", "covariates"])
+def test_attention_model_exact_log_prob_matches_jacobian_oracle(device, settings, attention):
+    model = _model(device, **TRANSFORMER, attention=attention, **settings)
+    assert all(isinstance(step.branch, ConditionalBranch) for _, step in model.residual_steps())
+    x, mask = _gap_inputs(device)
+    _assert_exact_log_prob_matches_oracle(model, x, mask, _contexts(device, settings))
+
+
+@pytest.mark.parametrize("layers", [{}, TRANSFORMER], ids=["conv-mlp", "attention-mlp"])
+@pytest.mark.parametrize("settings", SETTINGS[::2], ids=["labels", "covariates"])
+def test_model_round_trip_and_sampling(device, settings, layers):
+    model = _model(device, **layers, **settings)
+    x, mask = _gap_inputs(device) if layers else _padded_inputs(device)
     context = _contexts(device, settings)
     z = model.transform_to_noise(x, mask, context=context)
     assert torch.allclose(model.inverse(z, mask, context=context), x, atol=1e-9)
     gen = torch.Generator(device=device).manual_seed(0)
-    samples, smask = model.sample(4, seq_len=5, generator=gen, context=context)
+    samples, smask = model.sample(4, seq_len=x.shape[1], generator=gen, context=context)
     gen.manual_seed(0)
     noise = model.base.sample(smask, gen, 1.0, dtype=F64)
     assert torch.allclose(model.transform_to_noise(samples, smask, context=context), noise,
                           atol=1e-9)
 
 
+@pytest.mark.parametrize("layers", [{}, TRANSFORMER], ids=["conv-mlp", "attention-mlp"])
 @pytest.mark.parametrize("settings", SETTINGS[::2], ids=["labels", "covariates"])
-def test_context_of_one_sequence_changes_only_its_density(device, settings):
-    model = _model(device, **settings)
+def test_context_of_one_sequence_changes_only_its_density(device, settings, layers):
+    model = _model(device, **layers, **settings)
     x = torch.randn(4, 5, 3, device=device, dtype=F64)
     context = _contexts(device, settings)
     other = context.clone()
@@ -313,6 +417,20 @@ def test_conditional_affine(device):
         layer(x)
 
 
-def test_conditional_models_reject_attention_layers():
-    with pytest.raises(ConfigError, match="attention"):
-        ModelConfig(num_classes=2, layers=("attention", "mlp"))
+def test_conditional_branch_needs_a_branch_that_takes_a_shift():
+    class Half(LipschitzBranch):  # g(x) = x / 2: takes no shift
+        position_wise, norm = True, "2"
+
+        def forward(self, x, mask=None):
+            return x / 2
+
+        def lipschitz_constant(self, seq_len=None):
+            return torch.tensor(0.5)
+
+    with pytest.raises(ValueError, match="shift"):
+        ConditionalBranch(Half(), 2)
+    with pytest.raises(TypeError, match="LipschitzBranch"):
+        ConditionalBranch(torch.nn.Linear(3, 3), 2)  # type: ignore[arg-type]
+    g = _branches("cpu")[0]
+    with pytest.raises(ValueError, match="shift"):
+        g.branch(torch.zeros(2, 4, 3, dtype=F64), shift=torch.zeros(2, 3, dtype=F64))

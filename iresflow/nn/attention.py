@@ -30,9 +30,9 @@ from torch import Tensor, nn
 from iresflow._validation import check_inputs, check_int, under_functorch_transform
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.bounds import l2_attention_bound
-from iresflow.nn.linear import _check_coefficient
+from iresflow.nn.linear import check_coefficient
 from iresflow.nn.lipschitz_norm import (
-    _check_positive,
+    check_positive,
     lipschitz_norm_scale,
     multihead_bound,
     transformer_head_bound,
@@ -161,7 +161,7 @@ class DotProductMultiheadAttention(nn.Module):
             raise ValueError(
                 f"lipschitz_norm must be None or 'transformer', got {lipschitz_norm!r}"
             )
-        _check_positive(alpha, "alpha")
+        check_positive(alpha, "alpha")
         self.dim = dim
         self.heads = heads
         self.lipschitz_norm = lipschitz_norm
@@ -203,6 +203,11 @@ class DotProductMultiheadAttention(nn.Module):
 class _ContractiveAttention(LipschitzBranch):
     r"""Shared body of the contractive attention branches: :math:`c\,F(X) / B(\theta, N)`.
 
+    A per-sequence shift ``(B, D)`` (:attr:`shift_features`) translates the input,
+    :math:`c\,F(X + \mathbf 1 s^\top) / B(\theta, N)`: the Jacobian in :math:`X` is the
+    branch's Jacobian at the translated input, so the certificate is unchanged
+    (docs/math.md#conditional-branches).
+
     Subclasses set ``attention`` (the unnormalised map :math:`F`), ``coeff`` and ``length``
     (``"actual"``: each sequence's real length in the bound; ``"max"``: the padded length) and
     implement :meth:`raw_bound`.
@@ -218,16 +223,28 @@ class _ContractiveAttention(LipschitzBranch):
         """Token dimension ``D`` the branch requires."""
         return self.attention.dim
 
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+    @property
+    def shift_features(self) -> int:  # type: ignore[override]
+        """Width ``D`` of the shift the branch takes: a translation of its input."""
+        return self.attention.dim
+
+    def forward(
+        self, x: Tensor, mask: Tensor | None = None, shift: Tensor | None = None
+    ) -> Tensor:
         """Evaluate :math:`c F(X) / B(\\theta, N)`.
 
         Args:
             x: Sequences, shape ``(B, N, D)``.
             mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
+            shift: Optional ``(B, D)``, added to every token of the input.
 
         Returns:
             Branch output, shape ``(B, N, D)``, zero at padded positions.
         """
+        if shift is not None:
+            if not under_functorch_transform():
+                self.check_shift(shift, x)
+            x = x + shift.unsqueeze(1)
         y = self.attention(x, mask)
         bound = self.raw_bound(_lengths(x, mask, self.length))
         return self.coeff * y / bound.reshape(-1, 1, 1)
@@ -284,7 +301,7 @@ class ContractiveL2MultiheadAttention(_ContractiveAttention):
         length: Literal["actual", "max"] = "actual",
     ) -> None:
         super().__init__()
-        coeff = _check_coefficient(coeff, strict=True)
+        coeff = check_coefficient(coeff, strict=True)
         if norm not in ("inf", "2"):
             raise ValueError(f"norm must be 'inf' or '2', got {norm!r}")
         if length not in ("actual", "max"):
@@ -334,7 +351,7 @@ class ContractiveLipschitzNormAttention(_ContractiveAttention):
 
     def __init__(self, dim: int, heads: int, coeff: float = 0.9, alpha: float = 1.0) -> None:
         super().__init__()
-        coeff = _check_coefficient(coeff, strict=True)
+        coeff = check_coefficient(coeff, strict=True)
         self.attention = DotProductMultiheadAttention(dim, heads, "transformer", alpha)
         self.coeff = float(coeff)
         self.length = "actual"
