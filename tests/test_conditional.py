@@ -142,6 +142,30 @@ def test_attention_certificate_holds_in_x_for_adversarial_contexts(device, kind)
     assert bool((out[~mask] == 0).all())
 
 
+def test_context_moves_l2_attention_by_a_vector_per_sequence(device):
+    """docs/math.md#conditional-branches: L2 scores are translation invariant and attention rows
+    sum to one, so the context adds one vector to every real token of a sequence and leaves the
+    Jacobian in x unchanged; LipschitzNorm attention's Jacobian does move with the context."""
+    mask = torch.tensor(GAP_MASKS, device=device)
+    x = torch.randn(4, 7, 4, device=device, dtype=F64)
+    c1, c2 = torch.randn(2, 4, 2, device=device, dtype=F64)
+    g = _attention_branch("l2", device)
+    difference = g(x, mask, context=c1) - g(x, mask, context=c2)
+    for b in range(4):
+        rows = difference[b][mask[b]]
+        assert torch.allclose(rows, rows[:1].expand_as(rows), atol=1e-12)
+        assert rows.abs().max() > 1e-6
+    jacobians = []
+    for kind in ("l2", "lipschitznorm"):
+        g = _attention_branch(kind, device)
+        jacobians.append([
+            torch.autograd.functional.jacobian(
+                lambda t, c=c, g=g: g(t, mask[:1], context=c[:1]), x[:1])
+            for c in (c1, c2)])
+    assert torch.allclose(*jacobians[0], atol=1e-12)
+    assert not torch.allclose(*jacobians[1], atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["l2", "lipschitznorm"])
 def test_attention_step_with_context_round_trip_and_logdet(device, kind):
     g = _attention_branch(kind, device)
