@@ -225,10 +225,12 @@ def test_residual_step_with_context(device, logdet):
         block(x, c[:2])
 
 
-def test_neumann_gradient_reaches_context(device):
-    """The memory-efficient Neumann backward returns the context's gradient, equal to the one of
-    the plain autograd surrogate for the same draws."""
-    g = _branches(device)[0]
+@pytest.mark.parametrize("kind", [0, 1], ids=["mlp", "conv"])
+def test_neumann_gradient_reaches_context(device, kind):
+    """The memory-efficient Neumann backward (the linearization with the context's shift)
+    returns the context's gradient, equal to the one of the plain autograd surrogate for the
+    same draws."""
+    g = _branches(device)[kind]
     _randomize_context_nets(g)
     x = torch.randn(3, 4, 3, device=device, dtype=F64)
     start = torch.randn(3, 2, device=device, dtype=F64)

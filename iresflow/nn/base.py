@@ -187,13 +187,18 @@ class LipschitzBranch(nn.Module, ABC):
                 f"{tuple(shift.shape)}"
             )
 
-    def linearize(self) -> Linearization | None:
+    def linearize(self, shift: Tensor | None = None) -> Linearization | None:
         """Optional fast path: the branch's map with hand-written Jacobian products.
 
         A call counts as one forward (buffers a training forward updates are updated the same
         way); returning ``None`` has no side effects. Engines use the result in place of
         autograd when it is not ``None`` and must obtain identical values and gradients either
         way.
+
+        Args:
+            shift: Optional shift ``(B, shift_features)`` of the map (see ``shift_features``);
+                a linearization with a shift lists it last among its ``params``. A branch that
+                cannot linearize with a shift returns ``None`` for one.
 
         Returns:
             A :class:`Linearization`, or ``None`` (the default) when the branch has none.

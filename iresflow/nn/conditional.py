@@ -31,7 +31,7 @@ from iresflow._validation import (
     check_int,
     under_functorch_transform,
 )
-from iresflow.nn.base import BranchWrapper, LipschitzBranch
+from iresflow.nn.base import BranchWrapper, Linearization, LipschitzBranch
 
 __all__ = ["ConditionalBranch", "ContextEncoder", "ContextShift", "check_context"]
 
@@ -193,6 +193,12 @@ class _ShiftedBranch(BranchWrapper):
             raise RuntimeError(f"{rows} rows do not repeat a batch of {batch} shifts")
         shift = self.shift if rows == batch else self.shift.repeat(rows // batch, 1)
         return self.branch(x, mask, shift=shift)
+
+    def linearize(self, shift: Tensor | None = None) -> Linearization | None:
+        """The wrapped branch's linearization at the fixed shift (``None`` if it has none)."""
+        if shift is not None:
+            raise ValueError("the shift of a bound conditional branch is already fixed")
+        return self.branch.linearize(shift=self.shift)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         yield from super().parameters(recurse)

@@ -353,7 +353,7 @@ class TemporalConvBranch(LipschitzBranch):
         ]
         return torch.stack(constants).prod()
 
-    def linearize(self) -> ConvStackLinearization:
+    def linearize(self, shift: Tensor | None = None) -> ConvStackLinearization:
         r"""The branch's map with hand-written Jacobian products (fast log-det path).
 
         The effective taps :math:`\tilde W_l` of this forward, the biases and the LipSwish slopes,
@@ -361,8 +361,12 @@ class TemporalConvBranch(LipschitzBranch):
         convolutions with the taps and their adjoints (transposed convolutions), with the mask
         applied at every layer input as in :meth:`forward`.
 
+        Args:
+            shift: Optional shift ``(B, hidden)`` after the first convolution, as in
+                :meth:`forward`.
+
         Returns:
-            A linearization whose ``at(x, mask).output`` equals ``self(x, mask)``.
+            A linearization whose ``at(x, mask).output`` equals ``self(x, mask, shift)``.
 
         Example:
             >>> branch = TemporalConvBranch(2, 8, kernel_size=3, coeff=0.9, max_len=6).double()
@@ -375,7 +379,7 @@ class TemporalConvBranch(LipschitzBranch):
             True
         """
         weights = stack_parameters(self.net, lambda layer: layer.weight_normalized())
-        return ConvStackLinearization(*weights, max_len=self.max_len)
+        return ConvStackLinearization(*weights, shift=shift, max_len=self.max_len)
 
     def extra_repr(self) -> str:
         return f"coeff={self.coeff}, max_len={self.max_len}"

@@ -101,21 +101,30 @@ class LayerStackLinearization(Linearization):
 
     Returned by :meth:`~iresflow.nn.mlp.LipschitzMLP.linearize` (a convolutional subclass by
     :meth:`~iresflow.nn.conv.TemporalConvBranch.linearize`). ``params`` lists the weights, the
-    biases that exist, then the LipSwish slopes.
+    biases that exist, the LipSwish slopes, then the shift if there is one.
 
     Args:
         weights: Effective weights of the layers, in order (with their graphs).
         biases: Their biases (``None`` where a layer has none).
         betas: The LipSwish slopes between the layers.
+        shift: Optional per-sequence shift ``(B, H_1)`` added after the first layer
+            (docs/math.md#conditional-branches); an input of ``R = k B`` rows gives row ``r`` the
+            shift of sequence ``r mod B``.
     """
 
     def __init__(
-        self, weights: list[Tensor], biases: list[Tensor | None], betas: list[Tensor]
+        self,
+        weights: list[Tensor],
+        biases: list[Tensor | None],
+        betas: list[Tensor],
+        shift: Tensor | None = None,
     ) -> None:
-        self.params = (*weights, *[b for b in biases if b is not None], *betas)
+        shifts = () if shift is None else (shift,)
+        self.params = (*weights, *[b for b in biases if b is not None], *betas, *shifts)
         self.weights = [w.detach() for w in weights]
         self.biases = [None if b is None else b.detach() for b in biases]
         self.betas = [b.detach() for b in betas]
+        self.shift = None if shift is None else shift.detach()
 
     def at(self, x: Tensor, mask: Tensor | None = None) -> LayerStackPoint:
         """The stack at ``x`` ``(R, N, D)`` with an optional padding mask ``(R, N)``."""
@@ -154,6 +163,8 @@ class LayerStackPoint(LinearizedPoint):
             h = self.hidden_input(x.detach())
             for i, bias in enumerate(lin.biases):
                 a = self.apply_layer(i, h, bias)
+                if i == 0 and lin.shift is not None:
+                    a = a + self._shift_rows(lin.shift, x.shape[0]).unsqueeze(1)
                 self.inputs.append(h)
                 self.pre.append(a)
                 if i < len(lin.betas):
@@ -179,6 +190,11 @@ class LayerStackPoint(LinearizedPoint):
     def hidden_input(self, t: Tensor) -> Tensor:
         """A hidden layer's input ``(R, N, H_l)`` as the map sees it (token-wise: unchanged)."""
         return t
+
+    @staticmethod
+    def _shift_rows(shift: Tensor, rows: int) -> Tensor:
+        """The shift ``(B, H)`` of every row of an input of ``rows = k B`` rows, ``(rows, H)``."""
+        return shift if rows == shift.shape[0] else shift.repeat(rows // shift.shape[0], 1)
 
     def _masked(self, w: Tensor) -> Tensor:
         return w if self.keep is None else w * self.keep
@@ -225,8 +241,11 @@ class LayerStackPoint(LinearizedPoint):
             )
             if self.lin.biases[l] is not None:
                 grad_biases.append(as_rows(gamma[l]).sum(0))
+        grad_shift = []
+        if self.lin.shift is not None:  # the shift of sequence b enters rows b, b + B, ...
+            grad_shift.append(gamma[0].sum(1).view(-1, *self.lin.shift.shape).sum(0))
         grad_x = self.hidden_input(self.adjoint_layer(0, gamma[0]))
-        return grad_x, (*grad_weights, *grad_biases, *grad_betas)
+        return grad_x, (*grad_weights, *grad_biases, *grad_betas, *grad_shift)
 
 
 class ConvStackLinearization(LayerStackLinearization):
@@ -243,6 +262,8 @@ class ConvStackLinearization(LayerStackLinearization):
         weights: Effective taps ``(C_out, C_in, k)`` of the layers, in order.
         biases: Their biases (``None`` where a layer has none).
         betas: The LipSwish slopes between the layers.
+        shift: Optional per-sequence shift ``(B, H_1)`` after the first convolution (on every
+            frame), as for :class:`LayerStackLinearization`.
         max_len: Longest sequence the branch's certificate holds for (``None``: any).
     """
 
@@ -252,9 +273,10 @@ class ConvStackLinearization(LayerStackLinearization):
         biases: list[Tensor | None],
         betas: list[Tensor],
         *,
+        shift: Tensor | None = None,
         max_len: int | None = None,
     ) -> None:
-        super().__init__(weights, biases, betas)
+        super().__init__(weights, biases, betas, shift)
         self.max_len = max_len
         self.forward_matrices = [w.reshape(w.shape[0], -1).T for w in self.weights]
         self.adjoint_matrices = [w.flip(-1).transpose(1, 2).reshape(-1, w.shape[1])

@@ -156,7 +156,7 @@ class LipschitzMLP(LipschitzBranch):
         ]
         return torch.stack(constants).prod()
 
-    def linearize(self) -> LayerStackLinearization:
+    def linearize(self, shift: Tensor | None = None) -> LayerStackLinearization:
         r"""The branch's map with hand-written Jacobian products (fast log-det path, G5).
 
         Counts as one forward: in training mode every
@@ -165,8 +165,11 @@ class LipschitzMLP(LipschitzBranch):
         slopes :math:`\beta_l`) are built under the current grad mode, so their graphs reach
         ``weight`` and ``beta_raw``.
 
+        Args:
+            shift: Optional shift ``(B, h_1)`` after the first layer, as in :meth:`forward`.
+
         Returns:
-            A linearization whose ``at(x, mask).output`` equals ``self(x, mask)``.
+            A linearization whose ``at(x, mask).output`` equals ``self(x, mask, shift)``.
 
         Example:
             >>> mlp = LipschitzMLP((2, 8, 2), coeff=0.9).double()
@@ -180,4 +183,4 @@ class LipschitzMLP(LipschitzBranch):
             True
         """
         weights = stack_parameters(self.net, lambda layer: layer.forward_weight())
-        return LayerStackLinearization(*weights)
+        return LayerStackLinearization(*weights, shift)
