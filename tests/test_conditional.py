@@ -453,8 +453,15 @@ def test_conditional_branch_needs_a_branch_that_takes_a_shift():
         def lipschitz_constant(self, seq_len=None):
             return torch.tensor(0.5)
 
-    with pytest.raises(ValueError, match="shift"):
+    with pytest.raises(ValueError, match="shift_features nor features"):
         ConditionalBranch(Half(), 2)
+    Half.features = 3  # no shift point: the input is translated
+    g = ConditionalBranch(Half(), 2)
+    with torch.no_grad():
+        g.context_net[-1].bias.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    x = torch.zeros(2, 4, 3)
+    expected = torch.tensor([0.5, 1.0, 1.5]).expand(2, 4, 3)
+    assert torch.equal(g(x, context=torch.zeros(2, 2)), expected)
     with pytest.raises(TypeError, match="LipschitzBranch"):
         ConditionalBranch(torch.nn.Linear(3, 3), 2)  # type: ignore[arg-type]
     g = _branches("cpu")[0]

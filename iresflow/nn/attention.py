@@ -203,11 +203,6 @@ class DotProductMultiheadAttention(nn.Module):
 class _ContractiveAttention(LipschitzBranch):
     r"""Shared body of the contractive attention branches: :math:`c\,F(X) / B(\theta, N)`.
 
-    A per-sequence shift ``(B, D)`` (:attr:`shift_features`) translates the input,
-    :math:`c\,F(X + \mathbf 1 s^\top) / B(\theta, N)`: the Jacobian in :math:`X` is the
-    branch's Jacobian at the translated input, so the certificate is unchanged
-    (docs/math.md#conditional-branches).
-
     Subclasses set ``attention`` (the unnormalised map :math:`F`), ``coeff`` and ``length``
     (``"actual"``: each sequence's real length in the bound; ``"max"``: the padded length) and
     implement :meth:`raw_bound`.
@@ -223,28 +218,16 @@ class _ContractiveAttention(LipschitzBranch):
         """Token dimension ``D`` the branch requires."""
         return self.attention.dim
 
-    @property
-    def shift_features(self) -> int:  # type: ignore[override]
-        """Width ``D`` of the shift the branch takes: a translation of its input."""
-        return self.attention.dim
-
-    def forward(
-        self, x: Tensor, mask: Tensor | None = None, shift: Tensor | None = None
-    ) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """Evaluate :math:`c F(X) / B(\\theta, N)`.
 
         Args:
             x: Sequences, shape ``(B, N, D)``.
             mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
-            shift: Optional ``(B, D)``, added to every token of the input.
 
         Returns:
             Branch output, shape ``(B, N, D)``, zero at padded positions.
         """
-        if shift is not None:
-            if not under_functorch_transform():
-                self.check_shift(shift, x)
-            x = x + shift.unsqueeze(1)
         y = self.attention(x, mask)
         bound = self.raw_bound(_lengths(x, mask, self.length))
         return self.coeff * y / bound.reshape(-1, 1, 1)

@@ -119,13 +119,13 @@ class LipschitzBranch(nn.Module, ABC):
       the default: every length). :meth:`check_length` rejects longer inputs; the residual
       transforms, the log-det estimators and the branch's :class:`Linearization` call it at their
       entry, on the input's shape only.
-    * ``shift_features``: the width ``H`` of a *shift* the branch accepts, ``None`` (the default)
-      if it accepts none. Such a branch takes ``forward(x, mask, shift=s)`` with ``s`` of shape
-      ``(B, H)``, one vector per sequence that does not depend on ``x``, added at a fixed point
-      of the branch where it leaves the certificate in ``x`` unchanged (after the first layer
-      of an MLP or convolution branch, at the input of attention;
-      docs/math.md#conditional-branches). :class:`~iresflow.nn.conditional.ConditionalBranch`
-      composes a network of a context into that point.
+    * ``shift_features``: the width ``H`` of a *shift* the branch accepts after its first layer,
+      ``None`` (the default) if it accepts none. Such a branch takes ``forward(x, mask,
+      shift=s)`` with ``s`` of shape ``(B, H)``, one vector per sequence that does not depend on
+      ``x``, added where it leaves the certificate in ``x`` unchanged (the MLP and convolution
+      branches; docs/math.md#conditional-branches).
+      :class:`~iresflow.nn.conditional.ConditionalBranch` composes a network of a context into
+      that point, or translates the input of a branch without one (attention).
 
     Contract for masks: with a boolean ``mask`` of shape ``(B, N)`` (``True`` = real token), the
     output at padded positions is exactly zero and padded inputs never influence real outputs.

@@ -33,7 +33,7 @@ from iresflow._validation import (
 )
 from iresflow.nn.base import BranchWrapper, Linearization, LipschitzBranch
 
-__all__ = ["ConditionalBranch", "ContextEncoder", "ContextShift", "check_context"]
+__all__ = ["ConditionalBranch", "ContextEncoder", "ContextShift", "check_context", "shifted"]
 
 
 def check_context(context: object, batch: int, features: int, like: Tensor) -> Tensor:
@@ -98,9 +98,10 @@ class ContextShift(nn.Sequential):
 class ConditionalBranch(BranchWrapper):
     r"""A branch conditioned on a per-sequence context: :math:`g(x, c) = g(x; s(c))`.
 
-    Composes a :class:`ContextShift` :math:`s` of the context ``(B, C)`` into any branch that
-    takes a shift (:attr:`~iresflow.nn.base.LipschitzBranch.shift_features`: the MLP and
-    convolution branches after their first layer, attention at its input). For a fixed
+    Composes a :class:`ContextShift` :math:`s` of the context ``(B, C)`` into a branch at its
+    shift point (:func:`shifted`): after the first layer of a branch that declares one
+    (:attr:`~iresflow.nn.base.LipschitzBranch.shift_features`: the MLP and convolution
+    branches), else at its input, a translation (attention). For a fixed
     :math:`c` the shift is a constant, so :math:`\mathrm{lip}_x(g(\cdot, c))` has the wrapped
     branch's certificate for every context (docs/math.md#conditional-branches), and the branch
     starts as the wrapped one (:math:`s = 0`). Its structure and :meth:`lipschitz_constant` are
@@ -111,13 +112,13 @@ class ConditionalBranch(BranchWrapper):
     passes it to the fixed-point inverse.
 
     Args:
-        branch: The wrapped branch; its ``shift_features`` must be set.
+        branch: The wrapped branch; it must declare ``shift_features`` or ``features``.
         context_features: Context size ``C``.
         context_hidden: Hidden width of :math:`s`.
 
     Raises:
         TypeError: ``branch`` is not a :class:`~iresflow.nn.base.LipschitzBranch`.
-        ValueError: the branch takes no shift.
+        ValueError: the branch declares neither a shift point nor its features.
 
     Example:
         >>> from iresflow.nn.mlp import LipschitzMLP
@@ -131,10 +132,12 @@ class ConditionalBranch(BranchWrapper):
         self, branch: LipschitzBranch, context_features: int, context_hidden: int = 32
     ) -> None:
         super().__init__(branch)
-        if branch.shift_features is None:
-            raise ValueError(f"{type(branch).__name__} takes no shift to condition on")
+        width = branch.shift_features or getattr(branch, "features", None)
+        if width is None:
+            raise ValueError(f"{type(branch).__name__} declares neither shift_features nor "
+                             f"features: no shift point to condition on")
         self.context_features = check_int(context_features, "context_features", 1)
-        self.context_net = ContextShift(context_features, branch.shift_features, context_hidden)
+        self.context_net = ContextShift(context_features, width, context_hidden)
 
     def forward(
         self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None
@@ -156,7 +159,7 @@ class ConditionalBranch(BranchWrapper):
             return self.branch(x, mask)
         if not under_functorch_transform():
             check_context(context, x.shape[0], self.context_features, self.context_net[0].weight)
-        return self.branch(x, mask, shift=self.context_net(context))
+        return shifted(self.branch, x, mask, self.context_net(context))
 
     def bind(self, context: Tensor) -> LipschitzBranch:
         r"""The branch :math:`x \mapsto g(x, c)` at a fixed context, for the log-det engines.
@@ -180,8 +183,7 @@ class ConditionalBranch(BranchWrapper):
 
 
 class _ShiftedBranch(BranchWrapper):
-    """A shift-taking branch with its per-sequence shift ``(B, H)`` fixed (see
-    :meth:`ConditionalBranch.bind`)."""
+    """A branch with its per-sequence shift fixed (see :meth:`ConditionalBranch.bind`)."""
 
     def __init__(self, branch: LipschitzBranch, shift: Tensor) -> None:
         super().__init__(branch)
@@ -192,18 +194,39 @@ class _ShiftedBranch(BranchWrapper):
         if rows % batch:
             raise RuntimeError(f"{rows} rows do not repeat a batch of {batch} shifts")
         shift = self.shift if rows == batch else self.shift.repeat(rows // batch, 1)
-        return self.branch(x, mask, shift=shift)
+        return shifted(self.branch, x, mask, shift)
 
     def linearize(self, shift: Tensor | None = None) -> Linearization | None:
-        """The wrapped branch's linearization at the fixed shift (``None`` if it has none)."""
+        """The wrapped branch's linearization at the fixed shift (``None`` if it has none, or
+        for a translated input)."""
         if shift is not None:
             raise ValueError("the shift of a bound conditional branch is already fixed")
+        if self.branch.shift_features is None:
+            return None
         return self.branch.linearize(shift=self.shift)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         yield from super().parameters(recurse)
         if self.shift.requires_grad:
             yield self.shift  # type: ignore[misc]
+
+
+def shifted(branch: LipschitzBranch, x: Tensor, mask: Tensor | None, shift: Tensor) -> Tensor:
+    """A branch with a per-sequence shift at its shift point: its own (``shift_features``), or
+    else its input, translated (docs/math.md#conditional-branches).
+
+    Args:
+        branch: The branch.
+        x: Sequences ``(B, N, D)`` (or vectors ``(B, D)`` where the branch takes them).
+        mask: Optional boolean padding mask ``(B, N)``.
+        shift: ``(B, shift_features)``, or ``(B, D)`` for a branch without a shift point.
+
+    Returns:
+        The branch's output, shape of ``x``.
+    """
+    if branch.shift_features is not None:
+        return branch(x, mask, shift=shift)
+    return branch(x + (shift.unsqueeze(1) if x.dim() == 3 else shift), mask)
 
 
 class ContextEncoder(nn.Module):
