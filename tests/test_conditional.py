@@ -108,26 +108,34 @@ GAP_MASKS = [[True] * 7, [True, False, True, True, False, False, True],
              [False, True, True, False, True, True, False], [True] + [False] * 6]
 
 
-@pytest.mark.parametrize("kind", ["l2", "lipschitznorm"])
-def test_attention_certificate_holds_in_x_for_adversarial_contexts(device, kind):
-    """Gradient ascent of the Jacobian norm in the branch's own norm, over the inputs and half
-    of the contexts jointly (the other half random, some huge), with gaps in the masks: the
-    norm never exceeds the certificate, for every real length."""
-    g = _attention_branch(kind, device)
-    mask = torch.tensor(GAP_MASKS * 2, device=device)
-    x = torch.randn(8, 7, 4, device=device, dtype=F64, requires_grad=True)
-    c = torch.randn(8, 2, device=device, dtype=F64) * torch.tensor(
-        [1.0, 10.0, 100.0, 1.0, 1.0, 1.0, 1.0, 1.0], device=device, dtype=F64)[:, None]
-    c_opt = c[4:].clone().requires_grad_(True)
+def _adversarial_jacobian_norms(g, mask, steps: int, generator: torch.Generator):
+    """Gradient ascent of the Jacobian norm in the branch's own norm over the inputs and half of
+    the contexts jointly (the other half random, some huge); the largest norm per sequence."""
+    batch, length = mask.shape
+    device = mask.device
+    x = torch.randn(batch, length, 4, device=device, dtype=F64, generator=generator)
+    x.requires_grad_(True)
+    c = torch.randn(batch, 2, device=device, dtype=F64, generator=generator)
+    c = c * torch.logspace(0, 2, batch, device=device, dtype=F64)[:, None]
+    c_opt = c[batch // 2 :].clone().requires_grad_(True)
     opt = torch.optim.Adam([x, c_opt], lr=0.1)
-    best = torch.zeros(8, device=device, dtype=F64)
-    for _ in range(40):
-        context = torch.cat([c[:4], c_opt])
+    best = torch.zeros(batch, device=device, dtype=F64)
+    for _ in range(steps):
+        context = torch.cat([c[: batch // 2], c_opt])
         norm = jacobian_norm(lambda t, c=context: g(t, mask, context=c), x, g.norm)
         best = torch.maximum(best, norm.detach())
         opt.zero_grad()
         (-norm.sum()).backward()
         opt.step()
+    return best, c
+
+
+@pytest.mark.parametrize("kind", ["l2", "lipschitznorm"])
+def test_attention_certificate_holds_in_x_for_adversarial_contexts(device, kind):
+    """The norm never exceeds the certificate, with gaps in the masks."""
+    g = _attention_branch(kind, device)
+    mask = torch.tensor(GAP_MASKS * 2, device=device)
+    best, c = _adversarial_jacobian_norms(g, mask, 40, torch.Generator(device).manual_seed(0))
     bound = float(g.lipschitz_constant().detach())
     assert bound == pytest.approx(0.9)
     assert float(best.max()) <= bound + 1e-9
@@ -140,6 +148,24 @@ def test_attention_certificate_holds_in_x_for_adversarial_contexts(device, kind)
     changed = (g(x, mask, context=other) - out).abs().flatten(1).amax(1) > 0
     assert changed.tolist() == [False, True] + [False] * 6
     assert bool((out[~mask] == 0).all())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length", [2, 16, 48])
+@pytest.mark.parametrize("kind", ["l2", "lipschitznorm"])
+def test_attention_certificate_holds_for_adversarial_contexts_at_every_length(
+    device, kind, length
+):
+    """As above on longer sequences: every fourth frame missing, the last third padded."""
+    g = _attention_branch(kind, device)
+    gen = torch.Generator(device).manual_seed(length)
+    frames = torch.arange(length, device=device)
+    gaps = (frames % 4 != 3) & (frames < max(1, 2 * length // 3))
+    mask = torch.stack([torch.ones_like(gaps), gaps, gaps.roll(1), gaps.flip(0)])
+    mask[:, 0] |= ~mask.any(1)  # at least one real frame
+    best, _ = _adversarial_jacobian_norms(g, mask, 60, gen)
+    assert float(best.max()) <= float(g.lipschitz_constant().detach()) + 1e-9
+    assert float(best.min()) > 0
 
 
 def test_context_moves_l2_attention_by_a_vector_per_sequence(device):
