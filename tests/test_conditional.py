@@ -11,11 +11,16 @@ from nflows.flows import Flow
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.models.config import ConfigError, ModelConfig
 from iresflow.models.transformer import ResidualFlowTransformer
-from iresflow.nn.conditional import (
-    ConditionalLipschitzMLP,
-    ConditionalTemporalConvBranch,
-    ContextEncoder,
+from iresflow.nn.attention import (
+    ContractiveL2MultiheadAttention,
+    ContractiveLipschitzNormAttention,
 )
+from iresflow.nn.base import LipschitzBranch
+from iresflow.nn.conditional import ConditionalBranch, ContextEncoder
+from iresflow.nn.conv import TemporalConvBranch
+from iresflow.nn.diagnostics import jacobian_norm
+from iresflow.nn.mlp import LipschitzMLP
+from iresflow.nn.positional import PositionalBranch, SinusoidalPositionalEncoding
 from iresflow.transforms.conditional import ConditionalAffine
 from iresflow.transforms.residual import ResidualTransform
 from tests.oracles import real_indices
@@ -32,8 +37,8 @@ def _randomize_context_nets(module: torch.nn.Module, scale: float = 1.0) -> None
 
 
 def _branches(device):
-    mlp = ConditionalLipschitzMLP((3, 16, 16, 3), context_features=2, coeff=0.9 ** (1 / 3))
-    conv = ConditionalTemporalConvBranch(3, 8, 2, kernel_size=3, coeff=0.9, max_len=6)
+    mlp = ConditionalBranch(LipschitzMLP((3, 16, 16, 3), coeff=0.9 ** (1 / 3)), 2)
+    conv = ConditionalBranch(TemporalConvBranch(3, 8, kernel_size=3, coeff=0.9, max_len=6), 2)
     return [b.to(device=device, dtype=F64).eval() for b in (mlp, conv)]
 
 
@@ -89,6 +94,124 @@ def test_conditional_branch_contract(device, kind):
         g(x, mask, context=None)
 
 
+def _attention_branch(kind: str, device) -> ConditionalBranch:
+    """A conditional contractive attention branch (D = 4, 2 heads) with a positional table."""
+    attention = (ContractiveL2MultiheadAttention(4, 2, coeff=0.9) if kind == "l2"
+                 else ContractiveLipschitzNormAttention(4, 2, coeff=0.9))
+    branch = ConditionalBranch(PositionalBranch(attention, SinusoidalPositionalEncoding(4)), 2)
+    _randomize_context_nets(branch, scale=3.0)
+    return branch.to(device=device, dtype=F64).eval()
+
+
+#: Masks of length 7 with gaps, a padded end and a single real token.
+GAP_MASKS = [[True] * 7, [True, False, True, True, False, False, True],
+             [False, True, True, False, True, True, False], [True] + [False] * 6]
+
+
+def _adversarial_jacobian_norms(g, mask, steps: int, generator: torch.Generator):
+    """Gradient ascent of the Jacobian norm in the branch's own norm over the inputs and half of
+    the contexts jointly (the other half random, some huge); the largest norm per sequence."""
+    batch, length = mask.shape
+    device = mask.device
+    x = torch.randn(batch, length, 4, device=device, dtype=F64, generator=generator)
+    x.requires_grad_(True)
+    c = torch.randn(batch, 2, device=device, dtype=F64, generator=generator)
+    c = c * torch.logspace(0, 2, batch, device=device, dtype=F64)[:, None]
+    c_opt = c[batch // 2 :].clone().requires_grad_(True)
+    opt = torch.optim.Adam([x, c_opt], lr=0.1)
+    best = torch.zeros(batch, device=device, dtype=F64)
+    for _ in range(steps):
+        context = torch.cat([c[: batch // 2], c_opt])
+        norm = jacobian_norm(lambda t, c=context: g(t, mask, context=c), x, g.norm)
+        best = torch.maximum(best, norm.detach())
+        opt.zero_grad()
+        (-norm.sum()).backward()
+        opt.step()
+    return best, c
+
+
+@pytest.mark.parametrize("kind", ["l2", "lipschitznorm"])
+def test_attention_certificate_holds_in_x_for_adversarial_contexts(device, kind):
+    """The norm never exceeds the certificate, with gaps in the masks."""
+    g = _attention_branch(kind, device)
+    mask = torch.tensor(GAP_MASKS * 2, device=device)
+    best, c = _adversarial_jacobian_norms(g, mask, 40, torch.Generator(device).manual_seed(0))
+    bound = float(g.lipschitz_constant().detach())
+    assert bound == pytest.approx(0.9)
+    assert float(best.max()) <= bound + 1e-9
+    assert float(best.min()) > 0.01 * bound  # the search is not vacuous
+    # the context changes the map, of its own sequence only
+    x = torch.randn(8, 7, 4, device=device, dtype=F64)
+    out = g(x, mask, context=c)
+    other = c.clone()
+    other[1] += 1.0
+    changed = (g(x, mask, context=other) - out).abs().flatten(1).amax(1) > 0
+    assert changed.tolist() == [False, True] + [False] * 6
+    assert bool((out[~mask] == 0).all())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length", [2, 16, 48])
+@pytest.mark.parametrize("kind", ["l2", "lipschitznorm"])
+def test_attention_certificate_holds_for_adversarial_contexts_at_every_length(
+    device, kind, length
+):
+    """As above on longer sequences: every fourth frame missing, the last third padded."""
+    g = _attention_branch(kind, device)
+    gen = torch.Generator(device).manual_seed(length)
+    frames = torch.arange(length, device=device)
+    gaps = (frames % 4 != 3) & (frames < max(1, 2 * length // 3))
+    mask = torch.stack([torch.ones_like(gaps), gaps, gaps.roll(1), gaps.flip(0)])
+    mask[:, 0] |= ~mask.any(1)  # at least one real frame
+    best, _ = _adversarial_jacobian_norms(g, mask, 60, gen)
+    assert float(best.max()) <= float(g.lipschitz_constant().detach()) + 1e-9
+    assert float(best.min()) > 0
+
+
+def test_context_moves_l2_attention_by_a_vector_per_sequence(device):
+    """docs/math.md#conditional-branches: L2 scores are translation invariant and attention rows
+    sum to one, so the context adds one vector to every real token of a sequence and leaves the
+    Jacobian in x unchanged; LipschitzNorm attention's Jacobian does move with the context."""
+    mask = torch.tensor(GAP_MASKS, device=device)
+    x = torch.randn(4, 7, 4, device=device, dtype=F64)
+    c1, c2 = torch.randn(2, 4, 2, device=device, dtype=F64)
+    g = _attention_branch("l2", device)
+    difference = g(x, mask, context=c1) - g(x, mask, context=c2)
+    for b in range(4):
+        rows = difference[b][mask[b]]
+        assert torch.allclose(rows, rows[:1].expand_as(rows), atol=1e-12)
+        assert rows.abs().max() > 1e-6
+    jacobians = []
+    for kind in ("l2", "lipschitznorm"):
+        g = _attention_branch(kind, device)
+        jacobians.append([
+            torch.autograd.functional.jacobian(
+                lambda t, c=c, g=g: g(t, mask[:1], context=c[:1]), x[:1])
+            for c in (c1, c2)])
+    assert torch.allclose(*jacobians[0], atol=1e-12)
+    assert not torch.allclose(*jacobians[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["l2", "lipschitznorm"])
+def test_attention_step_with_context_round_trip_and_logdet(device, kind):
+    g = _attention_branch(kind, device)
+    block = ResidualTransform(g, logdet="exact").eval()
+    x = torch.randn(4, 7, 4, device=device, dtype=F64)
+    mask = torch.tensor(GAP_MASKS, device=device)
+    c = torch.randn(4, 2, device=device, dtype=F64)
+    y, logabsdet = block(x, c, mask=mask)
+    x_rec, inverse_logabsdet = block.inverse(y, c, mask=mask)
+    assert torch.allclose(x_rec, x, atol=1e-9)
+    assert torch.allclose(logabsdet, -inverse_logabsdet, atol=1e-8)
+    for b in range(4):
+        mb, cb = mask[b : b + 1], c[b : b + 1]
+        jac = torch.autograd.functional.jacobian(
+            lambda t, mb=mb, cb=cb: t + g(t, mb, context=cb), x[b : b + 1]).reshape(28, 28)
+        idx = real_indices(mask, b, 7, 4).to(device)
+        assert torch.allclose(logabsdet[b], torch.linalg.slogdet(jac[idx][:, idx])[1],
+                              atol=1e-8)
+
+
 @pytest.mark.parametrize("logdet", ["exact", "roulette"])
 def test_residual_step_with_context(device, logdet):
     g = _branches(device)[0]
@@ -128,10 +251,12 @@ def test_residual_step_with_context(device, logdet):
         block(x, c[:2])
 
 
-def test_neumann_gradient_reaches_context(device):
-    """The memory-efficient Neumann backward returns the context's gradient, equal to the one of
-    the plain autograd surrogate for the same draws."""
-    g = _branches(device)[0]
+@pytest.mark.parametrize("kind", [0, 1], ids=["mlp", "conv"])
+def test_neumann_gradient_reaches_context(device, kind):
+    """The memory-efficient Neumann backward (the linearization with the context's shift)
+    returns the context's gradient, equal to the one of the plain autograd surrogate for the
+    same draws."""
+    g = _branches(device)[kind]
     _randomize_context_nets(g)
     x = torch.randn(3, 4, 3, device=device, dtype=F64)
     start = torch.randn(3, 2, device=device, dtype=F64)
@@ -175,17 +300,17 @@ SETTINGS = [{"num_classes": 3}, {"num_classes": 3, "context_features": 4},
             {"context_features": 2}]
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=["labels", "labels-c4", "covariates"])
-def test_model_exact_log_prob_matches_jacobian_oracle(device, settings):
-    model = _model(device, **settings)
-    x, mask = _padded_inputs(device)
-    context = _contexts(device, settings)
+def _assert_exact_log_prob_matches_oracle(model, x, mask, context):
+    """``log_prob(method="exact")`` against the autograd Jacobian of the whole flow + slogdet
+    over the real entries, sequence by sequence, and the chunked evaluation against both."""
     log_prob = model.log_prob(x, mask, method="exact", context=context)
-    for b in range(4):
+    batch, length, features = x.shape
+    for b in range(batch):
         mb, cb = mask[b : b + 1], context[b : b + 1]
         f = lambda t, mb=mb, cb=cb: model.transform_to_noise(t, mb, context=cb)  # noqa: E731
-        jac = torch.autograd.functional.jacobian(f, x[b : b + 1]).reshape(15, 15)
-        idx = real_indices(mask, b, 5, 3).to(device)
+        jac = torch.autograd.functional.jacobian(f, x[b : b + 1])
+        jac = jac.reshape(length * features, length * features)
+        idx = real_indices(mask, b, length, features).to(x.device)
         z = f(x[b : b + 1])[0][mask[b]]
         base = torch.distributions.Normal(0.0, 1.0).log_prob(z).sum()
         expected = base + torch.linalg.slogdet(jac[idx][:, idx])[1]
@@ -195,24 +320,55 @@ def test_model_exact_log_prob_matches_jacobian_oracle(device, settings):
     assert torch.allclose(chunked, log_prob, atol=1e-10)
 
 
-@pytest.mark.parametrize("settings", SETTINGS[::2], ids=["labels", "covariates"])
-def test_model_round_trip_and_sampling(device, settings):
+@pytest.mark.parametrize("settings", SETTINGS, ids=["labels", "labels-c4", "covariates"])
+def test_model_exact_log_prob_matches_jacobian_oracle(device, settings):
     model = _model(device, **settings)
     x, mask = _padded_inputs(device)
+    _assert_exact_log_prob_matches_oracle(model, x, mask, _contexts(device, settings))
+
+
+#: The residual-flow Transformer recipe, conditional.
+TRANSFORMER = {"layers": ("attention", "mlp"), "ar_order": 0}
+
+
+def _gap_inputs(device):
+    """Four float64 sequences ``(4, 6, 3)``: one full, one padded at the end, two with gaps."""
+    x = torch.randn(4, 6, 3, device=device, dtype=F64)
+    mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2,
+                         [True, True, False, True, False, True],
+                         [True, False, False, True, True, False]], device=device)
+    return x, mask
+
+
+@pytest.mark.parametrize("attention", ["l2", "lipschitznorm"])
+@pytest.mark.parametrize("settings", SETTINGS[::2], ids=["labels", "covariates"])
+def test_attention_model_exact_log_prob_matches_jacobian_oracle(device, settings, attention):
+    model = _model(device, **TRANSFORMER, attention=attention, **settings)
+    assert all(isinstance(step.branch, ConditionalBranch) for _, step in model.residual_steps())
+    x, mask = _gap_inputs(device)
+    _assert_exact_log_prob_matches_oracle(model, x, mask, _contexts(device, settings))
+
+
+@pytest.mark.parametrize("layers", [{}, TRANSFORMER], ids=["conv-mlp", "attention-mlp"])
+@pytest.mark.parametrize("settings", SETTINGS[::2], ids=["labels", "covariates"])
+def test_model_round_trip_and_sampling(device, settings, layers):
+    model = _model(device, **layers, **settings)
+    x, mask = _gap_inputs(device) if layers else _padded_inputs(device)
     context = _contexts(device, settings)
     z = model.transform_to_noise(x, mask, context=context)
     assert torch.allclose(model.inverse(z, mask, context=context), x, atol=1e-9)
     gen = torch.Generator(device=device).manual_seed(0)
-    samples, smask = model.sample(4, seq_len=5, generator=gen, context=context)
+    samples, smask = model.sample(4, seq_len=x.shape[1], generator=gen, context=context)
     gen.manual_seed(0)
     noise = model.base.sample(smask, gen, 1.0, dtype=F64)
     assert torch.allclose(model.transform_to_noise(samples, smask, context=context), noise,
                           atol=1e-9)
 
 
+@pytest.mark.parametrize("layers", [{}, TRANSFORMER], ids=["conv-mlp", "attention-mlp"])
 @pytest.mark.parametrize("settings", SETTINGS[::2], ids=["labels", "covariates"])
-def test_context_of_one_sequence_changes_only_its_density(device, settings):
-    model = _model(device, **settings)
+def test_context_of_one_sequence_changes_only_its_density(device, settings, layers):
+    model = _model(device, **layers, **settings)
     x = torch.randn(4, 5, 3, device=device, dtype=F64)
     context = _contexts(device, settings)
     other = context.clone()
@@ -313,6 +469,27 @@ def test_conditional_affine(device):
         layer(x)
 
 
-def test_conditional_models_reject_attention_layers():
-    with pytest.raises(ConfigError, match="attention"):
-        ModelConfig(num_classes=2, layers=("attention", "mlp"))
+def test_conditional_branch_needs_a_branch_that_takes_a_shift():
+    class Half(LipschitzBranch):  # g(x) = x / 2: takes no shift
+        position_wise, norm = True, "2"
+
+        def forward(self, x, mask=None):
+            return x / 2
+
+        def lipschitz_constant(self, seq_len=None):
+            return torch.tensor(0.5)
+
+    with pytest.raises(ValueError, match="shift_features nor features"):
+        ConditionalBranch(Half(), 2)
+    Half.features = 3  # no shift point: the input is translated
+    g = ConditionalBranch(Half(), 2)
+    with torch.no_grad():
+        g.context_net[-1].bias.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    x = torch.zeros(2, 4, 3)
+    expected = torch.tensor([0.5, 1.0, 1.5]).expand(2, 4, 3)
+    assert torch.equal(g(x, context=torch.zeros(2, 2)), expected)
+    with pytest.raises(TypeError, match="LipschitzBranch"):
+        ConditionalBranch(torch.nn.Linear(3, 3), 2)  # type: ignore[arg-type]
+    g = _branches("cpu")[0]
+    with pytest.raises(ValueError, match="shift"):
+        g.branch(torch.zeros(2, 4, 3, dtype=F64), shift=torch.zeros(2, 3, dtype=F64))

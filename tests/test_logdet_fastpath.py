@@ -15,6 +15,7 @@ import torch
 from oracles import ScaleBranch
 
 from iresflow.logdet.roulette import RouletteLogDet
+from iresflow.nn.conditional import ConditionalBranch
 from iresflow.nn.conv import TemporalConvBranch
 from iresflow.nn.mlp import LipschitzMLP
 
@@ -24,14 +25,14 @@ F64 = torch.float64
 class AutogradMLP(LipschitzMLP):
     """``LipschitzMLP`` without its linearization: the engines fall back to autograd."""
 
-    def linearize(self):
+    def linearize(self, shift=None):
         return None
 
 
 class AutogradConv(TemporalConvBranch):
     """``TemporalConvBranch`` without its linearization."""
 
-    def linearize(self):
+    def linearize(self, shift=None):
         return None
 
 
@@ -61,8 +62,9 @@ def _inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return x, mask
 
 
-def _run(branch, x, mask, seed, **kwargs):
-    """Values, gradients of a loss with non-uniform upstream weights, and buffers afterwards."""
+def _run(branch, x, mask, seed, extra=(), **kwargs):
+    """Values, gradients of a loss with non-uniform upstream weights (w.r.t. ``x``, the
+    branch's parameters and ``extra``), and buffers afterwards."""
     gen = torch.Generator(device=x.device).manual_seed(seed)
     out_weight = torch.randn(x.shape, dtype=F64, device=x.device, generator=gen)
     ld_weight = torch.tensor([0.7, -1.3, 2.1], dtype=F64, device=x.device)
@@ -70,7 +72,7 @@ def _run(branch, x, mask, seed, **kwargs):
     estimator = RouletteLogDet(probe="gaussian", generator=gen, **kwargs)
     out, logdet = estimator(branch, x, mask)
     loss = (out * out_weight).sum() + (logdet * ld_weight).sum()
-    grads = torch.autograd.grad(loss, [x, *branch.parameters()])
+    grads = torch.autograd.grad(loss, [x, *branch.parameters(), *extra])
     return [out.detach(), logdet.detach(), *grads, *[b.clone() for b in branch.buffers()]]
 
 
@@ -92,6 +94,35 @@ def test_fast_path_equals_autograd(device, norm, reference_memory_efficient, n_p
     assert ours[1].abs().min() > 1e-3  # a non-trivial estimate
     if masked:
         assert (ours[0][~mask] == 0).all() and (ours[2][~mask] == 0).all()
+
+
+@pytest.mark.parametrize("kind", ["2", "conv"])
+@pytest.mark.parametrize("reference_memory_efficient", [True, False])
+@pytest.mark.parametrize("masked", [False, True])
+def test_conditional_fast_path_equals_autograd(device, kind, reference_memory_efficient, masked):
+    """A conditional branch bound to a context (docs/math.md#conditional-branches): the shift
+    enters the linearization, and the gradients reach the context network and the context."""
+    fast, slow = _pair(kind, device, training=True)
+    x, mask = _inputs(device)
+    mask = mask if masked else None
+    results = []
+    for branch, memory_efficient in ((fast, True), (slow, reference_memory_efficient)):
+        torch.manual_seed(0)
+        conditional = ConditionalBranch(branch, context_features=2, context_hidden=4)
+        conditional = conditional.to(device=device, dtype=F64)
+        with torch.no_grad():
+            for p in conditional.context_net.parameters():
+                p.copy_(torch.randn_like(p))
+        leaf = torch.linspace(-1.0, 1.0, 6, dtype=F64, device=device).view(3, 2).requires_grad_()
+        bound = conditional.bind(torch.tanh(3 * leaf))
+        assert (bound.linearize() is not None) == (branch is fast)
+        extra = [*conditional.context_net.parameters(), leaf]
+        results.append(_run(bound, x, mask, 5, memory_efficient=memory_efficient, n_probes=2,
+                            n_exact_terms=4, extra=extra))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    first = 3 + len(list(bound.parameters()))  # value, log-det, x, then the parameters
+    assert all(g.abs().sum() > 0 for g in results[0][first : first + len(extra)])
 
 
 @pytest.mark.parametrize("kind", ["2", "conv"])

@@ -1,4 +1,5 @@
-"""The package as a whole: its import graph has no cycle."""
+"""The package as a whole: its import graph has no cycle and no module reaches into another's
+private names."""
 
 from __future__ import annotations
 
@@ -81,6 +82,105 @@ def test_import_graph_sees_the_package():
 
 def test_import_graph_is_acyclic():
     assert find_cycle(import_graph()) is None
+
+
+def _absolute(node: ast.ImportFrom, name: str, is_package: bool) -> str:
+    """The module an ``ImportFrom`` names, relative imports resolved."""
+    if not node.level:
+        return node.module or ""
+    anchor = name.split(".") if is_package else name.split(".")[:-1]
+    anchor = anchor[: len(anchor) - node.level + 1]
+    return ".".join(anchor + ([node.module] if node.module else []))
+
+
+def _private_module_outside(module: str, own_package: str) -> bool:
+    """Whether ``module`` has a private component (``a.b._c``) and the importer lies outside
+    the package that holds it (``a.b``): private modules serve their own package."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not part.startswith("__"):
+            holder = ".".join(parts[:i])
+            return not (own_package == holder or own_package.startswith(holder + "."))
+    return False
+
+
+def private_imports(package: Path = PACKAGE) -> list[str]:
+    """Every access of a module of ``package`` to another module's private names.
+
+    Forbidden: ``from pkg.x import _name`` (a private function, class or constant), importing a
+    private module ``pkg.x._y`` from outside ``pkg.x`` (``import pkg.x._y``, ``from pkg.x._y
+    import ...``, ``from pkg.x import _y``), and ``x._name`` on a module ``x`` bound by an import.
+
+    Returns:
+        ``"path:line: what"`` for every offence, in file order.
+    """
+    root = package.name
+    files = {_module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+    found = []
+    for name, path in files.items():
+        is_package = path.name == "__init__.py"
+        own = name if is_package else name.rpartition(".")[0]
+        where = f"{path.relative_to(package.parent)}:"
+        modules: set[str] = set()  # local names bound to modules of the package
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == root:
+                        modules.add(alias.asname or alias.name.split(".")[0])
+                        if _private_module_outside(alias.name, own):
+                            found.append(f"{where}{node.lineno}: import {alias.name}")
+            elif isinstance(node, ast.ImportFrom):
+                module = _absolute(node, name, is_package)
+                if module.split(".")[0] != root:
+                    continue
+                if _private_module_outside(module, own):
+                    found.append(f"{where}{node.lineno}: from {module} import ...")
+                    continue
+                for alias in node.names:
+                    target = f"{module}.{alias.name}"
+                    if target in files:  # a submodule
+                        modules.add(alias.asname or alias.name)
+                        private = _private_module_outside(target, own)
+                    else:
+                        private = alias.name.startswith("_")
+                    if private:
+                        found.append(f"{where}{node.lineno}: from {module} import {alias.name}")
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in modules and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                found.append(f"{where}{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_private_import_finder_finds_every_kind(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    sources = {
+        "__init__.py": "",
+        "_gate.py": "def check(): pass\n",
+        "a.py": "def _helper(): pass\ndef public(): pass\n",
+        "sub/__init__.py": "",
+        "sub/_state.py": "X = 1\n",
+        "sub/b.py": "from pkg._gate import check\nfrom pkg.sub._state import X\n"
+                    "from pkg.sub import _state\nfrom . import _state as s\n",
+        "c.py": "from pkg.a import _helper, public\nimport pkg.sub._state\n"
+                "from pkg.sub._state import X\nfrom pkg.sub import _state\n"
+                "from pkg import a\na._helper()\na.public()\n",
+    }
+    for relative, text in sources.items():
+        (package / relative).write_text(text)
+    assert private_imports(package) == [
+        "pkg/c.py:1: from pkg.a import _helper",
+        "pkg/c.py:2: import pkg.sub._state",
+        "pkg/c.py:3: from pkg.sub._state import ...",
+        "pkg/c.py:4: from pkg.sub import _state",
+        "pkg/c.py:6: a._helper",
+    ]
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    assert private_imports() == []
 
 
 def test_docs_and_docstrings_cite_only_pages_the_repo_ships() -> None:

@@ -15,12 +15,9 @@ from oracles import jacobian, padded_batch, real_indices
 
 from iresflow.nn.conv import TemporalConvBranch
 from iresflow.transforms.base import SequenceCompositeTransform
+from iresflow.transforms.mixing import FeatureMixing
 from iresflow.transforms.residual import ResidualTransform
-from iresflow.transforms.temporal import (
-    MIN_INIT_RESIDUAL_VARIANCE,
-    AutoregressiveLinear,
-    FeatureMixing,
-)
+from iresflow.transforms.temporal import MIN_INIT_RESIDUAL_VARIANCE, AutoregressiveLinear
 
 F64 = torch.float64
 

@@ -59,7 +59,8 @@ class LogDetEstimator(ABC):
         Raises:
             TypeError: ``branch`` is not a ``LipschitzBranch``, ``x``/``mask`` have a wrong
                 dtype, or ``x`` is not on the device/dtype of the branch parameters.
-            ValueError: wrong shapes or non-finite values.
+            ValueError: wrong shapes, non-finite values, or ``N`` beyond the branch's
+                ``max_len`` (where its certificate no longer holds).
         """
         if not isinstance(branch, LipschitzBranch):
             raise TypeError(f"branch must be a LipschitzBranch, got {type(branch).__name__}")
@@ -70,6 +71,7 @@ class LogDetEstimator(ABC):
         features = getattr(branch, "features", None)
         like = next(branch.parameters(), None)
         x, mask = check_inputs(x, mask, "x", features=features, allow_2d=False, like=like)
+        branch.check_length(x.shape[1])
         with value_checks(False):
             return self.estimate(branch, x, mask)
 

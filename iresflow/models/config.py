@@ -109,9 +109,6 @@ class ModelConfig:
         for name in ("context_features", "num_classes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0: none), got {getattr(self, name)}")
-        if self.conditional and "attention" in self.layers:
-            raise ConfigError("a conditional model (context_features or num_classes > 0) takes "
-                              "conv, mlp and mix layers; attention layers are unconditional")
         if self.ar_order < 0:
             raise ConfigError(f"ar_order must be >= 0 (0: no autoregressive layer), got "
                               f"{self.ar_order}")

@@ -37,19 +37,16 @@ from iresflow.nn.attention import (
     ContractiveLipschitzNormAttention,
 )
 from iresflow.nn.base import LipschitzBranch
-from iresflow.nn.conditional import (
-    ConditionalLipschitzMLP,
-    ConditionalTemporalConvBranch,
-    ContextEncoder,
-)
+from iresflow.nn.conditional import ConditionalBranch, ContextEncoder
 from iresflow.nn.conv import TemporalConvBranch
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.nn.positional import PositionalBranch, make_positional_encoding
 from iresflow.transforms.actnorm import ActNorm
 from iresflow.transforms.base import SequenceCompositeTransform
 from iresflow.transforms.conditional import ConditionalAffine
+from iresflow.transforms.mixing import FeatureMixing
 from iresflow.transforms.residual import ResidualTransform
-from iresflow.transforms.temporal import AutoregressiveLinear, FeatureMixing
+from iresflow.transforms.temporal import AutoregressiveLinear
 
 __all__ = ["ResidualFlowTransformer"]
 
@@ -90,14 +87,13 @@ class ResidualFlowTransformer(SequenceFlow):
     learned embedding of size ``context_features``) or ``context_features > 0`` alone
     (covariates ``(B, C)``), the autoregressive input layer becomes conditional (its lags, bias
     and whitening shift with the context: a separate AR(p) Gaussian per class is within reach),
-    the ``conv`` and ``mlp`` branches become
-    :class:`~iresflow.nn.conditional.ConditionalTemporalConvBranch` and
-    :class:`~iresflow.nn.conditional.ConditionalLipschitzMLP` (the context shifts their first
-    layer; the certificate in :math:`x` holds for every context), a
+    every residual branch becomes a :class:`~iresflow.nn.conditional.ConditionalBranch` (a
+    network of the context shifts the first layer of the ``conv`` and ``mlp`` branches and the
+    input of ``attention``; the certificate in :math:`x` holds for every context,
+    docs/math.md#conditional-branches), a
     :class:`~iresflow.transforms.conditional.ConditionalAffine` ends the chain (step
     ``output.affine``: a context-dependent diagonal Gaussian base), and every method takes
-    ``context=`` (see :class:`~iresflow.models.flow.SequenceFlow`). Attention layers are not
-    available in conditional models (a ``ConfigError``).
+    ``context=`` (see :class:`~iresflow.models.flow.SequenceFlow`).
 
     Every setting, with its default, is a field of
     :class:`~iresflow.models.config.ModelConfig`; :attr:`config` holds the one the model was
@@ -177,25 +173,24 @@ class ResidualFlowTransformer(SequenceFlow):
 
 
 def _branch(kind: str, config: ModelConfig, encoding: nn.Module | None) -> LipschitzBranch:
-    """The contractive branch of a residual step of kind ``attention``, ``conv`` or ``mlp``."""
+    """The contractive branch of a residual step of kind ``attention``, ``conv`` or ``mlp``,
+    conditional on the context in a conditional model."""
     features, hidden, coeff = config.features, config.hidden, config.coeff
-    context = config.resolved_context_features
+    branch: LipschitzBranch
     if kind == "attention":
         attention = _attention_branch(config.attention, features, config.resolved_heads, coeff)
-        return PositionalBranch(attention, encoding)
-    if kind == "conv":
-        if context:
-            return ConditionalTemporalConvBranch(features, hidden, context, config.kernel_size,
-                                                 coeff, max_len=config.max_len)
-        return TemporalConvBranch(features, hidden, config.kernel_size, coeff,
-                                  max_len=config.max_len)
-    if context:
-        return ConditionalLipschitzMLP((features, hidden, hidden, features), context,
-                                       coeff=coeff ** (1.0 / MLP_LAYERS),
-                                       n_power_iterations=config.n_power_iterations,
-                                       sigma=config.spectral_norm)
-    return LipschitzMLP((features, hidden, hidden, features), coeff=coeff ** (1.0 / MLP_LAYERS),
-                        n_power_iterations=config.n_power_iterations, sigma=config.spectral_norm)
+        branch = PositionalBranch(attention, encoding)
+    elif kind == "conv":
+        branch = TemporalConvBranch(features, hidden, config.kernel_size, coeff,
+                                    max_len=config.max_len)
+    else:
+        branch = LipschitzMLP((features, hidden, hidden, features),
+                              coeff=coeff ** (1.0 / MLP_LAYERS),
+                              n_power_iterations=config.n_power_iterations,
+                              sigma=config.spectral_norm)
+    if config.conditional:
+        return ConditionalBranch(branch, config.resolved_context_features)
+    return branch
 
 
 def _attention_branch(kind: str, features: int, heads: int, coeff: float) -> LipschitzBranch:

@@ -30,9 +30,9 @@ from torch import Tensor, nn
 from iresflow._validation import check_inputs, check_int, under_functorch_transform
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.bounds import l2_attention_bound
-from iresflow.nn.linear import _check_coefficient
+from iresflow.nn.linear import check_coefficient
 from iresflow.nn.lipschitz_norm import (
-    _check_positive,
+    check_positive,
     lipschitz_norm_scale,
     multihead_bound,
     transformer_head_bound,
@@ -161,7 +161,7 @@ class DotProductMultiheadAttention(nn.Module):
             raise ValueError(
                 f"lipschitz_norm must be None or 'transformer', got {lipschitz_norm!r}"
             )
-        _check_positive(alpha, "alpha")
+        check_positive(alpha, "alpha")
         self.dim = dim
         self.heads = heads
         self.lipschitz_norm = lipschitz_norm
@@ -284,7 +284,7 @@ class ContractiveL2MultiheadAttention(_ContractiveAttention):
         length: Literal["actual", "max"] = "actual",
     ) -> None:
         super().__init__()
-        coeff = _check_coefficient(coeff, strict=True)
+        coeff = check_coefficient(coeff, strict=True)
         if norm not in ("inf", "2"):
             raise ValueError(f"norm must be 'inf' or '2', got {norm!r}")
         if length not in ("actual", "max"):
@@ -334,7 +334,7 @@ class ContractiveLipschitzNormAttention(_ContractiveAttention):
 
     def __init__(self, dim: int, heads: int, coeff: float = 0.9, alpha: float = 1.0) -> None:
         super().__init__()
-        coeff = _check_coefficient(coeff, strict=True)
+        coeff = check_coefficient(coeff, strict=True)
         self.attention = DotProductMultiheadAttention(dim, heads, "transformer", alpha)
         self.coeff = float(coeff)
         self.length = "actual"

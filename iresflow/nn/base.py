@@ -7,7 +7,13 @@ from typing import ClassVar, Literal
 
 from torch import Tensor, nn
 
-__all__ = ["LinearizedPoint", "LipschitzBranch", "Linearization"]
+__all__ = [
+    "BranchWrapper",
+    "LinearizedPoint",
+    "LipschitzBranch",
+    "Linearization",
+    "check_length",
+]
 
 
 class Linearization(ABC):
@@ -109,6 +115,17 @@ class LipschitzBranch(nn.Module, ABC):
       :class:`~iresflow.transforms.residual.ResidualTransform` and the log-det estimators check
       the input's last dimension against it before evaluating the branch, so a wrong ``D`` is
       reported on the caller's argument.
+    * ``max_len``: the longest sequence for which :meth:`lipschitz_constant` holds (``None``,
+      the default: every length). :meth:`check_length` rejects longer inputs; the residual
+      transforms, the log-det estimators and the branch's :class:`Linearization` call it at their
+      entry, on the input's shape only.
+    * ``shift_features``: the width ``H`` of a *shift* the branch accepts after its first layer,
+      ``None`` (the default) if it accepts none. Such a branch takes ``forward(x, mask,
+      shift=s)`` with ``s`` of shape ``(B, H)``, one vector per sequence that does not depend on
+      ``x``, added where it leaves the certificate in ``x`` unchanged (the MLP and convolution
+      branches; docs/math.md#conditional-branches).
+      :class:`~iresflow.nn.conditional.ConditionalBranch` composes a network of a context into
+      that point, or translates the input of a branch without one (attention).
 
     Contract for masks: with a boolean ``mask`` of shape ``(B, N)`` (``True`` = real token), the
     output at padded positions is exactly zero and padded inputs never influence real outputs.
@@ -117,6 +134,8 @@ class LipschitzBranch(nn.Module, ABC):
     position_wise: ClassVar[bool]
     norm: ClassVar[Literal["inf", "2"]]
     receptive_radius: int | None = None
+    max_len: int | None = None
+    shift_features: int | None = None
 
     @abstractmethod
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -139,7 +158,36 @@ class LipschitzBranch(nn.Module, ABC):
                 position-wise branches ignore it.
         """
 
-    def linearize(self) -> Linearization | None:
+    def check_length(self, seq_len: int) -> None:
+        """Reject a sequence length beyond :attr:`max_len` (a Python int: no host read).
+
+        Args:
+            seq_len: Sequence length ``N`` of an input.
+
+        Raises:
+            ValueError: ``N > max_len``, where the certificate no longer holds.
+        """
+        check_length(seq_len, self.max_len, type(self).__name__)
+
+    def check_shift(self, shift: Tensor, x: Tensor) -> None:
+        """Check the shape of a shift ``(B, H)`` for inputs ``x`` (reads no values).
+
+        Args:
+            shift: The shift, one row per sequence of ``x``.
+            x: The branch input ``(B, N, D)`` (or ``(B, D)``).
+
+        Raises:
+            ValueError: the branch takes no shift, or ``shift`` is not ``(B, shift_features)``.
+        """
+        if self.shift_features is None:
+            raise ValueError(f"{type(self).__name__} takes no shift")
+        if shift.shape != (x.shape[0], self.shift_features):
+            raise ValueError(
+                f"shift must have shape (B, H) = ({x.shape[0]}, {self.shift_features}), got "
+                f"{tuple(shift.shape)}"
+            )
+
+    def linearize(self, shift: Tensor | None = None) -> Linearization | None:
         """Optional fast path: the branch's map with hand-written Jacobian products.
 
         A call counts as one forward (buffers a training forward updates are updated the same
@@ -147,7 +195,88 @@ class LipschitzBranch(nn.Module, ABC):
         autograd when it is not ``None`` and must obtain identical values and gradients either
         way.
 
+        Args:
+            shift: Optional shift ``(B, shift_features)`` of the map (see ``shift_features``);
+                a linearization with a shift lists it last among its ``params``. A branch that
+                cannot linearize with a shift returns ``None`` for one.
+
         Returns:
             A :class:`Linearization`, or ``None`` (the default) when the branch has none.
         """
         return None
+
+
+
+class BranchWrapper(LipschitzBranch):
+    """A branch built around another one, with the wrapped branch's structure and certificate.
+
+    ``position_wise``, ``norm``, ``receptive_radius``, ``max_len``, ``features`` and
+    :meth:`lipschitz_constant` are those of :attr:`branch`; subclasses implement
+    :meth:`forward` by calling it on inputs changed in a way that keeps them (a translation,
+    a shift at the branch's shift point).
+
+    Args:
+        branch: The wrapped branch.
+
+    Raises:
+        TypeError: ``branch`` is not a :class:`LipschitzBranch`.
+    """
+
+    def __init__(self, branch: LipschitzBranch) -> None:
+        super().__init__()
+        if not isinstance(branch, LipschitzBranch):
+            raise TypeError(f"branch must be a LipschitzBranch, got {type(branch).__name__}")
+        self.branch = branch
+
+    @property  # type: ignore[override]
+    def position_wise(self) -> bool:
+        """Whether the wrapped branch acts on every token independently."""
+        return self.branch.position_wise
+
+    @property  # type: ignore[override]
+    def norm(self) -> Literal["inf", "2"]:
+        """Norm in which the wrapped branch's certificate holds."""
+        return self.branch.norm
+
+    @property  # type: ignore[override]
+    def receptive_radius(self) -> int | None:
+        """Receptive radius of the wrapped branch."""
+        return self.branch.receptive_radius
+
+    @property  # type: ignore[override]
+    def max_len(self) -> int | None:
+        """Longest sequence the wrapped branch's certificate holds for."""
+        return self.branch.max_len
+
+    @property
+    def features(self) -> int | None:
+        """Token dimension ``D`` the wrapped branch requires, if it declares one."""
+        return getattr(self.branch, "features", None)
+
+    def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
+        """Certified bound of the wrapped branch (0-dim tensor).
+
+        Args:
+            seq_len: Sequence length, passed on to the wrapped branch.
+        """
+        return self.branch.lipschitz_constant(seq_len)
+
+def check_length(seq_len: int, max_len: int | None, owner: str) -> None:
+    """Reject a sequence longer than the ``max_len`` of a certificate.
+
+    Args:
+        seq_len: Sequence length ``N`` of an input (a Python int, read from its shape).
+        max_len: Longest length the certificate holds for (``None``: any).
+        owner: Name of the branch, for the message.
+
+    Raises:
+        ValueError: ``N > max_len``.
+
+    Example:
+        >>> check_length(4, 6, "TemporalConvBranch")
+    """
+    if max_len is not None and seq_len > max_len:
+        raise ValueError(
+            f"sequence length N={seq_len} exceeds max_len={max_len} of {owner}: its certified "
+            f"Lipschitz bound holds for N <= max_len only"
+        )

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from iresflow._validation import check_int, values_checked
 
-__all__ = ["l2_attention_bound", "phi", "phi_inv"]
+__all__ = ["check_norm", "l2_attention_bound", "phi", "phi_inv"]
 
 # Halley's iteration for W_0 starting from Winitzki's approximation reaches float64 precision in
 # two steps on [0, 1e12] (checked against scipy); four leave a wide margin.
@@ -131,7 +131,7 @@ def l2_attention_bound(
         >>> l2_attention_bound(w, w, w, heads=1, seq_len=10)  # 4 * 1.101003 + 1 / sqrt(2)
         tensor(5.1111, dtype=torch.float64)
     """
-    norm = _check_p(p)
+    norm = check_norm(p)
     check_int(heads, "heads", 1)
     for name, w in (("w_query", w_query), ("w_value", w_value), ("w_out", w_out)):
         if not isinstance(w, Tensor) or w.dim() != 2 or w.shape[0] != w.shape[1]:
@@ -189,7 +189,22 @@ def _length_term(seq_len: int | Tensor, like: Tensor) -> Tensor:
     return like.new_tensor(phi_inv(float(check_int(seq_len, "seq_len", 1) - 1)))
 
 
-def _check_p(p: object) -> Literal["inf", "2"]:
+def check_norm(p: object) -> Literal["inf", "2"]:
+    r"""Validate the norm of a Lipschitz bound: the vector norm on :math:`\mathrm{vec}(X)`.
+
+    Args:
+        p: ``"inf"`` or ``math.inf`` (the max norm), ``"2"`` or ``2`` (the Euclidean norm).
+
+    Returns:
+        ``"inf"`` or ``"2"``.
+
+    Raises:
+        ValueError: any other value.
+
+    Example:
+        >>> check_norm(2)
+        '2'
+    """
     if p in ("inf", math.inf):
         return "inf"
     if p in ("2", 2):

@@ -1,16 +1,18 @@
-r"""Conditional residual branches :math:`g(x, c)` whose certificate in :math:`x` holds for every
-context :math:`c` (docs/math.md#contractive-attention, docs/math.md#spectral-norm).
+r"""Conditioning by composition: residual branches :math:`g(x, c)` whose certificate in
+:math:`x` holds for every context :math:`c` (docs/math.md#conditional-branches).
 
-The context, a per-sequence vector :math:`c` of shape ``(B, C)``, enters outside the
-Lipschitz-constrained path: as an additive shift :math:`s(c)` after the first layer,
+The context, a per-sequence vector :math:`c` of shape ``(B, C)``, enters through a small
+unconstrained network :math:`s(c)` (:class:`ContextShift`, last layer zero at initialisation)
+composed into a branch at its *shift point* (:class:`ConditionalBranch`): after the first layer
+of the MLP and convolution branches,
 
 .. math:: g(x, c) = W_3\, \phi\big(W_2\, \phi(W_1 x + b_1 + s(c)) + b_2\big) + b_3 ,
 
-with :math:`s` an unconstrained small MLP of :math:`c` alone. For fixed :math:`c` the shift is
-a constant, so :math:`\mathrm{lip}_x(g(\cdot, c)) \le \prod_l \|W_l\|\,\mathrm{lip}(\phi)^2`,
-the certificate of the unconditional branch, whatever :math:`c` is; the residual step
-:math:`x \mapsto x + g(x, c)` is therefore invertible in :math:`x` for every :math:`c`. The last
-layer of :math:`s` starts at zero, so a conditional branch starts as the unconditional one.
+and at the input of attention, :math:`g(x, c) = f_{\rm attn}(x + s(c))`. For fixed :math:`c`
+the shift is a constant, so the Jacobian in :math:`x` is that of the unconditional branch at a
+shifted point and :math:`\mathrm{lip}_x(g(\cdot, c))` has the unconditional certificate,
+whatever :math:`c` is; the residual step :math:`x \mapsto x + g(x, c)` is invertible in
+:math:`x` for every :math:`c`, and a conditional branch starts as the unconditional one.
 
 :class:`ContextEncoder` turns what a user conditions on (integer class labels through a learned
 embedding, or continuous covariates) into that vector, with the validation of the entry point.
@@ -18,8 +20,7 @@ embedding, or continuous covariates) into that vector, with the validation of th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -28,19 +29,11 @@ from iresflow._validation import (
     check_dtype_device,
     check_finite,
     check_int,
-    check_mask,
-    check_sequence,
     under_functorch_transform,
 )
-from iresflow.nn.conv import TemporalConvBranch
-from iresflow.nn.mlp import LipschitzMLP
+from iresflow.nn.base import BranchWrapper, Linearization, LipschitzBranch
 
-__all__ = [
-    "ConditionalLipschitzMLP",
-    "ConditionalTemporalConvBranch",
-    "ContextEncoder",
-    "check_context",
-]
+__all__ = ["ConditionalBranch", "ContextEncoder", "ContextShift", "check_context", "shifted"]
 
 
 def check_context(context: object, batch: int, features: int, like: Tensor) -> Tensor:
@@ -72,60 +65,87 @@ def check_context(context: object, batch: int, features: int, like: Tensor) -> T
     return check_dtype_device(context, like, "context")
 
 
-def _shift_net(context_features: int, out_features: int, hidden: int) -> nn.Sequential:
-    """The unconstrained MLP :math:`s(c)`, its last layer zero so that :math:`s = 0` at start."""
-    check_int(context_features, "context_features", 1)
-    check_int(hidden, "context_hidden", 1)
-    last = nn.Linear(hidden, out_features)
-    nn.init.zeros_(last.weight)
-    nn.init.zeros_(last.bias)
-    return nn.Sequential(nn.Linear(context_features, hidden), nn.SiLU(), last)
+class ContextShift(nn.Sequential):
+    r"""The unconstrained network :math:`s(c)` of a context, zero at initialisation.
 
-
-class ConditionalLipschitzMLP(LipschitzMLP):
-    r"""Position-wise spectrally normalised LipSwish MLP with a context shift after layer 1.
-
-    :math:`g(x, c) = \mathrm{MLP}(x)` with :math:`s(c)` added to the first pre-activation (module
-    docstring); :meth:`lipschitz_constant` is that of :class:`~iresflow.nn.mlp.LipschitzMLP`
-    and holds in :math:`x` for every context.
+    ``Linear(C, hidden) -> SiLU -> Linear(hidden, out)`` with the last layer's weight and bias
+    zero, so :math:`s \equiv 0` until training moves it: whatever it is composed into starts as
+    its context-free self. Used as the shift of a :class:`ConditionalBranch` and as the
+    parameter network of the conditional autoregressive layer and affine map
+    (:mod:`iresflow.transforms`).
 
     Args:
-        dims: Layer sizes ``(D, ..., D)``, at least three entries.
         context_features: Context size ``C``.
-        coeff: Per-layer Lipschitz coefficient (see :class:`~iresflow.nn.mlp.LipschitzMLP`).
-        n_power_iterations: Power iterations per training forward.
-        sigma: ``"exact"`` or ``"power"`` spectral norms in training.
-        context_hidden: Hidden width of the context network :math:`s`.
+        out_features: Output size.
+        hidden: Hidden width.
 
     Example:
-        >>> g = ConditionalLipschitzMLP((3, 8, 3), context_features=2).double()
+        >>> shift = ContextShift(2, 3, hidden=4)
+        >>> shift(torch.randn(5, 2)).abs().max().item()
+        0.0
+    """
+
+    def __init__(self, context_features: int, out_features: int, hidden: int = 32) -> None:
+        check_int(context_features, "context_features", 1)
+        check_int(out_features, "out_features", 1)
+        check_int(hidden, "context_hidden", 1)
+        last = nn.Linear(hidden, out_features)
+        nn.init.zeros_(last.weight)
+        nn.init.zeros_(last.bias)
+        super().__init__(nn.Linear(context_features, hidden), nn.SiLU(), last)
+
+
+class ConditionalBranch(BranchWrapper):
+    r"""A branch conditioned on a per-sequence context: :math:`g(x, c) = g(x; s(c))`.
+
+    Composes a :class:`ContextShift` :math:`s` of the context ``(B, C)`` into a branch at its
+    shift point (:func:`shifted`): after the first layer of a branch that declares one
+    (:attr:`~iresflow.nn.base.LipschitzBranch.shift_features`: the MLP and convolution
+    branches), else at its input, a translation (attention). For a fixed
+    :math:`c` the shift is a constant, so :math:`\mathrm{lip}_x(g(\cdot, c))` has the wrapped
+    branch's certificate for every context (docs/math.md#conditional-branches), and the branch
+    starts as the wrapped one (:math:`s = 0`). Its structure and :meth:`lipschitz_constant` are
+    the wrapped branch's (:class:`~iresflow.nn.base.BranchWrapper`).
+
+    A :class:`~iresflow.transforms.residual.ResidualTransform` recognises a conditional branch
+    by its ``context_features``; it binds the context (:meth:`bind`) for the log-det engines and
+    passes it to the fixed-point inverse.
+
+    Args:
+        branch: The wrapped branch; it must declare ``shift_features`` or ``features``.
+        context_features: Context size ``C``.
+        context_hidden: Hidden width of :math:`s`.
+
+    Raises:
+        TypeError: ``branch`` is not a :class:`~iresflow.nn.base.LipschitzBranch`.
+        ValueError: the branch declares neither a shift point nor its features.
+
+    Example:
+        >>> from iresflow.nn.mlp import LipschitzMLP
+        >>> g = ConditionalBranch(LipschitzMLP((3, 8, 3)), context_features=2).double()
         >>> x = torch.randn(4, 5, 3, dtype=torch.float64)
         >>> g(x, context=torch.randn(4, 2, dtype=torch.float64)).shape
         torch.Size([4, 5, 3])
     """
 
     def __init__(
-        self,
-        dims: Sequence[int],
-        context_features: int,
-        coeff: float = 0.97,
-        n_power_iterations: int = 1,
-        sigma: Literal["power", "exact"] = "exact",
-        context_hidden: int = 32,
+        self, branch: LipschitzBranch, context_features: int, context_hidden: int = 32
     ) -> None:
-        super().__init__(dims, coeff, n_power_iterations, sigma=sigma)
-        if len(self.net) < 2:
-            raise ValueError(f"dims must hold at least 3 sizes for a context shift, got {dims}")
+        super().__init__(branch)
+        width = branch.shift_features or getattr(branch, "features", None)
+        if width is None:
+            raise ValueError(f"{type(branch).__name__} declares neither shift_features nor "
+                             f"features: no shift point to condition on")
         self.context_features = check_int(context_features, "context_features", 1)
-        self.context_net = _shift_net(context_features, self.net[0].out_features, context_hidden)
+        self.context_net = ContextShift(context_features, width, context_hidden)
 
     def forward(
         self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None
     ) -> Tensor:
-        """Evaluate the branch token by token.
+        """Evaluate :math:`g(x, c)`.
 
         Args:
-            x: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
+            x: Sequences ``(B, N, D)`` (or vectors ``(B, D)`` where the wrapped branch takes them).
             mask: Optional boolean padding mask ``(B, N)``.
             context: Context ``(B, C)`` (required).
 
@@ -135,86 +155,78 @@ class ConditionalLipschitzMLP(LipschitzMLP):
         Raises:
             TypeError, ValueError: invalid ``x``, ``mask`` or ``context``.
         """
+        if not isinstance(x, Tensor) or x.dim() < 2:  # the wrapped branch rejects x
+            return self.branch(x, mask)
         if not under_functorch_transform():
-            check_sequence(x, "x", features=self.features, like=self.net[0].weight)
-            mask = check_mask(mask, x)
-            check_context(context, x.shape[0], self.context_features, self.net[0].weight)
-        shift = self.context_net(context)
-        h = self.net[0](x) + (shift.unsqueeze(1) if x.dim() == 3 else shift)
-        out = self.net[1:](h)
-        if mask is not None:
-            out = torch.where(mask.unsqueeze(-1), out, 0.0)
-        return out
+            check_context(context, x.shape[0], self.context_features, self.context_net[0].weight)
+        return shifted(self.branch, x, mask, self.context_net(context))
 
-    def linearize(self) -> None:
-        """No hand-written Jacobian products: the engines use autograd."""
-        return None
+    def bind(self, context: Tensor) -> LipschitzBranch:
+        r"""The branch :math:`x \mapsto g(x, c)` at a fixed context, for the log-det engines.
 
-
-class ConditionalTemporalConvBranch(TemporalConvBranch):
-    r"""Temporal convolution branch with a context shift after its first convolution.
-
-    The shift :math:`s(c)` is added to every frame of the first convolution's output (module
-    docstring); :meth:`lipschitz_constant` is that of
-    :class:`~iresflow.nn.conv.TemporalConvBranch` (docs/math.md#temporal-conv) and holds in
-    :math:`x` for every context.
-
-    Args:
-        features: Feature size ``D``.
-        hidden: Hidden channels.
-        context_features: Context size ``C``.
-        kernel_size: Odd kernel size of the outer convolutions.
-        coeff: Certified Lipschitz bound of the branch, in ``(0, 1)``.
-        max_len: Longest sequence accepted.
-        context_hidden: Hidden width of the context network :math:`s`.
-
-    Example:
-        >>> g = ConditionalTemporalConvBranch(3, 8, 2, max_len=6).double()
-        >>> x = torch.randn(4, 5, 3, dtype=torch.float64)
-        >>> g(x, context=torch.randn(4, 2, dtype=torch.float64)).shape
-        torch.Size([4, 5, 3])
-    """
-
-    def __init__(
-        self,
-        features: int,
-        hidden: int,
-        context_features: int,
-        kernel_size: int = 3,
-        coeff: float = 0.9,
-        *,
-        max_len: int,
-        context_hidden: int = 32,
-    ) -> None:
-        super().__init__(features, hidden, kernel_size, coeff, max_len=max_len)
-        self.context_features = check_int(context_features, "context_features", 1)
-        self.context_net = _shift_net(context_features, hidden, context_hidden)
-
-    def forward(
-        self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None
-    ) -> Tensor:
-        """Evaluate the branch.
+        The engines evaluate a branch on the batch repeated along the rows; row ``r`` of an
+        input with ``k B`` rows belongs to sequence ``r mod B`` and gets its shift. The shift
+        :math:`s(c)` is listed among the parameters of the bound branch, so the
+        memory-efficient Neumann backward returns its gradient (on to :math:`s` and whatever
+        produced ``context``, e.g. a label embedding).
 
         Args:
-            x: Sequences ``(B, N, D)`` with ``N <= max_len``.
-            mask: Optional boolean padding mask ``(B, N)``.
-            context: Context ``(B, C)`` (required).
+            context: Validated context ``(B, C)``.
 
         Returns:
-            ``g(x, c)``, shape ``(B, N, D)``, exactly zero at padded frames.
-
-        Raises:
-            TypeError, ValueError: invalid ``x``, ``mask`` or ``context``, or ``N > max_len``.
+            A branch of the same structure and certificate, taking ``(x, mask)``.
         """
-        if not under_functorch_transform():
-            check_sequence(x, "x", features=self.features, allow_2d=False, like=self.net[0].weight)
-            mask = check_mask(mask, x)
-            check_context(context, x.shape[0], self.context_features, self.net[0].weight)
-        return self._convolve(x, mask, self.context_net(context))
+        return _ShiftedBranch(self.branch, self.context_net(context))
 
-    def linearize(self) -> None:
-        """No hand-written Jacobian products (they would miss the context shift): autograd."""
-        return None
+    def extra_repr(self) -> str:
+        return f"context_features={self.context_features}"
+
+
+class _ShiftedBranch(BranchWrapper):
+    """A branch with its per-sequence shift fixed (see :meth:`ConditionalBranch.bind`)."""
+
+    def __init__(self, branch: LipschitzBranch, shift: Tensor) -> None:
+        super().__init__(branch)
+        self.shift = shift
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        rows, batch = x.shape[0], self.shift.shape[0]
+        if rows % batch:
+            raise RuntimeError(f"{rows} rows do not repeat a batch of {batch} shifts")
+        shift = self.shift if rows == batch else self.shift.repeat(rows // batch, 1)
+        return shifted(self.branch, x, mask, shift)
+
+    def linearize(self, shift: Tensor | None = None) -> Linearization | None:
+        """The wrapped branch's linearization at the fixed shift (``None`` if it has none, or
+        for a translated input)."""
+        if shift is not None:
+            raise ValueError("the shift of a bound conditional branch is already fixed")
+        if self.branch.shift_features is None:
+            return None
+        return self.branch.linearize(shift=self.shift)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        yield from super().parameters(recurse)
+        if self.shift.requires_grad:
+            yield self.shift  # type: ignore[misc]
+
+
+def shifted(branch: LipschitzBranch, x: Tensor, mask: Tensor | None, shift: Tensor) -> Tensor:
+    """A branch with a per-sequence shift at its shift point: its own (``shift_features``), or
+    else its input, translated (docs/math.md#conditional-branches).
+
+    Args:
+        branch: The branch.
+        x: Sequences ``(B, N, D)`` (or vectors ``(B, D)`` where the branch takes them).
+        mask: Optional boolean padding mask ``(B, N)``.
+        shift: ``(B, shift_features)``, or ``(B, D)`` for a branch without a shift point.
+
+    Returns:
+        The branch's output, shape of ``x``.
+    """
+    if branch.shift_features is not None:
+        return branch(x, mask, shift=shift)
+    return branch(x + (shift.unsqueeze(1) if x.dim() == 3 else shift), mask)
 
 
 class ContextEncoder(nn.Module):

@@ -30,8 +30,8 @@ from torch import Tensor, nn
 from iresflow._validation import check_int, check_mask, check_sequence, under_functorch_transform
 from iresflow.nn.activations import LipSwish
 from iresflow.nn.base import LipschitzBranch
-from iresflow.nn.linear import _check_coefficient, top_singular_vectors
-from iresflow.nn.mlp import _MLPLinearization, _MLPPoint, _rows, stack_parameters
+from iresflow.nn.layered import ConvStackLinearization, stack_parameters
+from iresflow.nn.linear import check_coefficient, top_singular_vectors
 
 __all__ = ["SpectralConv1d", "TemporalConvBranch", "circular_conv_norm"]
 
@@ -118,7 +118,7 @@ class SpectralConv1d(nn.Module):
         self.in_channels = check_int(in_channels, "in_channels", 1)
         self.out_channels = check_int(out_channels, "out_channels", 1)
         self.kernel_size = _check_kernel_size(kernel_size)
-        self.coeff = _check_coefficient(coeff)
+        self.coeff = check_coefficient(coeff)
         self.max_len = check_int(max_len, "max_len", 1)
         # A single tap has no frequency dependence: its norm is the matrix norm (period 1).
         self.period = self.max_len + self.kernel_size - 1 if self.kernel_size > 1 else 1
@@ -246,7 +246,9 @@ class TemporalConvBranch(LipschitzBranch):
     also inside a sequence), so they never influence real outputs.
 
     Input validation runs outside ``torch.func`` transforms (the caller of a transform
-    validates the batch); the length check ``N <= max_len`` always runs.
+    validates the batch); the length check ``N <= max_len`` always runs. A per-sequence shift
+    ``(B, hidden)`` (:attr:`shift_features`) enters after the first convolution
+    (docs/math.md#conditional-branches).
 
     Args:
         features: Token dimension ``D``.
@@ -278,7 +280,7 @@ class TemporalConvBranch(LipschitzBranch):
         super().__init__()
         self.features = check_int(features, "features", 1)
         check_int(hidden, "hidden", 1)
-        self.coeff = _check_coefficient(coeff, strict=True)
+        self.coeff = check_coefficient(coeff, strict=True)
         self.max_len = check_int(max_len, "max_len", 1)
         per_layer = self.coeff ** (1 / 3)
         dims = (features, hidden, hidden, features)
@@ -291,13 +293,17 @@ class TemporalConvBranch(LipschitzBranch):
         self.net = nn.Sequential(*layers)
         #: Output frame ``t`` depends on input frames ``t - radius .. t + radius`` only.
         self.receptive_radius = kernel_size - 1
+        self.shift_features = hidden
 
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, mask: Tensor | None = None, shift: Tensor | None = None
+    ) -> Tensor:
         """Evaluate the branch.
 
         Args:
             x: Sequences ``(B, N, D)`` with ``N <= max_len``.
             mask: Optional boolean padding mask ``(B, N)``, ``True`` for real frames.
+            shift: Optional ``(B, hidden)``, added to every frame after the first convolution.
 
         Returns:
             ``g(x)``, shape ``(B, N, D)``, exactly zero at padded frames.
@@ -310,19 +316,9 @@ class TemporalConvBranch(LipschitzBranch):
         if not under_functorch_transform():
             check_sequence(x, "x", features=self.features, allow_2d=False, like=self.net[0].weight)
             mask = check_mask(mask, x)
-        return self._convolve(x, mask)
-
-    def _check_length(self, x: Tensor) -> None:
-        if x.shape[1] > self.max_len:
-            raise ValueError(
-                f"x has length {x.shape[1]} > max_len={self.max_len}, for which the certified "
-                f"bound does not hold"
-            )
-
-    def _convolve(self, x: Tensor, mask: Tensor | None, shift: Tensor | None = None) -> Tensor:
-        """The branch on validated inputs; ``shift (B, hidden)`` is added after the first layer
-        (a function of something other than ``x``, so the bound in ``x`` is unchanged)."""
-        self._check_length(x)
+            if shift is not None:
+                self.check_shift(shift, x)
+        self.check_length(x.shape[1])
         keep = None if mask is None else mask.unsqueeze(1)  # (B, 1, N)
         h = x.transpose(1, 2)
         for i, layer in enumerate(self.net):
@@ -357,7 +353,7 @@ class TemporalConvBranch(LipschitzBranch):
         ]
         return torch.stack(constants).prod()
 
-    def linearize(self) -> _ConvLinearization:
+    def linearize(self, shift: Tensor | None = None) -> ConvStackLinearization:
         r"""The branch's map with hand-written Jacobian products (fast log-det path).
 
         The effective taps :math:`\tilde W_l` of this forward, the biases and the LipSwish slopes,
@@ -365,8 +361,12 @@ class TemporalConvBranch(LipschitzBranch):
         convolutions with the taps and their adjoints (transposed convolutions), with the mask
         applied at every layer input as in :meth:`forward`.
 
+        Args:
+            shift: Optional shift ``(B, hidden)`` after the first convolution, as in
+                :meth:`forward`.
+
         Returns:
-            A linearization whose ``at(x, mask).output`` equals ``self(x, mask)``.
+            A linearization whose ``at(x, mask).output`` equals ``self(x, mask, shift)``.
 
         Example:
             >>> branch = TemporalConvBranch(2, 8, kernel_size=3, coeff=0.9, max_len=6).double()
@@ -378,72 +378,11 @@ class TemporalConvBranch(LipschitzBranch):
             >>> bool(torch.allclose(point.vjp(w), pullback(w)[0], atol=1e-12))
             True
         """
-        return _ConvLinearization(
-            *stack_parameters(self.net, lambda layer: layer.weight_normalized())
-        )
+        weights = stack_parameters(self.net, lambda layer: layer.weight_normalized())
+        return ConvStackLinearization(*weights, shift=shift, max_len=self.max_len)
 
     def extra_repr(self) -> str:
         return f"coeff={self.coeff}, max_len={self.max_len}"
-
-
-class _ConvLinearization(_MLPLinearization):
-    """A :class:`TemporalConvBranch` with fixed effective taps (from its ``linearize``).
-
-    ``params`` lists the taps, the biases, then the LipSwish slopes. Each convolution is applied
-    as a matrix product with the windows of its input (small channel counts make that cheaper
-    than a convolution call); ``forward_matrices[l]`` (``(C_in k, C_out)``) and
-    ``adjoint_matrices[l]`` (``(C_out k, C_in)``, the flipped taps) are those of layer ``l``.
-    """
-
-    def __init__(
-        self, weights: list[Tensor], biases: list[Tensor | None], betas: list[Tensor]
-    ) -> None:
-        super().__init__(weights, biases, betas)
-        self.forward_matrices = [w.reshape(w.shape[0], -1).T for w in self.weights]
-        self.adjoint_matrices = [w.flip(-1).transpose(1, 2).reshape(-1, w.shape[1])
-                                 for w in self.weights]
-
-    def at(self, x: Tensor, mask: Tensor | None = None) -> _ConvPoint:
-        return _ConvPoint(self, x, mask)
-
-
-def _windows(h: Tensor, size: int) -> Tensor:
-    """Windows ``out[r, t, c * size + j] = h[r, t + j - size // 2, c]`` (zero outside the
-    sequence), shape ``(R, N, C size)``."""
-    if size == 1:
-        return h
-    padded = F.pad(h, (0, 0, size // 2, size // 2))
-    return padded.unfold(1, size, 1).reshape(*h.shape[:2], h.shape[2] * size)
-
-
-class _ConvPoint(_MLPPoint):
-    r"""A :class:`TemporalConvBranch` map at ``x``: the layered products of
-    :class:`~iresflow.nn.mlp._MLPPoint` with "same"-padded convolutions over time (tensors stay
-    ``(R, N, C)``) and padded frames zeroed at every layer input.
-
-    With taps :math:`W_j` and :math:`p = (k - 1) / 2`, the convolution is
-    :math:`y_t = \sum_j W_j x_{t + j - p}` and its adjoint
-    :math:`\bar x_s = \sum_j W_{k - 1 - j}^\top \bar y_{s + j - p}`: both are products of input
-    windows with a tap matrix."""
-
-    lin: _ConvLinearization
-
-    def _apply(self, l: int, h: Tensor, bias: Tensor | None = None) -> Tensor:
-        matrix = self.lin.forward_matrices[l]
-        out = _windows(h, self.lin.weights[l].shape[-1]) @ matrix
-        return out if bias is None else out.add_(bias)
-
-    def _adjoint(self, l: int, g: Tensor) -> Tensor:
-        return _windows(g, self.lin.weights[l].shape[-1]) @ self.lin.adjoint_matrices[l]
-
-    def _weight_grad(self, l: int, g: Tensor, h: Tensor, k: Tensor, t: Tensor) -> Tensor:
-        weight = self.lin.weights[l]
-        # Both terms in one product of the stacked output cotangents with the input windows.
-        windows = _windows(torch.cat([h, t]), weight.shape[-1])
-        return (_rows(torch.cat([g, k])).T @ _rows(windows)).view(weight.shape)
-
-    def _hidden(self, t: Tensor) -> Tensor:
-        return self._masked(t)
 
 
 def _check_kernel_size(kernel_size: object) -> int:

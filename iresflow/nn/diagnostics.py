@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from iresflow._validation import check_int, check_sequence
-from iresflow.nn.bounds import _check_p
+from iresflow.nn.bounds import check_norm
 
 __all__ = ["LipschitzEstimate", "empirical_lipschitz", "jacobian_norm"]
 
@@ -57,7 +57,7 @@ def jacobian_norm(f: Callable[[Tensor], Tensor], x: Tensor, p: Literal["inf", "2
         >>> jacobian_norm(lambda x: x @ w, torch.zeros(1, 3, 2), "inf")  # ||W^T||_inf
         tensor([3.])
     """
-    p = _check_p(p)
+    p = check_norm(p)
     check_sequence(x, "x")
     jac = _per_sample_jacobian(f, x)
     if p == "inf":
@@ -105,7 +105,7 @@ def empirical_lipschitz(
         >>> 2.9 < float(est.value) <= 3.0
         True
     """
-    p = _check_p(p)
+    p = check_norm(p)
     check_sequence(x, "x")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be a non-negative int, got {steps!r}")

@@ -21,11 +21,27 @@ from torch import Tensor, nn
 
 from iresflow._validation import check_dtype_device, check_int, under_functorch_transform
 
-__all__ = ["InfNormLinear", "SpectralLinear", "top_singular_vectors"]
+__all__ = ["InfNormLinear", "SpectralLinear", "check_coefficient", "top_singular_vectors"]
 
 
-def _check_coefficient(coeff: object, *, strict: bool = False) -> float:
-    """Validate a Lipschitz coefficient: ``0 < coeff <= 1`` (``< 1`` when ``strict``)."""
+def check_coefficient(coeff: object, *, strict: bool = False) -> float:
+    """Validate a Lipschitz coefficient: ``0 < coeff <= 1`` (``< 1`` when ``strict``).
+
+    Args:
+        coeff: Candidate coefficient (int or float, not bool).
+        strict: Require ``coeff < 1`` (a contractive branch) instead of ``coeff <= 1``.
+
+    Returns:
+        ``coeff`` as a ``float``.
+
+    Raises:
+        TypeError: not a real number.
+        ValueError: outside the interval.
+
+    Example:
+        >>> check_coefficient(0.9, strict=True)
+        0.9
+    """
     if isinstance(coeff, bool) or not isinstance(coeff, int | float):
         raise TypeError(f"coeff must be a real number, got {type(coeff).__name__}")
     upper_ok = coeff < 1 if strict else coeff <= 1
@@ -60,7 +76,7 @@ class _NormalizedLinear(nn.Module, ABC):
         super().__init__()
         self.in_features = check_int(in_features, "in_features", 1)
         self.out_features = check_int(out_features, "out_features", 1)
-        self.coeff = _check_coefficient(coeff)
+        self.coeff = check_coefficient(coeff)
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         if bias:

@@ -28,6 +28,7 @@ from iresflow._validation import check_int, check_sequence, under_functorch_tran
 
 __all__ = [
     "LinearScoreAttention",
+    "check_positive",
     "chi2_to_uniform",
     "linear_score_bound",
     "lipschitz_norm_scale",
@@ -67,7 +68,7 @@ def lipschitz_norm_scale(
         >>> float(g.abs().max()) <= 1.0
         True
     """
-    _check_positive(alpha, "alpha")
+    check_positive(alpha, "alpha")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() < 2:
             raise ValueError(f"{name} must be a tensor of shape (..., N, d)")
@@ -142,7 +143,7 @@ def softmax_norm_bound(alpha: float, seq_len: int | Tensor, queries: int | None 
         >>> softmax_norm_bound(1.0, 1)
         tensor(1., dtype=torch.float64)
     """
-    _check_positive(alpha, "alpha")
+    check_positive(alpha, "alpha")
     n = (
         seq_len
         if isinstance(seq_len, Tensor)
@@ -181,7 +182,7 @@ def linear_score_bound(alpha: float, adjacency: Tensor) -> Tensor:
         >>> linear_score_bound(1.0, torch.ones(4, 4, dtype=torch.bool))
         tensor(5.6867, dtype=torch.float64)
     """
-    _check_positive(alpha, "alpha")
+    check_positive(alpha, "alpha")
     adj = _check_adjacency(adjacency)
     e = math.exp(2 * alpha)
     weights = adj.to(torch.float64)
@@ -308,7 +309,7 @@ class LinearScoreAttention(nn.Module):
         super().__init__()
         check_int(dim, "dim", 1)
         check_int(queries, "queries", 1)
-        _check_positive(alpha, "alpha")
+        check_positive(alpha, "alpha")
         self.alpha = float(alpha)
         self.query = nn.Parameter(torch.empty(queries, dim))
         nn.init.normal_(self.query)
@@ -375,6 +376,18 @@ def _check_adjacency(adjacency: object) -> Tensor:
     return adjacency
 
 
-def _check_positive(value: object, name: str) -> None:
+def check_positive(value: object, name: str) -> None:
+    r"""Validate a positive finite real hyper-parameter (e.g. the score bound ``alpha``).
+
+    Args:
+        value: Candidate value (int or float, not bool).
+        name: Argument name used in the message.
+
+    Raises:
+        ValueError: not a real number, or not in :math:`(0, \infty)`.
+
+    Example:
+        >>> check_positive(1.0, "alpha")
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be a positive finite float, got {value!r}")

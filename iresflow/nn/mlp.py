@@ -3,23 +3,19 @@ r"""Position-wise Lipschitz feed-forward branch (docs/math.md#conventions, #lips
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from iresflow._validation import check_int, check_mask, check_sequence
 from iresflow.nn.activations import LipSwish
-from iresflow.nn.base import Linearization, LinearizedPoint, LipschitzBranch
-from iresflow.nn.linear import (
-    InfNormLinear,
-    SpectralLinear,
-    _check_coefficient,
-)
+from iresflow.nn.base import LipschitzBranch
+from iresflow.nn.layered import LayerStackLinearization, stack_parameters
+from iresflow.nn.linear import InfNormLinear, SpectralLinear, check_coefficient
 
-__all__ = ["LipschitzMLP", "stack_parameters"]
+__all__ = ["LipschitzMLP"]
 
 
 class LipschitzMLP(LipschitzBranch):
@@ -37,6 +33,9 @@ class LipschitzMLP(LipschitzBranch):
 
     On sequences the norm is the entrywise one of docs/math.md#conventions, for which a token-wise
     map has the same constant as on a single token.
+
+    A per-sequence shift ``(B, h_1)`` (:attr:`shift_features`) enters after the first layer,
+    :math:`\tilde W_1 x + b_1 + s` (docs/math.md#conditional-branches).
 
     The instance attribute ``norm`` records the constructor's choice and shadows the class
     default ``"2"``, so engines reading ``branch.norm`` see the norm of this instance.
@@ -87,7 +86,7 @@ class LipschitzMLP(LipschitzBranch):
         dims = [check_int(d, "every entry of dims", 1) for d in dims]
         if dims[0] != dims[-1]:
             raise ValueError(f"dims must start and end with the same size D, got {dims}")
-        coeff = _check_coefficient(coeff, strict=True)
+        coeff = check_coefficient(coeff, strict=True)
         if norm not in ("2", "inf"):
             raise ValueError(f'norm must be "2" or "inf", got {norm!r}')
         self.norm = norm  # type: ignore[misc]  # per-instance choice shadows the class default
@@ -102,14 +101,18 @@ class LipschitzMLP(LipschitzBranch):
                 layers.append(InfNormLinear(d_in, d_out, coeff))
         self.net = nn.Sequential(*layers)
         self.features = dims[0]
+        self.shift_features = dims[1]
 
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, mask: Tensor | None = None, shift: Tensor | None = None
+    ) -> Tensor:
         """Evaluate the branch token by token.
 
         Args:
             x: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
             mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens (only with
                 ``(B, N, D)`` inputs).
+            shift: Optional ``(B, h_1)``, added to every token after the first layer.
 
         Returns:
             ``g(x)`` with the shape of ``x``, exactly zero at padded positions.
@@ -122,7 +125,14 @@ class LipschitzMLP(LipschitzBranch):
         if not (isinstance(x, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x)):
             check_sequence(x, "x", features=self.features, like=self.net[0].weight)
             mask = check_mask(mask, x)
-        out = self.net(x)
+            if shift is not None:
+                self.check_shift(shift, x)
+        if shift is None:
+            out = self.net(x)
+        else:
+            out = self.net[0](x) + (shift.unsqueeze(1) if x.dim() == 3 else shift)
+            for layer in list(self.net)[1:]:
+                out = layer(out)
         if mask is not None:
             # Padded outputs are exactly 0 and carry no gradient back to padded inputs.
             out = torch.where(mask.unsqueeze(-1), out, 0.0)
@@ -146,7 +156,7 @@ class LipschitzMLP(LipschitzBranch):
         ]
         return torch.stack(constants).prod()
 
-    def linearize(self) -> _MLPLinearization:
+    def linearize(self, shift: Tensor | None = None) -> LayerStackLinearization:
         r"""The branch's map with hand-written Jacobian products (fast log-det path, G5).
 
         Counts as one forward: in training mode every
@@ -155,8 +165,11 @@ class LipschitzMLP(LipschitzBranch):
         slopes :math:`\beta_l`) are built under the current grad mode, so their graphs reach
         ``weight`` and ``beta_raw``.
 
+        Args:
+            shift: Optional shift ``(B, h_1)`` after the first layer, as in :meth:`forward`.
+
         Returns:
-            A linearization whose ``at(x, mask).output`` equals ``self(x, mask)``.
+            A linearization whose ``at(x, mask).output`` equals ``self(x, mask, shift)``.
 
         Example:
             >>> mlp = LipschitzMLP((2, 8, 2), coeff=0.9).double()
@@ -169,181 +182,5 @@ class LipschitzMLP(LipschitzBranch):
             >>> bool(torch.allclose(point.vjp(w), ref, atol=1e-12))
             True
         """
-        return _MLPLinearization(*stack_parameters(self.net, lambda layer: layer.forward_weight()))
-
-
-_SCALE = 1 / 1.1  # the LipSwish normalisation
-
-
-def _lipswish_slope(beta: Tensor, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    r""":class:`~iresflow.nn.activations.LipSwish` at ``z`` with its slope.
-
-    With :math:`t = \beta z`, :math:`s = \sigma(t)`: returns the value :math:`\phi = z s / 1.1`,
-    the slope :math:`\phi' = (s + t s (1 - s)) / 1.1` and :math:`s`, all of the shape of ``z``.
-    """
-    t = beta * z
-    s = torch.sigmoid(t)
-    scaled = s * _SCALE
-    return z * scaled, torch.addcmul(scaled, t.mul_(scaled), torch.rsub(s, 1)), s
-
-
-def _lipswish_second(beta: Tensor, z: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
-    r"""Second-order LipSwish factors at ``z``, given :math:`s = \sigma(\beta z)`.
-
-    Returns :math:`q = s (1 - s)(2 + t (1 - 2 s)) / 1.1` (so that :math:`\phi'' = \beta q` and
-    :math:`\partial\phi'/\partial\beta = z q`) and :math:`d = s (1 - s) / 1.1` (so that
-    :math:`\partial\phi/\partial\beta = z^2 d`).
-    """
-    d = torch.rsub(s, 1).mul_(s).mul_(_SCALE)
-    return (beta * z).mul_(torch.rsub(s, 1, alpha=2)).add_(2).mul_(d), d
-
-
-def _rows(t: Tensor) -> Tensor:
-    """``(..., H)`` as a matrix ``(rows, H)``."""
-    return t.reshape(-1, t.shape[-1])
-
-
-def _dot(a: Tensor, b: Tensor) -> Tensor:
-    """Sum of the elementwise product of two tensors of equal shape (0-dim)."""
-    return torch.dot(a.reshape(-1), b.reshape(-1))
-
-
-def stack_parameters(
-    net: nn.Sequential, weight: Callable[[nn.Module], Tensor]
-) -> tuple[list[Tensor], list[Tensor | None], list[Tensor]]:
-    """Effective weights, biases and LipSwish slopes of an alternating layer/LipSwish stack.
-
-    Args:
-        net: Layers (with ``bias``) alternating with :class:`~iresflow.nn.activations.LipSwish`.
-        weight: The effective weight of a layer (e.g. its normalised weight).
-
-    Returns:
-        ``(weights, biases, betas)``, in the order of the stack.
-    """
-    weights: list[Tensor] = []
-    biases: list[Tensor | None] = []
-    betas: list[Tensor] = []
-    for layer in net:
-        if isinstance(layer, LipSwish):
-            betas.append(layer.beta)
-        else:
-            weights.append(weight(layer))
-            biases.append(layer.bias)
-    return weights, biases, betas
-
-
-class _MLPLinearization(Linearization):
-    r"""A :class:`LipschitzMLP` with fixed effective parameters (:meth:`LipschitzMLP.linearize`).
-
-    ``params`` lists the weights, the biases that exist, then the LipSwish slopes.
-    """
-
-    def __init__(
-        self, weights: list[Tensor], biases: list[Tensor | None], betas: list[Tensor]
-    ) -> None:
-        self.params = (*weights, *[b for b in biases if b is not None], *betas)
-        self.weights = [w.detach() for w in weights]
-        self.biases = [None if b is None else b.detach() for b in biases]
-        self.betas = [b.detach() for b in betas]
-
-    def at(self, x: Tensor, mask: Tensor | None = None) -> _MLPPoint:
-        return _MLPPoint(self, x, mask)
-
-
-class _MLPPoint(LinearizedPoint):
-    r"""A :class:`LipschitzMLP` map at ``x``.
-
-    Layers :math:`a_l = \tilde W_l h_l + b_l`, :math:`h_{l+1} = \phi_l(a_l)` (LipSwish),
-    :math:`g = a_{L-1}`. Stores the layer inputs :math:`h_l`, pre-activations :math:`a_l`,
-    sigmoids :math:`\sigma(\beta_l a_l)` and slopes :math:`\phi_l'(a_l)`, all ``(R, N, H_l)``.
-
-    The products are written in terms of the layer operations ``_apply`` (the linear map),
-    ``_adjoint`` (its transpose), ``_weight_grad`` and ``_hidden`` (what the map does to a hidden
-    layer's input), so the temporal-convolution branch reuses them with convolutions
-    (:class:`~iresflow.nn.conv.TemporalConvBranch`).
-    """
-
-    def __init__(self, lin: _MLPLinearization, x: Tensor, mask: Tensor | None) -> None:
-        self.lin = lin
-        # Masking multiplies by the boolean mask (one kernel in the dtype of the product, no
-        # scalar promotion); the products are finite, so padded entries become exactly 0.
-        self.keep = None if mask is None else mask.unsqueeze(-1)
-        self.inputs: list[Tensor] = []
-        self.pre: list[Tensor] = []
-        self.sigmoids: list[Tensor] = []
-        self.slopes: list[Tensor] = []
-        with torch.no_grad():
-            h = self._hidden(x.detach())
-            for i, bias in enumerate(lin.biases):
-                a = self._apply(i, h, bias)
-                self.inputs.append(h)
-                self.pre.append(a)
-                if i < len(lin.betas):
-                    h, slope, sigmoid = _lipswish_slope(lin.betas[i], a)
-                    h, slope = self._hidden(h), self._hidden(slope)
-                    self.slopes.append(slope)
-                    self.sigmoids.append(sigmoid)
-        self.output = self._masked(a)
-
-    # The layer operations; a convolutional subclass replaces them (iresflow.nn.conv).
-    def _apply(self, l: int, h: Tensor, bias: Tensor | None = None) -> Tensor:
-        r"""Layer ``l``'s linear map :math:`\tilde W_l h + b`, shape ``(R, N, H_{l+1})``."""
-        return F.linear(h, self.lin.weights[l], bias)
-
-    def _adjoint(self, l: int, g: Tensor) -> Tensor:
-        r"""Its adjoint :math:`g \mapsto g \tilde W_l`, shape ``(R, N, H_l)``."""
-        return g @ self.lin.weights[l]
-
-    def _weight_grad(self, l: int, g: Tensor, h: Tensor, k: Tensor, t: Tensor) -> Tensor:
-        r""":math:`\partial/\partial\tilde W_l` of :math:`\langle g, \tilde W_l h\rangle +
-        \langle k, \tilde W_l t\rangle`."""
-        return torch.addmm(_rows(g).T @ _rows(h), _rows(k).T, _rows(t))
-
-    def _hidden(self, t: Tensor) -> Tensor:
-        """A hidden layer's input as the map sees it (token-wise: unchanged)."""
-        return t
-
-    def _masked(self, w: Tensor) -> Tensor:
-        return w if self.keep is None else w * self.keep
-
-    def vjp(self, w: Tensor) -> Tensor:
-        n = len(self.lin.weights)
-        g = self._adjoint(n - 1, self._masked(w))
-        for l in range(n - 2, -1, -1):
-            g = self._adjoint(l, g.mul_(self.slopes[l]))  # g is a fresh product: scaled in place
-        return self._hidden(g)
-
-    def surrogate_backward(
-        self, grad_out: Tensor, u: Tensor, v: Tensor
-    ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        # Notation of docs/math.md#neumann-gradient in layer form: tangent tau_l (J v up to layer
-        # l), alpha_l its pre-activation; kappa_l, rho_l cotangents of the tangent chain from u;
-        # gamma_l cotangent of a_l in the primal chain, which receives rho * alpha * phi'' (the
-        # dependence of the slopes on a_l).
-        betas = self.lin.betas
-        n = len(self.lin.weights)
-        tau, alpha = [self._hidden(v)], []
-        for l in range(n):
-            alpha.append(self._apply(l, tau[-1]))
-            if l < n - 1:
-                tau.append(self.slopes[l] * alpha[-1])
-        kappa: list[Tensor] = [self._masked(u)]
-        gamma: list[Tensor] = [self._masked(grad_out)]
-        grad_betas = []
-        for l in range(n - 2, -1, -1):
-            rho = self._hidden(self._adjoint(l + 1, kappa[0]))
-            eta = self._hidden(self._adjoint(l + 1, gamma[0]))
-            z = self.pre[l]
-            q, d = _lipswish_second(betas[l], z, self.sigmoids[l])
-            extra = (rho * alpha[l]).mul_(q)
-            kappa.insert(0, self.slopes[l] * rho)
-            gamma.insert(0, torch.addcmul(self.slopes[l] * eta, extra, betas[l]))
-            # d/d beta: sum(eta * z^2 d) + sum(extra * z), as one inner product with z.
-            grad_betas.insert(0, _dot(z, torch.addcmul(extra, eta * z, d)))
-        grad_weights, grad_biases = [], []
-        for l in range(n):
-            grad_weights.append(self._weight_grad(l, gamma[l], self.inputs[l], kappa[l], tau[l]))
-            if self.lin.biases[l] is not None:
-                grad_biases.append(_rows(gamma[l]).sum(0))
-        grad_x = self._hidden(self._adjoint(0, gamma[0]))
-        return grad_x, (*grad_weights, *grad_biases, *grad_betas)
+        weights = stack_parameters(self.net, lambda layer: layer.forward_weight())
+        return LayerStackLinearization(*weights, shift)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from iresflow._validation import check_int
-from iresflow.nn.base import LipschitzBranch
+from iresflow.nn.base import BranchWrapper, LipschitzBranch
 
 __all__ = [
     "LearnedPositionalEncoding",
@@ -155,13 +155,14 @@ def make_positional_encoding(
     raise ValueError(f"positional must be 'sinusoidal' or 'learned', got {kind!r}")
 
 
-class PositionalBranch(LipschitzBranch):
+class PositionalBranch(BranchWrapper):
     r"""A branch evaluated on position-shifted inputs: :math:`g_E(X) = g(X + E)`.
 
     Since :math:`J_{g_E}(X) = J_g(X + E)`, the wrapped branch's certificate holds unchanged
-    (docs/math.md#contractive-attention); :attr:`position_wise`, :attr:`norm` and
-    :meth:`lipschitz_constant` delegate to it. Padded positions also receive :math:`E`, but the
-    wrapped branch ignores padded inputs and returns zeros there, so the mask contract is kept.
+    (docs/math.md#contractive-attention); its structure and :meth:`lipschitz_constant` are the
+    wrapped branch's (:class:`~iresflow.nn.base.BranchWrapper`), and a shift is passed on to
+    it. Padded positions also receive :math:`E`, but the wrapped branch ignores padded inputs
+    and returns zeros there, so the mask contract is kept.
 
     Args:
         branch: The wrapped branch (typically contractive attention).
@@ -176,48 +177,29 @@ class PositionalBranch(LipschitzBranch):
     """
 
     def __init__(self, branch: LipschitzBranch, encoding: nn.Module) -> None:
-        super().__init__()
-        if not isinstance(branch, LipschitzBranch):
-            raise TypeError(f"branch must be a LipschitzBranch, got {type(branch).__name__}")
+        super().__init__(branch)
         if not isinstance(encoding, nn.Module):
             raise TypeError(f"encoding must be an nn.Module, got {type(encoding).__name__}")
-        self.branch = branch
         self.encoding = encoding
 
     @property  # type: ignore[override]
-    def position_wise(self) -> bool:
-        """Whether the wrapped branch acts on every token independently."""
-        return self.branch.position_wise
+    def shift_features(self) -> int | None:
+        """Width of the shift the wrapped branch takes (passed on to it)."""
+        return self.branch.shift_features
 
-    @property  # type: ignore[override]
-    def norm(self) -> Literal["inf", "2"]:
-        """Norm in which the wrapped branch's certificate holds."""
-        return self.branch.norm
-
-    @property
-    def features(self) -> int | None:
-        """Token dimension ``D`` the wrapped branch requires, if it declares one."""
-        return getattr(self.branch, "features", None)
-
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, mask: Tensor | None = None, shift: Tensor | None = None
+    ) -> Tensor:
         """Evaluate :math:`g(X + E)`.
 
         Args:
             x: Sequences, shape ``(B, N, D)``.
             mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
+            shift: Optional shift, passed on to the wrapped branch (which must take one).
 
         Returns:
             Shape ``(B, N, D)``, zero at padded positions.
         """
-        return self.branch(x + self.encoding(x), mask)
-
-    def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
-        """Certified bound of the wrapped branch (a translation does not change it).
-
-        Args:
-            seq_len: Sequence length, forwarded to the wrapped branch.
-
-        Returns:
-            0-dim tensor.
-        """
-        return self.branch.lipschitz_constant(seq_len)
+        if shift is None:
+            return self.branch(x + self.encoding(x), mask)
+        return self.branch(x + self.encoding(x), mask, shift=shift)

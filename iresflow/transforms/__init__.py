@@ -2,8 +2,9 @@
 
 from iresflow.transforms.actnorm import ActNorm, DataInitializedTransform
 from iresflow.transforms.base import SequenceCompositeTransform, SequenceTransform
+from iresflow.transforms.mixing import FeatureMixing
 from iresflow.transforms.residual import ResidualTransform
-from iresflow.transforms.temporal import AutoregressiveLinear, FeatureMixing
+from iresflow.transforms.temporal import AutoregressiveLinear
 
 __all__ = [
     "ActNorm",

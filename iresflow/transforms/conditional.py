@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from iresflow._validation import check_float, check_int
-from iresflow.nn.conditional import _shift_net, check_context
+from iresflow.nn.conditional import ContextShift, check_context
 from iresflow.transforms.base import LogDetRequest, SequenceTransform
 
 __all__ = ["ConditionalAffine"]
@@ -47,7 +47,7 @@ class ConditionalAffine(SequenceTransform):
         self.features = check_int(features, "features", 1)
         self.context_features = check_int(context_features, "context_features", 1)
         self.max_log_scale = check_float(max_log_scale, "max_log_scale", 0.0)
-        self.context_net = _shift_net(context_features, 2 * features, hidden)
+        self.context_net = ContextShift(context_features, 2 * features, hidden)
 
     def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
         if context is None:

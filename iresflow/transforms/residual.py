@@ -3,14 +3,14 @@ r"""The invertible residual block :math:`x \mapsto x + g(x)` (docs/math.md#contr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Literal
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from iresflow.inverse.fixed_point import InverseStats, fixed_point_inverse
-from iresflow.logdet.base import LogDetEstimator, check_logdet_dtype, repeat_rows
+from iresflow.logdet.base import LogDetEstimator, check_logdet_dtype
 from iresflow.logdet.exact import ExactLogDet
 from iresflow.logdet.factory import make_logdet
 from iresflow.nn.base import LipschitzBranch
@@ -38,12 +38,16 @@ class ResidualTransform(SequenceTransform):
 
     Sequences ``(B, N, D)`` and vectors ``(B, D)`` (treated as ``N = 1``) are accepted. With a
     padding mask, padded positions pass through unchanged (the branch is exactly 0 there) and add
-    nothing to ``logabsdet``. A branch with a ``context_features`` attribute (e.g.
-    :class:`~iresflow.nn.conditional.ConditionalLipschitzMLP`) makes the block conditional:
+    nothing to ``logabsdet``. A :class:`~iresflow.nn.conditional.ConditionalBranch` (a branch
+    with a ``context_features`` attribute and ``bind``) makes the block conditional:
     ``context`` ``(B, C)`` is then required and passed to the branch, :math:`g(x, c)`, in the
     log-determinant (with respect to :math:`x` only) and in the inverse, which solves
     :math:`x + g(x, c) = y` for fixed :math:`c`. Otherwise ``context`` must be ``None`` (the
     argument exists for nflows compatibility).
+
+    Sequences longer than the branch's ``max_len`` (where its certificate no longer holds,
+    e.g. a temporal convolution) are rejected at the door of :meth:`forward` and
+    :meth:`inverse`, and so of every chain and model built on the block.
 
     ``forward`` and ``inverse`` are those of :class:`~iresflow.transforms.base.SequenceTransform`:
     ``logdet=False`` evaluates the map only (no estimator, no random draws), and an estimator
@@ -150,6 +154,7 @@ class ResidualTransform(SequenceTransform):
         return getattr(self.branch, "context_features", None)
 
     def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
+        self.branch.check_length(1 if inputs.dim() == 2 else inputs.shape[1])
         if self.context_features is None:
             if context is not None:
                 raise ValueError("ResidualTransform is unconditional: context must be None")
@@ -176,7 +181,7 @@ class ResidualTransform(SequenceTransform):
         r""":math:`y = x + g(x)` and, unless ``logdet=False``, :math:`\log\det(I + J_g(x))`."""
         vector = inputs.dim() == 2
         x = inputs.unsqueeze(1) if vector else inputs
-        branch = self.branch if context is None else _ContextBound(self.branch, context)
+        branch = self.branch if context is None else self.branch.bind(context)
         if logdet is False:
             g, logabsdet = branch(x, mask), None
         else:
@@ -215,7 +220,7 @@ class ResidualTransform(SequenceTransform):
             self.last_inverse_stats = stats
             logabsdet = None
             if estimator is not None:
-                bound = self.branch if context is None else _ContextBound(self.branch, context)
+                bound = self.branch if context is None else self.branch.bind(context)
                 logabsdet = -estimator.estimate(bound, x, mask)[1]
         return (x.squeeze(1) if vector else x), logabsdet
 
@@ -231,37 +236,3 @@ def _with_context(branch: LipschitzBranch, masked: bool) -> Callable[..., Tensor
     if masked:
         return lambda x, mask, context: branch(x, mask, context=context)
     return lambda x, context: branch(x, None, context=context)
-
-
-class _ContextBound(LipschitzBranch):
-    r"""A conditional branch with its context bound: :math:`x \mapsto g(x, c)` for the engines.
-
-    The log-determinant engines evaluate a branch on the batch repeated ``copies`` times along
-    the rows (:func:`~iresflow.logdet.base.repeat_rows`); row ``r`` then belongs to
-    sequence ``r mod B``, and so does its context. The context is listed among the parameters,
-    so that the memory-efficient Neumann backward returns its gradient too (on to whatever
-    produced it, e.g. a label embedding).
-    """
-
-    def __init__(self, branch: LipschitzBranch, context: Tensor) -> None:
-        super().__init__()
-        self.branch = branch
-        self.context = context
-        self.position_wise = branch.position_wise  # type: ignore[misc]
-        self.norm = branch.norm  # type: ignore[misc]
-        self.receptive_radius = branch.receptive_radius
-        self.features = getattr(branch, "features", None)
-
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        rows, batch = x.shape[0], self.context.shape[0]
-        if rows % batch:
-            raise RuntimeError(f"{rows} rows do not repeat a batch of {batch} contexts")
-        return self.branch(x, mask, context=repeat_rows(self.context, rows // batch))
-
-    def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
-        return self.branch.lipschitz_constant(seq_len)
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        yield from super().parameters(recurse)
-        if self.context.requires_grad:
-            yield self.context  # type: ignore[misc]

@@ -1,8 +1,8 @@
-r"""Linear flows over frames: an autoregressive whitening map and an LU feature mixing.
+r"""A linear flow over time: whitening by an autoregressive model of the frames.
 
-Both are linear in the frames, so their log-determinants are closed-form and exact
-(docs/math.md#temporal-linear, docs/math.md#feature-mixing), and both honour the padding
-contract of :class:`~iresflow.transforms.base.SequenceTransform`.
+The map is linear in the frames and block lower triangular in time, so its log-determinant is
+closed-form and exact (docs/math.md#temporal-linear); it honours the padding contract of
+:class:`~iresflow.transforms.base.SequenceTransform`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from iresflow._validation import check_float, check_generator, check_int
-from iresflow.nn.conditional import _shift_net, check_context
+from iresflow._validation import check_float, check_int
+from iresflow.nn.conditional import ContextShift, check_context
 from iresflow.transforms.actnorm import DataInitializedTransform, tokenwise_result
-from iresflow.transforms.base import LogDetRequest, SequenceTransform
+from iresflow.transforms.base import LogDetRequest
 
-__all__ = ["AutoregressiveLinear", "FeatureMixing"]
+__all__ = ["AutoregressiveLinear"]
 
 #: Eigenvalue floor of the residual covariance in the initialisation of
 #: :class:`AutoregressiveLinear` (docs/math.md#temporal-linear).
@@ -122,7 +122,7 @@ class AutoregressiveLinear(DataInitializedTransform):
         self.lower = nn.Parameter(torch.zeros(p + 1, d, d))
         # Deltas of the lags (p D^2), the bias (D), the log-diagonal (D) and the lower part (D^2).
         self.context_net = (
-            _shift_net(context_features, (p + 1) * d * d + 2 * d, context_hidden)
+            ContextShift(context_features, (p + 1) * d * d + 2 * d, context_hidden)
             if context_features else None
         )
 
@@ -358,96 +358,3 @@ def _history_windows(x: Tensor, mask: Tensor | None, order: int) -> Tensor:
     history = x if mask is None else torch.where(mask.unsqueeze(-1), x, 0.0)
     padded = F.pad(history, (0, 0, order, 0))  # (B, N + p, D)
     return padded.unfold(1, order, 1)[:, : x.shape[1]]
-
-
-class FeatureMixing(SequenceTransform):
-    r"""Invertible linear map of the features of every frame, LU-parameterised (Glow's 1x1 conv).
-
-    For every real frame (docs/math.md#feature-mixing),
-
-    .. math::
-        y_t = W x_t, \qquad W = P L \big(U + \mathrm{diag}(s \odot e^{\ell})\big), \qquad
-        \log|\det J| = n \sum_{d=1}^{D} \ell_d ,
-
-    with a fixed permutation :math:`P` (buffer ``permutation``: row :math:`i` of :math:`W` is
-    row ``permutation[i]`` of :math:`L U`), :math:`L` unit lower triangular (strictly lower part
-    of ``lower``), :math:`U` strictly upper triangular (strictly upper part of ``upper``), fixed
-    signs :math:`s \in \{\pm 1\}^D` (buffer ``sign``), log-magnitudes :math:`\ell`
-    (``log_abs_diag``) and :math:`n` the number of real frames. The inverse is
-    :math:`x_t = U_\ell^{-1} L^{-1} P^\top y_t` by two triangular solves. Padded frames are
-    returned unchanged and add nothing to the log-determinant. :math:`W` starts as the LU
-    factorisation of a random proper rotation (:math:`\det W = 1`). A ``(B, D)`` batch of vectors
-    is treated as sequences of length 1.
-
-    Args:
-        features: Feature size ``D``.
-        generator: Optional ``torch.Generator`` for the random initial rotation.
-
-    Example:
-        >>> mixing = FeatureMixing(3, generator=torch.Generator().manual_seed(0))
-        >>> x = torch.randn(4, 5, 3)
-        >>> y, logabsdet = mixing(x)
-        >>> torch.allclose(logabsdet, torch.zeros(4), atol=1e-5)
-        True
-        >>> torch.allclose(mixing.inverse(y)[0], x, atol=1e-5)
-        True
-    """
-
-    permutation: Tensor
-    sign: Tensor
-
-    def __init__(self, features: int, *, generator: torch.Generator | None = None) -> None:
-        super().__init__()
-        self.features = check_int(features, "features", 1)
-        generator = check_generator(generator)
-        device = None if generator is None else generator.device
-        rotation, _ = torch.linalg.qr(
-            torch.randn(self.features, self.features, generator=generator, device=device)
-        )
-        # A proper rotation (det = +1): the layer starts orientation-preserving, like the
-        # residual steps, so the Jacobian determinant of a whole flow stays positive.
-        rotation[:, 0] *= torch.linalg.det(rotation).sign()
-        permutation, lower, upper = torch.linalg.lu(rotation)
-        diagonal = torch.diagonal(upper)
-        # The permutation matrix has a single 1 per row: row i of P M is row argmax_j P[i, j].
-        self.register_buffer("permutation", permutation.argmax(dim=1))
-        self.register_buffer("sign", torch.sign(diagonal))
-        self.lower = nn.Parameter(torch.tril(lower, -1))
-        self.upper = nn.Parameter(torch.triu(upper, 1))
-        self.log_abs_diag = nn.Parameter(torch.log(diagonal.abs()))
-
-    def _factors(self) -> tuple[Tensor, Tensor]:
-        """The unit lower and the upper triangular factor, each ``(D, D)``."""
-        eye = torch.eye(self.features, dtype=self.lower.dtype, device=self.lower.device)
-        lower = torch.tril(self.lower, -1) + eye
-        diagonal = self.sign * torch.exp(self.log_abs_diag)
-        upper = torch.triu(self.upper, 1) + torch.diag_embed(diagonal)
-        return lower, upper
-
-    def weight(self) -> Tensor:
-        """The matrix :math:`W = P L U`, shape ``(D, D)``."""
-        lower, upper = self._factors()
-        return (lower @ upper)[self.permutation]
-
-    def _forward(
-        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
-    ) -> tuple[Tensor, Tensor | None]:
-        r"""Map data to noise, :math:`y_t = W x_t` on real frames."""
-        outputs = inputs @ self.weight().mT
-        return tokenwise_result(inputs, outputs, mask, self.log_abs_diag.sum(), logdet)
-
-    def _inverse(
-        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
-    ) -> tuple[Tensor, Tensor | None]:
-        r"""Map noise to data, :math:`x_t = U^{-1} L^{-1} P^\top y_t` on real frames."""
-        lower, upper = self._factors()
-        # P v = y  <=>  v[permutation] = y; then row-vector solves a^T L^T = v^T, x^T U^T = a^T.
-        unpermuted = inputs[..., torch.argsort(self.permutation)]
-        solved = torch.linalg.solve_triangular(
-            lower.mT, unpermuted, upper=True, left=False, unitriangular=True
-        )
-        outputs = torch.linalg.solve_triangular(upper.mT, solved, upper=False, left=False)
-        return tokenwise_result(inputs, outputs, mask, -self.log_abs_diag.sum(), logdet)
-
-    def extra_repr(self) -> str:
-        return f"features={self.features}"

@@ -1,0 +1,327 @@
+r"""Hand-written Jacobian products of a stack of linear layers and LipSwish activations.
+
+The linearizations of the position-wise MLP branch (:class:`~iresflow.nn.mlp.LipschitzMLP`,
+:class:`LayerStackLinearization`) and of the temporal-convolution branch
+(:class:`~iresflow.nn.conv.TemporalConvBranch`, :class:`ConvStackLinearization`): the branch's
+map with its effective parameters fixed, its vector-Jacobian products and the gradient of the
+Neumann surrogate (docs/math.md#neumann-gradient, #lipswish), written once in terms of four
+layer operations (:class:`LayerStackPoint`) that the convolutional stack replaces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from iresflow.nn.activations import LipSwish
+from iresflow.nn.base import Linearization, LinearizedPoint, check_length
+
+__all__ = [
+    "ConvStackLinearization",
+    "ConvStackPoint",
+    "LayerStackLinearization",
+    "LayerStackPoint",
+    "as_rows",
+    "stack_parameters",
+]
+
+
+_SCALE = 1 / 1.1  # the LipSwish normalisation
+
+
+def _lipswish_slope(beta: Tensor, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    r""":class:`~iresflow.nn.activations.LipSwish` at ``z`` with its slope.
+
+    With :math:`t = \beta z`, :math:`s = \sigma(t)`: returns the value :math:`\phi = z s / 1.1`,
+    the slope :math:`\phi' = (s + t s (1 - s)) / 1.1` and :math:`s`, all of the shape of ``z``.
+    """
+    t = beta * z
+    s = torch.sigmoid(t)
+    scaled = s * _SCALE
+    return z * scaled, torch.addcmul(scaled, t.mul_(scaled), torch.rsub(s, 1)), s
+
+
+def _lipswish_second(beta: Tensor, z: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    r"""Second-order LipSwish factors at ``z``, given :math:`s = \sigma(\beta z)`.
+
+    Returns :math:`q = s (1 - s)(2 + t (1 - 2 s)) / 1.1` (so that :math:`\phi'' = \beta q` and
+    :math:`\partial\phi'/\partial\beta = z q`) and :math:`d = s (1 - s) / 1.1` (so that
+    :math:`\partial\phi/\partial\beta = z^2 d`).
+    """
+    d = torch.rsub(s, 1).mul_(s).mul_(_SCALE)
+    return (beta * z).mul_(torch.rsub(s, 1, alpha=2)).add_(2).mul_(d), d
+
+
+def as_rows(t: Tensor) -> Tensor:
+    """``(..., H)`` as a matrix ``(rows, H)`` (a view when the layout allows).
+
+    Args:
+        t: Any tensor with at least one dimension.
+
+    Returns:
+        ``t.reshape(-1, H)``.
+    """
+    return t.reshape(-1, t.shape[-1])
+
+
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    """Sum of the elementwise product of two tensors of equal shape (0-dim)."""
+    return torch.dot(a.reshape(-1), b.reshape(-1))
+
+
+def stack_parameters(
+    net: nn.Sequential, weight: Callable[[nn.Module], Tensor]
+) -> tuple[list[Tensor], list[Tensor | None], list[Tensor]]:
+    """Effective weights, biases and LipSwish slopes of an alternating layer/LipSwish stack.
+
+    Args:
+        net: Layers (with ``bias``) alternating with :class:`~iresflow.nn.activations.LipSwish`.
+        weight: The effective weight of a layer (e.g. its normalised weight).
+
+    Returns:
+        ``(weights, biases, betas)``, in the order of the stack.
+    """
+    weights: list[Tensor] = []
+    biases: list[Tensor | None] = []
+    betas: list[Tensor] = []
+    for layer in net:
+        if isinstance(layer, LipSwish):
+            betas.append(layer.beta)
+        else:
+            weights.append(weight(layer))
+            biases.append(layer.bias)
+    return weights, biases, betas
+
+
+class LayerStackLinearization(Linearization):
+    r"""A stack of linear layers and LipSwish activations with fixed effective parameters.
+
+    Returned by :meth:`~iresflow.nn.mlp.LipschitzMLP.linearize` (a convolutional subclass by
+    :meth:`~iresflow.nn.conv.TemporalConvBranch.linearize`). ``params`` lists the weights, the
+    biases that exist, the LipSwish slopes, then the shift if there is one.
+
+    Args:
+        weights: Effective weights of the layers, in order (with their graphs).
+        biases: Their biases (``None`` where a layer has none).
+        betas: The LipSwish slopes between the layers.
+        shift: Optional per-sequence shift ``(B, H_1)`` added after the first layer
+            (docs/math.md#conditional-branches); an input of ``R = k B`` rows gives row ``r`` the
+            shift of sequence ``r mod B``.
+    """
+
+    def __init__(
+        self,
+        weights: list[Tensor],
+        biases: list[Tensor | None],
+        betas: list[Tensor],
+        shift: Tensor | None = None,
+    ) -> None:
+        shifts = () if shift is None else (shift,)
+        self.params = (*weights, *[b for b in biases if b is not None], *betas, *shifts)
+        self.weights = [w.detach() for w in weights]
+        self.biases = [None if b is None else b.detach() for b in biases]
+        self.betas = [b.detach() for b in betas]
+        self.shift = None if shift is None else shift.detach()
+
+    def at(self, x: Tensor, mask: Tensor | None = None) -> LayerStackPoint:
+        """The stack at ``x`` ``(R, N, D)`` with an optional padding mask ``(R, N)``."""
+        return LayerStackPoint(self, x, mask)
+
+
+class LayerStackPoint(LinearizedPoint):
+    r"""A :class:`LayerStackLinearization` evaluated at ``x``.
+
+    Layers :math:`a_l = \tilde W_l h_l + b_l`, :math:`h_{l+1} = \phi_l(a_l)` (LipSwish),
+    :math:`g = a_{L-1}`. Stores the layer inputs :math:`h_l`, pre-activations :math:`a_l`,
+    sigmoids :math:`\sigma(\beta_l a_l)` and slopes :math:`\phi_l'(a_l)`, all ``(R, N, H_l)``.
+
+    The products are written in terms of four layer operations: :meth:`apply_layer` (the
+    linear map), :meth:`adjoint_layer` (its transpose), :meth:`layer_weight_grad` and
+    :meth:`hidden_input` (what the map does to a hidden layer's input). They act token by token
+    here (the MLP); the temporal-convolution branch replaces them with convolutions over time
+    (:class:`~iresflow.nn.conv.TemporalConvBranch`).
+
+    Args:
+        lin: The linearization.
+        x: Sequences ``(R, N, D)``.
+        mask: Optional boolean padding mask ``(R, N)``.
+    """
+
+    def __init__(self, lin: LayerStackLinearization, x: Tensor, mask: Tensor | None) -> None:
+        self.lin = lin
+        # Masking multiplies by the boolean mask (one kernel in the dtype of the product, no
+        # scalar promotion); the products are finite, so padded entries become exactly 0.
+        self.keep = None if mask is None else mask.unsqueeze(-1)
+        self.inputs: list[Tensor] = []
+        self.pre: list[Tensor] = []
+        self.sigmoids: list[Tensor] = []
+        self.slopes: list[Tensor] = []
+        with torch.no_grad():
+            h = self.hidden_input(x.detach())
+            for i, bias in enumerate(lin.biases):
+                a = self.apply_layer(i, h, bias)
+                if i == 0 and lin.shift is not None:
+                    a = a + self._shift_rows(lin.shift, x.shape[0]).unsqueeze(1)
+                self.inputs.append(h)
+                self.pre.append(a)
+                if i < len(lin.betas):
+                    h, slope, sigmoid = _lipswish_slope(lin.betas[i], a)
+                    h, slope = self.hidden_input(h), self.hidden_input(slope)
+                    self.slopes.append(slope)
+                    self.sigmoids.append(sigmoid)
+        self.output = self._masked(a)
+
+    def apply_layer(self, l: int, h: Tensor, bias: Tensor | None = None) -> Tensor:
+        r"""Layer ``l``'s linear map :math:`\tilde W_l h + b`, shape ``(R, N, H_{l+1})``."""
+        return F.linear(h, self.lin.weights[l], bias)
+
+    def adjoint_layer(self, l: int, g: Tensor) -> Tensor:
+        r"""Its adjoint :math:`g \mapsto g \tilde W_l`, shape ``(R, N, H_l)``."""
+        return g @ self.lin.weights[l]
+
+    def layer_weight_grad(self, l: int, g: Tensor, h: Tensor, k: Tensor, t: Tensor) -> Tensor:
+        r""":math:`\partial/\partial\tilde W_l` of :math:`\langle g, \tilde W_l h\rangle +
+        \langle k, \tilde W_l t\rangle`."""
+        return torch.addmm(as_rows(g).T @ as_rows(h), as_rows(k).T, as_rows(t))
+
+    def hidden_input(self, t: Tensor) -> Tensor:
+        """A hidden layer's input ``(R, N, H_l)`` as the map sees it (token-wise: unchanged)."""
+        return t
+
+    @staticmethod
+    def _shift_rows(shift: Tensor, rows: int) -> Tensor:
+        """The shift ``(B, H)`` of every row of an input of ``rows = k B`` rows, ``(rows, H)``."""
+        return shift if rows == shift.shape[0] else shift.repeat(rows // shift.shape[0], 1)
+
+    def _masked(self, w: Tensor) -> Tensor:
+        return w if self.keep is None else w * self.keep
+
+    def vjp(self, w: Tensor) -> Tensor:
+        n = len(self.lin.weights)
+        g = self.adjoint_layer(n - 1, self._masked(w))
+        for l in range(n - 2, -1, -1):
+            # g is a fresh product: scaled in place
+            g = self.adjoint_layer(l, g.mul_(self.slopes[l]))
+        return self.hidden_input(g)
+
+    def surrogate_backward(
+        self, grad_out: Tensor, u: Tensor, v: Tensor
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        # Notation of docs/math.md#neumann-gradient in layer form: tangent tau_l (J v up to layer
+        # l), alpha_l its pre-activation; kappa_l, rho_l cotangents of the tangent chain from u;
+        # gamma_l cotangent of a_l in the primal chain, which receives rho * alpha * phi'' (the
+        # dependence of the slopes on a_l).
+        betas = self.lin.betas
+        n = len(self.lin.weights)
+        tau, alpha = [self.hidden_input(v)], []
+        for l in range(n):
+            alpha.append(self.apply_layer(l, tau[-1]))
+            if l < n - 1:
+                tau.append(self.slopes[l] * alpha[-1])
+        kappa: list[Tensor] = [self._masked(u)]
+        gamma: list[Tensor] = [self._masked(grad_out)]
+        grad_betas = []
+        for l in range(n - 2, -1, -1):
+            rho = self.hidden_input(self.adjoint_layer(l + 1, kappa[0]))
+            eta = self.hidden_input(self.adjoint_layer(l + 1, gamma[0]))
+            z = self.pre[l]
+            q, d = _lipswish_second(betas[l], z, self.sigmoids[l])
+            extra = (rho * alpha[l]).mul_(q)
+            kappa.insert(0, self.slopes[l] * rho)
+            gamma.insert(0, torch.addcmul(self.slopes[l] * eta, extra, betas[l]))
+            # d/d beta: sum(eta * z^2 d) + sum(extra * z), as one inner product with z.
+            grad_betas.insert(0, _dot(z, torch.addcmul(extra, eta * z, d)))
+        grad_weights, grad_biases = [], []
+        for l in range(n):
+            grad_weights.append(
+                self.layer_weight_grad(l, gamma[l], self.inputs[l], kappa[l], tau[l])
+            )
+            if self.lin.biases[l] is not None:
+                grad_biases.append(as_rows(gamma[l]).sum(0))
+        grad_shift = []
+        if self.lin.shift is not None:  # the shift of sequence b enters rows b, b + B, ...
+            grad_shift.append(gamma[0].sum(1).view(-1, *self.lin.shift.shape).sum(0))
+        grad_x = self.hidden_input(self.adjoint_layer(0, gamma[0]))
+        return grad_x, (*grad_weights, *grad_biases, *grad_betas, *grad_shift)
+
+
+class ConvStackLinearization(LayerStackLinearization):
+    """A stack of "same"-padded convolutions over time and LipSwish activations with fixed
+    effective taps (:meth:`~iresflow.nn.conv.TemporalConvBranch.linearize`).
+
+    ``params`` lists the taps, the biases, then the LipSwish slopes. Each convolution is applied
+    as a matrix product with the windows of its input (small channel counts make that cheaper
+    than a convolution call); ``forward_matrices[l]`` (``(C_in k, C_out)``) and
+    ``adjoint_matrices[l]`` (``(C_out k, C_in)``, the flipped taps) are those of layer ``l``.
+    :meth:`at` rejects sequences longer than the branch's ``max_len``.
+
+    Args:
+        weights: Effective taps ``(C_out, C_in, k)`` of the layers, in order.
+        biases: Their biases (``None`` where a layer has none).
+        betas: The LipSwish slopes between the layers.
+        shift: Optional per-sequence shift ``(B, H_1)`` after the first convolution (on every
+            frame), as for :class:`LayerStackLinearization`.
+        max_len: Longest sequence the branch's certificate holds for (``None``: any).
+    """
+
+    def __init__(
+        self,
+        weights: list[Tensor],
+        biases: list[Tensor | None],
+        betas: list[Tensor],
+        *,
+        shift: Tensor | None = None,
+        max_len: int | None = None,
+    ) -> None:
+        super().__init__(weights, biases, betas, shift)
+        self.max_len = max_len
+        self.forward_matrices = [w.reshape(w.shape[0], -1).T for w in self.weights]
+        self.adjoint_matrices = [w.flip(-1).transpose(1, 2).reshape(-1, w.shape[1])
+                                 for w in self.weights]
+
+    def at(self, x: Tensor, mask: Tensor | None = None) -> ConvStackPoint:
+        """The stack at ``x`` ``(R, N, D)``, ``N <= max_len``, with an optional mask ``(R, N)``."""
+        check_length(x.shape[1], self.max_len, "TemporalConvBranch")
+        return ConvStackPoint(self, x, mask)
+
+
+def _windows(h: Tensor, size: int) -> Tensor:
+    """Windows ``out[r, t, c * size + j] = h[r, t + j - size // 2, c]`` (zero outside the
+    sequence), shape ``(R, N, C size)``."""
+    if size == 1:
+        return h
+    padded = F.pad(h, (0, 0, size // 2, size // 2))
+    return padded.unfold(1, size, 1).reshape(*h.shape[:2], h.shape[2] * size)
+
+
+class ConvStackPoint(LayerStackPoint):
+    r"""A :class:`ConvStackLinearization` at ``x``: the products of :class:`LayerStackPoint`
+    with "same"-padded convolutions over time (tensors stay ``(R, N, C)``) and padded frames
+    zeroed at every layer input.
+
+    With taps :math:`W_j` and :math:`p = (k - 1) / 2`, the convolution is
+    :math:`y_t = \sum_j W_j x_{t + j - p}` and its adjoint
+    :math:`\bar x_s = \sum_j W_{k - 1 - j}^\top \bar y_{s + j - p}`: both are products of input
+    windows with a tap matrix."""
+
+    lin: ConvStackLinearization
+
+    def apply_layer(self, l: int, h: Tensor, bias: Tensor | None = None) -> Tensor:
+        matrix = self.lin.forward_matrices[l]
+        out = _windows(h, self.lin.weights[l].shape[-1]) @ matrix
+        return out if bias is None else out.add_(bias)
+
+    def adjoint_layer(self, l: int, g: Tensor) -> Tensor:
+        return _windows(g, self.lin.weights[l].shape[-1]) @ self.lin.adjoint_matrices[l]
+
+    def layer_weight_grad(self, l: int, g: Tensor, h: Tensor, k: Tensor, t: Tensor) -> Tensor:
+        weight = self.lin.weights[l]
+        # Both terms in one product of the stacked output cotangents with the input windows.
+        windows = _windows(torch.cat([h, t]), weight.shape[-1])
+        return (as_rows(torch.cat([g, k])).T @ as_rows(windows)).view(weight.shape)
+
+    def hidden_input(self, t: Tensor) -> Tensor:
+        return self._masked(t)
