@@ -21,7 +21,7 @@ from iresflow.models.config import ModelConfig
 from iresflow.models.distributions import SequenceBase, StandardNormalSequence
 from iresflow.models.flow import SequenceFlow
 from iresflow.models.transformer import ResidualFlowTransformer
-from iresflow.nn.conditional import ConditionalLipschitzMLP, ContextEncoder
+from iresflow.nn.conditional import ConditionalBranch, ContextEncoder
 from iresflow.nn.linear import SpectralLinear
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.transforms.actnorm import ActNorm
@@ -76,7 +76,7 @@ def _flow(device, dtype, base: SequenceBase | None = None) -> SequenceFlow:
 
 def _conditional_chain(device, dtype, *tail) -> SequenceCompositeTransform:
     """ActNorm and a residual block whose branch takes a context of size 2."""
-    branch = ConditionalLipschitzMLP((3, 8, 3), 2, coeff=0.9)
+    branch = ConditionalBranch(LipschitzMLP((3, 8, 3), coeff=0.9), 2)
     steps = [ActNorm(3), ResidualTransform(branch, logdet="exact"), *tail]
     return SequenceCompositeTransform(steps).to(device=device, dtype=dtype)
 
