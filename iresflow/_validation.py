@@ -34,6 +34,7 @@ __all__ = [
     "check_int",
     "check_mask",
     "check_sequence",
+    "is_transformed",
     "under_functorch_transform",
     "value_checks",
     "values_checked",
@@ -72,6 +73,11 @@ def value_checks(enabled: bool) -> Iterator[None]:
 def under_functorch_transform() -> bool:
     """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ...) is active."""
     return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def is_transformed(x: object) -> bool:
+    """Whether ``x`` is a tensor wrapped by a ``torch.func`` transform (its values are hidden)."""
+    return isinstance(x, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x)
 
 
 def values_checked(x: Tensor) -> bool:

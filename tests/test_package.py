@@ -183,6 +183,64 @@ def test_no_module_imports_another_modules_private_names() -> None:
     assert private_imports() == []
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_attributes(source: str) -> list[str]:
+    """Reads of another object's private attribute in a module's ``source``.
+
+    ``obj._name`` is allowed for ``obj`` = ``self``/``cls``, for a ``_name`` the module itself
+    defines (a hook its base class declares, state of its own class), and on third-party modules
+    (``torch._C``, ``os._exit``: outside the package's contract).
+
+    Returns:
+        ``"line N: expression"`` for every offence.
+    """
+    tree = ast.parse(source)
+    own: set[str] = set()
+    outside: set[str] = set()  # names bound to modules of other distributions
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            own.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.Import):
+            outside |= {(a.asname or a.name).split(".")[0] for a in node.names
+                        if not a.name.startswith("iresflow")}
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _private(node.attr)) or node.attr in own:
+            continue
+        root = node.value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if isinstance(root, ast.Name) and (root.id in outside or (
+                root is node.value and root.id in ("self", "cls"))):
+            continue
+        found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_private_attribute_finder() -> None:
+    source = (
+        "import torch\n"
+        "class Flow:\n"
+        "    def _own(self):\n"
+        "        self._cache = self.transform._forward(1)\n"
+        "        return other._own, other._cache, self._ok, torch._C._functorch\n"
+    )
+    assert private_attributes(source) == ["line 4: self.transform._forward"]
+
+
+def test_no_module_reads_private_attributes_of_other_objects() -> None:
+    found = {str(path.relative_to(PACKAGE.parent)): private_attributes(path.read_text())
+             for path in sorted(PACKAGE.rglob("*.py"))}
+    assert {path: lines for path, lines in found.items() if lines} == {}
+
+
 def test_docs_and_docstrings_cite_only_pages_the_repo_ships() -> None:
     """Every mathematical reference points into docs/ (no external specification)."""
     root = Path(__file__).resolve().parents[1]

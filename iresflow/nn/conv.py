@@ -27,7 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from iresflow._validation import check_int, check_mask, check_sequence, under_functorch_transform
+from iresflow._validation import (
+    check_int,
+    check_mask,
+    check_sequence,
+    is_transformed,
+    under_functorch_transform,
+)
 from iresflow.nn.activations import LipSwish
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.layered import ConvStackLinearization, stack_parameters
@@ -137,7 +143,7 @@ class SpectralConv1d(nn.Module):
     def operator_norm(self) -> Tensor:
         r"""Exact :math:`\|\mathrm{circ}_P(W)\|_2` of the raw taps (0-dim, differentiable)."""
         weight = self.weight
-        if torch._C._functorch.is_functorch_wrapped_tensor(weight):
+        if is_transformed(weight):
             return circular_conv_norm(weight, self.period)
         cache = self._cache
         if (

@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from iresflow._validation import check_int, check_mask, check_sequence
+from iresflow._validation import check_int, check_mask, check_sequence, is_transformed
 from iresflow.nn.activations import LipSwish
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.layered import LayerStackLinearization, stack_parameters
@@ -122,7 +122,7 @@ class LipschitzMLP(LipschitzBranch):
                 or ``mask`` is not boolean.
             ValueError: wrong shape, empty dimension, NaN/Inf, or an all-padding sequence.
         """
-        if not (isinstance(x, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x)):
+        if not is_transformed(x):
             check_sequence(x, "x", features=self.features, like=self.net[0].weight)
             mask = check_mask(mask, x)
             if shift is not None:
