@@ -70,7 +70,8 @@ def co2_differences_oracle() -> np.ndarray:
 
 
 def test_available_datasets() -> None:
-    assert available_datasets() == ["japanese_vowels", "digits_rows", "co2_windows", "npz", "ts"]
+    assert available_datasets() == ["japanese_vowels", "digits_rows", "co2_windows",
+                                    "repeated_motif", "nonlinear_seasonal", "npz", "ts"]
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ from iresflow.data.preprocessing import (
 from iresflow.data.readers import observed_frames, pad_sequences, read_ts, read_weekly_csv
 from iresflow.data.splits import SequenceDataset, SequenceSplit
 from iresflow.data.store import SequenceStore, StoredSplit, is_store
+from iresflow.data.synthetic import load_synthetic, synthetic_names
 
 __all__ = ["SequenceDataset", "SequenceSplit", "available_datasets", "class_indices",
            "load_dataset"]
@@ -294,6 +295,7 @@ _LOADERS: dict[str, Callable[[int, float], SequenceDataset]] = {
     "japanese_vowels": _load_japanese_vowels,
     "digits_rows": _load_digits_rows,
     "co2_windows": _load_co2_windows,
+    **{name: partial(load_synthetic, name) for name in synthetic_names()},
 }
 _USER_KINDS = ("npz", "ts")
 
@@ -302,7 +304,8 @@ def available_datasets() -> list[str]:
     """Names accepted by :func:`load_dataset` (besides a path ending in ``.npz``/``.ts``).
 
     Returns:
-        ``["japanese_vowels", "digits_rows", "co2_windows", "npz", "ts"]``.
+        ``["japanese_vowels", "digits_rows", "co2_windows", "repeated_motif",
+        "nonlinear_seasonal", "npz", "ts"]``.
 
     Example:
         >>> "japanese_vowels" in available_datasets()
@@ -330,6 +333,9 @@ def load_dataset(
       ``val_fraction`` validation and 10% test; bits/dim.
     * ``co2_windows``: windows of 52 weekly CO2 differences, chronological split with
       ``val_fraction`` validation and the last 15% test; standardised; nats/frame.
+    * ``repeated_motif``, ``nonlinear_seasonal``: synthetic long-range sequences with an exact
+      log-density (:mod:`iresflow.data.synthetic`); fixed 1000/200/500 splits, the test split
+      the same for every seed; ``val_fraction`` must stay 0.1; not preprocessed; nats/frame.
     * ``npz`` / ``ts``: user file at ``path`` (or pass the path as ``name``). Without
       ``test_path``, a random split of all its sequences: ``val_fraction`` of them for
       validation, 10% for test, the rest for training. With ``test_path`` (e.g. the UEA pair

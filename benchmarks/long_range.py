@@ -1,0 +1,297 @@
+"""Long-range synthetic datasets: models next to the exact NLL (the floor).
+
+For each synthetic dataset with a known density (``repeated_motif``, ``nonlinear_seasonal``:
+:mod:`iresflow.data.synthetic`, ``docs/datasets.md``) and each seed, on the splits the trainer
+uses (``iresflow.train.factories.load_data``, so ``--max-train``/``--max-eval`` subsets are
+shared by every row), the script prints the test NLL of
+
+* the exact density (the floor: no model can do better in expectation);
+* the linear-Gaussian AR(p) model over frames, ``p <= 3`` chosen on validation and refitted on
+  train and validation (:class:`benchmarks.baselines.autoregressive.AutoregressiveGaussian`);
+* iresflow recipes of :data:`benchmarks.recipes.RECIPES` trained by the product's trainer
+  (:func:`benchmarks.recipes.run_recipe`: ``iresflow.train.loop.train``, exact NLL of the
+  best-validation checkpoint): by default the default recipe and the attention recipe with the
+  best validation NLL in ``docs/recipes.md``;
+
+with the fraction of the AR-to-floor gap a model closes, ``(AR - model) / (AR - floor)``, and
+for attention recipes the observed over certified Lipschitz constant of the attention branches
+(``lipschitz_report``; mean over branches, probed with random sequences of 16 frames as in
+``docs/recipes.md`` and of the dataset's length ``N``).
+
+``--diagnose`` adds, per attention branch of every trained attention recipe, where its
+certificate goes (:func:`attention_diagnosis`): the observed/certified ratio at random inputs,
+at the inputs the branch receives on test sequences and after an adversarial search from them;
+the share of the bound that the length term takes; the largest ratio a pure value path can
+reach (attention held fixed); and how the trained heads spread their attention over a sequence
+and over the frames one period (or a multiple) away.
+
+Run from the repository root::
+
+    python -m benchmarks.long_range                           # 1 seed, small budget
+    python -m benchmarks.long_range --seeds 0 1 2 --epochs 20 --max-train none
+    python -m benchmarks.long_range --references-only --max-train none --max-eval none
+    python -m benchmarks.long_range --diagnose-run runs/my_attention_run   # a trained run
+
+Writes ``benchmarks/out/long_range.json``. Timings on a shared machine are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.baselines.autoregressive import AutoregressiveGaussian
+from benchmarks.recipes import RECIPES, run_recipe
+from iresflow.data.synthetic import RepeatedMotif, synthetic_family, synthetic_names
+from iresflow.nn.attention import ContractiveL2MultiheadAttention
+from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
+from iresflow.nn.positional import PositionalBranch
+from iresflow.train.config import TrainConfig
+from iresflow.train.evaluate import load_run
+from iresflow.train.factories import load_data
+
+#: Recipes run by default: the default model and the best attention recipe of docs/recipes.md.
+DEFAULT_RECIPES = (
+    "default (AR(3), conv + mlp)",
+    "AR(3), attention + conv + mlp, coeff 0.99, learned positions",
+)
+#: Largest order of the AR(p) Gaussian (p chosen on validation), the gap's reference.
+MAX_AR_ORDER = 3
+OUT = Path(__file__).resolve().parent / "out"
+
+
+def attention_use(run_dir: Path, seq_len: int) -> float | None:
+    """Mean observed / certified Lipschitz constant of a run's attention branches.
+
+    Args:
+        run_dir: A trained run folder.
+        seq_len: Length of the random probe sequences of ``lipschitz_report``.
+
+    Returns:
+        The mean ratio, or ``None`` for a model without attention.
+    """
+    model = load_run(run_dir, device="cpu").model
+    report = model.lipschitz_report(seq_len, generator=torch.Generator().manual_seed(0))
+    ratios = [r["estimate"] / r["certified"] for r in report if r["name"].endswith("attention")]
+    return sum(ratios) / len(ratios) if ratios else None
+
+
+def _lags(name: str, x: torch.Tensor) -> torch.Tensor:
+    """Period of every sequence ``(B,)``: the posterior mode for ``repeated_motif``."""
+    family = synthetic_family(name)
+    if isinstance(family, RepeatedMotif):
+        return family.period_log_likelihoods(x).argmax(1) + family.min_period
+    return torch.full(x.shape[:1], family.period)
+
+
+def _attention_maps(branch: PositionalBranch, x: torch.Tensor) -> torch.Tensor:
+    """Attention weights ``(B, H, N, N)`` of an L2 attention branch at inputs ``x``
+    (docs/math.md#l2-attention: softmax of ``-|q_i - q_j|^2 / sqrt(d_h)``, ``q = (x + E) W^Q``)."""
+    attention = branch.branch.attention
+    b, n, d = x.shape
+    heads = attention.heads
+    q = ((x + branch.encoding(x)) @ attention.w_query).reshape(b, n, heads, d // heads)
+    q = q.transpose(1, 2)
+    return torch.softmax(-torch.cdist(q, q).square() / math.sqrt(d // heads), -1)
+
+
+def _branch_diagnosis(branch: PositionalBranch, x: torch.Tensor, lags: torch.Tensor,
+                      generator: torch.Generator) -> dict[str, float]:
+    """Where the certificate of one attention branch goes, at its inputs ``x`` ``(B, N, D)``."""
+    inner = branch.branch
+    b, n, d = x.shape
+    certified = float(branch.lipschitz_constant(n))
+    with torch.enable_grad():
+        def ratio(points: torch.Tensor, g: object = branch) -> float:
+            return float(jacobian_norm(g, points, "inf").detach().max()) / certified
+        at_data = jacobian_norm(branch, x, "inf").detach() / certified
+        adversarial = empirical_lipschitz(branch, x[:2], "inf", steps=60, lr=0.05)
+        # At a constant sequence the logits' gradients vanish (|q_i - q_j|^2 is flat at 0), so
+        # the Jacobian is the value path alone: uniform weights times the value/output maps.
+        value = ratio(torch.ones(1, n, d, dtype=x.dtype), inner)
+        random16, random_n = (ratio(torch.randn(4, m, d, generator=generator, dtype=x.dtype))
+                              for m in (16, n))
+    maps = _attention_maps(branch, x)
+    offset = torch.arange(n) - torch.arange(n).unsqueeze(1)
+    copies = (offset % lags[:, None, None] == 0) & (offset != 0)  # (B, N, N)
+    entropy = -(maps * maps.clamp_min(1e-300).log()).sum(-1)
+    return {
+        "random_16": random16, "random_n": random_n, "data_mean": float(at_data.mean()),
+        "data_max": float(at_data.max()), "adversarial": float(adversarial.value) / certified,
+        "length_share": 1.0 - float(inner.raw_bound(1) / inner.raw_bound(n)),
+        "value_path": value,
+        "effective_tokens": float(entropy.exp().mean()),
+        "copy_mass": float((maps * copies[:, None]).sum(-1).mean()),
+        "copy_mass_uniform": float(copies.sum(-1).double().mean()) / n,
+    }
+
+
+def attention_diagnosis(run_dir: Path, num: int = 8) -> list[dict[str, Any]]:
+    """Where the certificates of a trained run's L2 attention branches go, on test sequences.
+
+    The test sequences are pushed through the chain in float64; every L2 attention branch is
+    probed at the inputs it receives. Ratios are observed / certified Lipschitz constants
+    (exact Jacobian norms in the certificate's norm, ``lipschitz_report``'s estimate).
+
+    Args:
+        run_dir: A run trained on a synthetic dataset.
+        num: Number of test sequences.
+
+    Returns:
+        One dict per attention branch: ``name``; ratios ``random_16`` and ``random_n`` (random
+        normal probes of 16 and ``N`` frames), ``data_mean``/``data_max`` (at the branch's
+        inputs), ``adversarial`` (gradient ascent from two of them); ``length_share`` (share
+        of the bound ``B(N)`` taken by its length term, ``1 - B(1)/B(N)``); ``value_path``
+        (the ratio with the attention weights held uniform: what moving tokens by their
+        attended average can use); ``effective_tokens`` (``exp`` of the attention entropy,
+        mean over heads and queries), ``copy_mass`` (attention on frames a multiple of the
+        period away) and ``copy_mass_uniform`` (the same for uniform attention).
+    """
+    run = load_run(run_dir, device="cpu")
+    model = run.model.double().eval()
+    x, mask = run.dataset.test.x[:num].double(), run.dataset.test.mask[:num]
+    lags = _lags(run.dataset.name, x)
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    with torch.no_grad():
+        for name, step in model.transform.named_steps():
+            branch = getattr(step, "branch", None)
+            if isinstance(branch, PositionalBranch) and isinstance(
+                    branch.branch, ContractiveL2MultiheadAttention):
+                rows.append({"name": name, **_branch_diagnosis(branch, x, lags, generator)})
+            x = step(x, mask=mask, logdet=False)[0]
+    return rows
+
+
+def print_diagnosis(rows: list[dict[str, Any]]) -> None:
+    """Print :func:`attention_diagnosis` rows, one line per branch."""
+    for r in rows:
+        print(f"    {r['name']}: observed/certified random16 {r['random_16']:.3f} randomN "
+              f"{r['random_n']:.3f} data {r['data_mean']:.3f} (max {r['data_max']:.3f}) "
+              f"adversarial {r['adversarial']:.3f} | length term {r['length_share']:.3f} of "
+              f"B(N), value path {r['value_path']:.3f} | attention over "
+              f"{r['effective_tokens']:.1f} tokens, on period multiples {r['copy_mass']:.3f} "
+              f"(uniform {r['copy_mass_uniform']:.3f})", flush=True)
+
+
+def references(config: TrainConfig) -> dict[str, float]:
+    """Floor and AR(p) test NLLs on the splits of ``config`` (its seed and subsets)."""
+    dataset = load_data(config)
+    family = synthetic_family(config.data)
+    test = dataset.test
+    floor = dataset.nll(family.log_prob(test.x, test.mask), test)
+    ar = AutoregressiveGaussian(dataset.features, dataset.max_len)
+    ar.fit_selected_order(dataset.train, dataset.val, MAX_AR_ORDER)
+    return {"floor": floor, "ar": dataset.nll(ar.log_prob(test.x, test.mask), test),
+            "ar_order": ar.order, "max_len": dataset.max_len}
+
+
+def run_seed(name: str, seed: int, recipes: list[str], settings: dict[str, Any],
+             folder: Path, diagnose: bool = False) -> dict[str, Any]:
+    """References and trained recipes of one dataset and seed (``settings`` of the trainer
+    override the recipes')."""
+    base = TrainConfig(data=name, seed=seed, device="cpu", **settings)
+    result: dict[str, Any] = references(base)
+    gap = result["ar"] - result["floor"]
+    result["models"] = {}
+    for recipe in recipes:
+        config = TrainConfig(data=name, seed=seed, device="cpu",
+                             **{**RECIPES[recipe], **settings})
+        row = run_recipe(config, folder / "run")
+        row["gap_closed"] = (result["ar"] - row["test_nll"]) / gap
+        row["attention_use_full_length"] = (
+            None if row["attention_usage"] is None
+            else attention_use(folder / "run", result["max_len"]))
+        result["models"][recipe] = row
+        print(f"  {name} seed {seed} {recipe}: test {row['test_nll']:.3f} "
+              f"(floor {result['floor']:.3f}, AR {result['ar']:.3f}) "
+              f"{row['train_seconds']:.0f} s", flush=True)
+        if diagnose and row["attention_usage"] is not None:
+            row["diagnosis"] = attention_diagnosis(folder / "run")
+            print_diagnosis(row["diagnosis"])
+    return result
+
+
+def _mean_sd(values: list[float], digits: int = 3) -> str:
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def table(name: str, runs: list[dict[str, Any]]) -> str:
+    """One dataset's rows as Markdown: test NLL (mean ± sd over seeds), gap closed, usage."""
+    lines = [f"### {name} (test NLL, nats/frame; {len(runs)} seed(s))", "",
+             "| model | test NLL | gap closed | train s | best epoch | attention use "
+             "(16 / N frames) |", "|---|---|---|---|---|---|",
+             f"| exact density (floor) | {_mean_sd([r['floor'] for r in runs])} | 1 | — | — | — |",
+             f"| AR(p ≤ {MAX_AR_ORDER}) Gaussian (p = "
+             f"{','.join(str(r['ar_order']) for r in runs)}) | {_mean_sd([r['ar'] for r in runs])}"
+             " | 0 | — | — | — |"]
+    for recipe in runs[0]["models"]:
+        rows = [r["models"][recipe] for r in runs]
+        use = "—"
+        if rows[0]["attention_usage"] is not None:
+            use = (f"{_mean_sd([r['attention_usage'] for r in rows], 2)} / "
+                   f"{_mean_sd([r['attention_use_full_length'] for r in rows], 2)}")
+        lines.append(
+            f"| {recipe} | {_mean_sd([r['test_nll'] for r in rows])} | "
+            f"{_mean_sd([r['gap_closed'] for r in rows], 2)} | "
+            f"{_mean_sd([r['train_seconds'] for r in rows], 0)} | "
+            f"{','.join(str(r['best_epoch']) for r in rows)} | {use} |")
+    return "\n".join(lines)
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--datasets", nargs="+", default=synthetic_names(),
+                        choices=synthetic_names())
+    parser.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES),
+                        choices=list(RECIPES), metavar="RECIPE",
+                        help="names in benchmarks.recipes.RECIPES (default: %(default)s)")
+    parser.add_argument("--references-only", action="store_true",
+                        help="print the floor and the AR(p) Gaussian only (no training)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--epochs", type=int, default=3, help="epoch budget of every run")
+    parser.add_argument("--max-train", type=_optional_int, default=300,
+                        help="training sequences per run ('none': all 1000)")
+    parser.add_argument("--max-eval", type=_optional_int, default=100,
+                        help="validation and test sequences ('none': all)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="where the attention branches' certificates go (slower)")
+    parser.add_argument("--diagnose-run", type=Path, default=None,
+                        help="only diagnose the attention of this trained run folder")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.diagnose_run is not None:
+        print_diagnosis(attention_diagnosis(args.diagnose_run))
+        return
+    settings = {"epochs": args.epochs, "max_train": args.max_train, "max_eval": args.max_eval}
+    results: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.datasets:
+            recipes = [] if args.references_only else args.recipes
+            results[name] = [run_seed(name, seed, recipes, settings, Path(tmp), args.diagnose)
+                             for seed in args.seeds]
+    print(f"\nsettings: {json.dumps(settings)}, seeds {args.seeds}\n")
+    for name, runs in results.items():
+        print(table(name, runs) + "\n")
+    OUT.mkdir(exist_ok=True)
+    (OUT / "long_range.json").write_text(
+        json.dumps({"settings": settings, "seeds": args.seeds, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The long-range benchmark: its references and one tiny trained row."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.long_range import DEFAULT_RECIPES, references, run_seed, table
+from iresflow.nn.attention import ContractiveL2MultiheadAttention
+from iresflow.train.config import TrainConfig
+
+
+def test_floor_lies_far_below_the_ar_gaussian() -> None:
+    for name in ("repeated_motif", "nonlinear_seasonal"):
+        result = references(TrainConfig(data=name, max_train=200, max_eval=100))
+        assert result["floor"] < result["ar"] - 2.0, result  # nats/frame
+
+
+@pytest.mark.slow
+def test_one_tiny_seed_prints_a_row_per_model(tmp_path: Path) -> None:
+    settings = {"epochs": 1, "max_train": 8, "max_eval": 4, "n_blocks": 1, "hidden": 8,
+                "batch_size": 4}
+    result = run_seed("repeated_motif", 0, list(DEFAULT_RECIPES), settings, tmp_path,
+                      diagnose=True)
+    attention = result["models"][DEFAULT_RECIPES[1]]
+    assert 0 < attention["attention_usage"] <= 1
+    assert 0 < attention["attention_use_full_length"] <= 1
+    (diagnosis,) = attention["diagnosis"]  # one block, one attention branch
+    for key in ("random_16", "random_n", "data_mean", "data_max", "adversarial", "value_path"):
+        assert 0 < diagnosis[key] <= 1 + 1e-9, (key, diagnosis)
+    assert diagnosis["data_mean"] <= diagnosis["data_max"]
+    assert 0 < diagnosis["length_share"] < 1 and 1 <= diagnosis["effective_tokens"] <= 64
+    assert 0 < diagnosis["copy_mass_uniform"] < 1
+    assert result["models"][DEFAULT_RECIPES[0]]["attention_usage"] is None
+    text = table("repeated_motif", [result])
+    assert text.count("\n| ") == 5  # header rule, floor, AR and two models
+
+
+def test_constant_sequence_jacobian_is_the_value_path() -> None:
+    # The diagnosis reads the value path off the Jacobian at a constant sequence: there the
+    # attention is uniform and the logits are flat, so J = (1/N) 1 1^T kron M^T, with
+    # M = [A_1 W^{V,1}, ..., A_H W^{V,H}] W^O and A_h = W^{Q,h} W^{Q,h T} / sqrt(d_h).
+    branch = ContractiveL2MultiheadAttention(dim=4, heads=2, coeff=0.9).double()
+    a, n, d_h = branch.attention, 5, 2
+    value = torch.cat([a.w_query[:, h * d_h:(h + 1) * d_h] @ a.w_query[:, h * d_h:(h + 1) * d_h].T
+                       @ a.w_value[:, h * d_h:(h + 1) * d_h] / math.sqrt(d_h)
+                       for h in range(2)], 1) @ a.w_out
+    x = torch.full((n, 4), 0.7, dtype=torch.float64)
+    jac = torch.autograd.functional.jacobian(lambda t: branch(t.unsqueeze(0))[0], x)
+    expected = torch.kron(torch.full((n, n), 1.0 / n, dtype=torch.float64), value.T.contiguous())
+    expected = expected * 0.9 / branch.raw_bound(n)
+    torch.testing.assert_close(jac.reshape(n * 4, n * 4), expected)
