@@ -53,8 +53,8 @@ from iresflow.data.synthetic import RepeatedMotif, synthetic_family, synthetic_n
 from iresflow.nn.attention import ContractiveL2MultiheadAttention
 from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
 from iresflow.nn.positional import PositionalBranch
+from iresflow.runs.load import load_run
 from iresflow.train.config import TrainConfig
-from iresflow.train.evaluate import load_run
 from iresflow.train.factories import load_data
 
 #: Recipes run by default: the default model and the best attention recipe of docs/recipes.md.

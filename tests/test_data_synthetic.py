@@ -20,7 +20,7 @@ from iresflow.data.synthetic import (
     synthetic_family,
     synthetic_names,
 )
-from iresflow.train.evaluate import load_run
+from iresflow.runs.load import load_run
 
 # --- oracles -------------------------------------------------------------------------------------
 

@@ -333,9 +333,8 @@ def load_dataset(
       ``val_fraction`` validation and 10% test; bits/dim.
     * ``co2_windows``: windows of 52 weekly CO2 differences, chronological split with
       ``val_fraction`` validation and the last 15% test; standardised; nats/frame.
-    * ``repeated_motif``, ``nonlinear_seasonal``: synthetic long-range sequences with an exact
-      log-density (:mod:`iresflow.data.synthetic`); fixed 1000/200/500 splits, the test split
-      the same for every seed; ``val_fraction`` must stay 0.1; not preprocessed; nats/frame.
+    * ``repeated_motif``, ``nonlinear_seasonal``: synthetic, with an exact log-density
+      (:mod:`iresflow.data.synthetic`); fixed 1000/200/500 splits; not preprocessed; nats/frame.
     * ``npz`` / ``ts``: user file at ``path`` (or pass the path as ``name``). Without
       ``test_path``, a random split of all its sequences: ``val_fraction`` of them for
       validation, 10% for test, the rest for training. With ``test_path`` (e.g. the UEA pair
