@@ -335,12 +335,11 @@ def load_dataset(
       ``val_fraction`` validation and the last 15% test; standardised; nats/frame.
     * ``repeated_motif``, ``nonlinear_seasonal``: synthetic, with an exact log-density
       (:mod:`iresflow.data.synthetic`); fixed 1000/200/500 splits; not preprocessed; nats/frame.
-    * ``npz`` / ``ts``: user file at ``path`` (or pass the path as ``name``). Without
-      ``test_path``, a random split of all its sequences: ``val_fraction`` of them for
-      validation, 10% for test, the rest for training. With ``test_path`` (e.g. the UEA pair
-      ``*_TRAIN.ts`` / ``*_TEST.ts``), the whole test file is the test split and
-      ``val_fraction`` of the training file's sequences are held out for validation.
-      Standardised with the statistics of the training split's observed frames; nats/frame.
+    * ``npz`` / ``ts``: user file at ``path`` (or as ``name``). Without ``test_path``, a random
+      split: ``val_fraction`` validation, 10% test, the rest training. With ``test_path`` (e.g.
+      the UEA pair ``*_TRAIN.ts`` / ``*_TEST.ts``) the test file is the test split and
+      ``val_fraction`` of the training file is held out for validation. Standardised with the
+      training split's observed frames; nats/frame.
       Missing frames (a boolean ``mask`` in ``.npz``, ``?``/``NaN`` in ``.ts``) are unobserved.
       A ``UserWarning`` names every split with fewer than :data:`MIN_SPLIT_SEQUENCES` sequences.
     * a sequence-store folder (:mod:`iresflow.data.store`) as ``name``: data larger than memory,
