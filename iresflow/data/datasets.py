@@ -325,8 +325,7 @@ def load_dataset(
 ) -> SequenceDataset:
     """Load a dataset by name, user sequences from an ``.npz``/``.ts`` file, or a store folder.
 
-    Every loader is offline and deterministic given ``seed`` (random splits, dequantisation).
-
+    Every loader is offline and deterministic given ``seed`` (random splits, dequantisation):
     * ``japanese_vowels``: official 270/370 train/test split; ``val_fraction`` of the official
       training cases are held out for validation; standardised; nats/frame.
     * ``digits_rows``: 8x8 digits as 8 rows of 8 pixels, dequantised, logit; random split with
