@@ -21,7 +21,7 @@ train/test splits, and the three shipped datasets through their names. Per datas
 
 Run from the repository root::
 
-    python -m benchmarks.small_data --seeds 1 --budget 60 --out benchmarks/out/small_data.json \\
+    python -m benchmarks.small_data --seeds 1 --budget 60 --out docs/small_data.json \\
         --doc docs/small_data.md
 
 prints the markdown table, writes the raw numbers to ``--out`` and, with ``--doc``, the page
@@ -62,8 +62,6 @@ MAX_AR_ORDER = 3
 #: GRU + MAF settings (a fixed architecture; the budget is in optimisation seconds).
 GRU_HIDDEN, GRU_LR, GRU_PATIENCE = 64, 3e-3, 20
 START, END = "<!-- small-data:start -->", "<!-- small-data:end -->"
-COMMAND = ("python -m benchmarks.small_data --seeds 1 --budget 60 "
-           "--out benchmarks/out/small_data.json --doc docs/small_data.md")
 
 
 def archive_files(name: str) -> tuple[Path, Path]:
