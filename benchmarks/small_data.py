@@ -1,0 +1,333 @@
+"""Small-and-medium data suite: the default flow against the closed-form references.
+
+Every dataset is read the way a user would type it: the UEA/UCR archive files that ship inside
+the ``aeon`` wheel (``pip install iresflow[benchmarks]``; nothing is downloaded at run time) go
+through ``load_dataset(path_to_TRAIN.ts, test_path=path_to_TEST.ts)`` with their official
+train/test splits, and the three shipped datasets through their names. Per dataset and seed:
+
+* **flow**: :func:`iresflow.train.loop.train` with the default
+  :class:`~iresflow.train.config.TrainConfig` (what ``iresflow train --data FILE --test-data
+  FILE`` runs), then the product's evaluation (``evaluate_run(method="auto")``, the end of
+  ``iresflow train``) with its per-sequence scores;
+* **AR(p) Gaussian**: :class:`iresflow.models.reference.AutoregressiveGaussian`, :math:`p \\le 3`
+  chosen on the validation split, refitted on train and validation;
+* **sequence Gaussian**: a full-covariance Gaussian over the flattened sequence, fitted on train
+  and validation, where it applies (fixed length, more fitting sequences than :math:`N D`);
+* **GRU + MAF**: :class:`benchmarks.baselines.recurrent.RecurrentFlow` trained by
+  :func:`benchmarks.baselines.training.fit_model` for ``--budget`` seconds (0: skipped);
+* the per-sequence NLL distribution of the flow and of the AR Gaussian
+  (:func:`iresflow.models.worst_cases.summarize_sequence_nll`: median, worst, sequences far
+  above the median).
+
+Run from the repository root::
+
+    python -m benchmarks.small_data --seeds 1 --budget 60 --out docs/small_data.json \\
+        --doc docs/small_data.md
+
+prints the markdown table, writes the raw numbers to ``--out`` and, with ``--doc``, the page
+between its ``<!-- small-data:start -->`` / ``<!-- small-data:end -->`` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.baselines.gaussian import SequenceGaussian
+from benchmarks.baselines.recurrent import RecurrentFlow
+from benchmarks.baselines.training import fit_model, split_log_prob
+from iresflow.data.datasets import SequenceDataset, load_dataset
+from iresflow.models.reference import AutoregressiveGaussian
+from iresflow.models.worst_cases import summarize_sequence_nll
+
+#: UEA/UCR archive datasets bundled in the aeon wheel, in the suite's order.
+ARCHIVE = ("BasicMotions", "CardanoSentiment", "ItalyPowerDemand", "GunPoint", "ArrowHead",
+           "Covid3Month", "PickupGestureWiimoteZ", "OSULeaf")
+SHIPPED = ("japanese_vowels", "digits_rows", "co2_windows")
+DATASETS = ARCHIVE + SHIPPED
+MAX_AR_ORDER = 3
+#: GRU + MAF settings (a fixed architecture; the budget is in optimisation seconds).
+GRU_HIDDEN, GRU_LR, GRU_PATIENCE = 64, 3e-3, 20
+START, END = "<!-- small-data:start -->", "<!-- small-data:end -->"
+
+
+def archive_files(name: str) -> tuple[Path, Path]:
+    """The official ``_TRAIN.ts`` and ``_TEST.ts`` files of an archive dataset in aeon's wheel.
+
+    The installed package is located without importing it (aeon's import is slow).
+
+    Args:
+        name: A dataset of :data:`ARCHIVE`.
+
+    Returns:
+        ``(train_path, test_path)``.
+
+    Raises:
+        ValueError: ``name`` is not in :data:`ARCHIVE`.
+        ImportError: aeon is not installed.
+        FileNotFoundError: the installed aeon does not ship the files.
+    """
+    if name not in ARCHIVE:
+        raise ValueError(f"name must be one of {ARCHIVE}, got {name!r}")
+    spec = importlib.util.find_spec("aeon")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the archive datasets ship with aeon: pip install iresflow[benchmarks]")
+    folder = Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data" / name
+    paths = folder / f"{name}_TRAIN.ts", folder / f"{name}_TEST.ts"
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing from the installed aeon")
+    return paths
+
+
+def data_settings(name: str) -> dict[str, str | None]:
+    """The ``data`` and ``test_data`` settings a user would give for a dataset."""
+    if name in SHIPPED:
+        return {"data": name, "test_data": None}
+    train_path, test_path = archive_files(name)
+    return {"data": str(train_path), "test_data": str(test_path)}
+
+
+def load(name: str, seed: int) -> SequenceDataset:
+    """The dataset through iresflow's loader, as ``iresflow train`` loads it (warnings muted)."""
+    settings = data_settings(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "split with fewer than 30 sequences"
+        if settings["test_data"] is None:
+            return load_dataset(name, seed=seed)
+        return load_dataset(settings["data"], test_path=settings["test_data"], seed=seed)
+
+
+def sequence_gaussian_applies(ds: SequenceDataset) -> str | None:
+    """``None`` if the full-covariance sequence Gaussian applies, else the reason it does not."""
+    if not (bool(ds.train.mask.all()) and bool(ds.val.mask.all()) and bool(ds.test.mask.all())):
+        return "variable length"
+    fitting = len(ds.train) + len(ds.val)
+    if fitting <= ds.max_len * ds.features:
+        return f"{fitting} sequences <= N D = {ds.max_len * ds.features}"
+    return None
+
+
+def distribution(nll: torch.Tensor) -> dict[str, Any]:
+    """Per-sequence NLL summary as a JSON record."""
+    return summarize_sequence_nll(nll).to_dict()
+
+
+def run_flow(name: str, seed: int, run_dir: Path, epochs: int | None) -> dict[str, Any]:
+    """The default flow through the product path: ``train``, then ``evaluate_run``'s scores."""
+    from iresflow.train.config import TrainConfig
+    from iresflow.train.evaluate import evaluate_run, load_run
+    from iresflow.train.loop import train
+
+    extra = {} if epochs is None else {"epochs": epochs}
+    config = TrainConfig(**data_settings(name), seed=seed, **extra)
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        result = train(config, run_dir, overwrite=True, progress=False)
+        run = load_run(run_dir)
+        scores = run_dir / "scores.npz"
+        evaluation = evaluate_run(run, split="test", method="auto",
+                                  n_samples=config.eval_n_samples, seed=config.seed,
+                                  scores=scores)
+    per_sequence = torch.from_numpy(np.load(scores)["nll"])
+    return {"test_nll": evaluation["nll"], "method": evaluation["method"],
+            "epochs": result.epochs, "best_epoch": result.best_epoch,
+            "stopped_early": result.stopped_early, "seconds": time.perf_counter() - start,
+            "params": sum(p.numel() for p in run.model.parameters()),
+            "sequences": distribution(per_sequence)}
+
+
+def run_references(ds: SequenceDataset) -> dict[str, Any]:
+    """The closed-form AR(p) Gaussian and, where it applies, the sequence Gaussian."""
+    ar = AutoregressiveGaussian(ds.features, ds.max_len)
+    val_nll = ar.fit_selected_order(ds.train, ds.val, MAX_AR_ORDER)
+    log_prob = ar.log_prob(ds.test.x, ds.test.mask)
+    record: dict[str, Any] = {"ar": {
+        "test_nll": ds.nll(log_prob, ds.test), "order": ar.order, "order_val_nll": val_nll,
+        "sequences": distribution(ds.sequence_nll(log_prob, ds.test))}}
+    reason = sequence_gaussian_applies(ds)
+    if reason is None:
+        gauss = SequenceGaussian(ds.max_len, ds.features).fit(
+            torch.cat([ds.train.x, ds.val.x]).double())
+        record["sequence_gaussian"] = {
+            "test_nll": ds.nll(gauss.log_prob(ds.test.x.double()), ds.test)}
+    else:
+        record["sequence_gaussian"] = {"skipped": reason}
+    return record
+
+
+def run_gru_maf(ds: SequenceDataset, seed: int, budget: float) -> dict[str, Any]:
+    """The GRU + MAF baseline trained for ``budget`` optimisation seconds."""
+    torch.manual_seed(seed)
+    model = RecurrentFlow(ds.features, ds.max_len, hidden=GRU_HIDDEN)
+    result = fit_model(model, ds.train, ds.val, lr=GRU_LR, max_seconds=budget,
+                       max_epochs=10_000, patience=GRU_PATIENCE,
+                       generator=torch.Generator().manual_seed(seed))
+    model.eval()
+    return {"test_nll": ds.nll(split_log_prob(model.log_prob, ds.test), ds.test),
+            "epochs": result.epochs, "stopped": result.stopped}
+
+
+def run_dataset(name: str, seed: int, budget: float, epochs: int | None,
+                work: Path) -> dict[str, Any]:
+    """Every model of the suite on one dataset and seed."""
+    ds = load(name, seed)
+    record: dict[str, Any] = {
+        "dataset": name, "seed": seed, "features": ds.features, "max_len": ds.max_len,
+        "sizes": [len(ds.train), len(ds.val), len(ds.test)], "unit": ds.unit,
+        "variable_length": not bool(ds.train.mask.all() and ds.test.mask.all())}
+    record.update(run_references(ds))
+    record["flow"] = run_flow(name, seed, work / f"{name}-seed{seed}", epochs)
+    if budget > 0:
+        record["gru_maf"] = run_gru_maf(ds, seed, budget)
+    return record
+
+
+# ------------------------------------------------------------------------------------------------
+# table
+
+
+def _mean(values: Sequence[float]) -> str:
+    """``mean`` or ``mean ± sd`` over seeds, 3 decimals (4 significant digits when large)."""
+    if not values:
+        return "—"
+    mean = statistics.fmean(values)
+    text = f"{mean:.3f}" if abs(mean) < 100 else f"{mean:.1f}"
+    return text if len(values) == 1 else f"{text} ± {statistics.stdev(values):.3f}"
+
+
+def _worst(summaries: Sequence[dict[str, Any]]) -> str:
+    """``median / worst / far-above count`` of the first seed (the count summed over seeds)."""
+    if not summaries:
+        return "—"
+    first = summaries[0]
+    far = sum(s["far_above"] for s in summaries)
+    worst = first["worst"]
+    worst_text = f"{worst:.2f}" if abs(worst) < 100 else f"{worst:.0f}"
+    return f"{first['median']:.2f} / {worst_text} / {far}"
+
+
+def markdown_table(records: Sequence[dict[str, Any]]) -> str:
+    """One row per dataset: mean test NLL over seeds per model, then per-sequence worst cases.
+
+    Args:
+        records: :func:`run_dataset` records (several seeds of a dataset are averaged).
+
+    Returns:
+        A markdown table; the best NLL of every row is in bold.
+    """
+    names = list(dict.fromkeys(r["dataset"] for r in records))
+    lines = [
+        "| dataset | train/val/test | D | N | unit | iresflow default | AR(p) Gaussian (p) | "
+        "sequence Gaussian | GRU + MAF | flow: median / worst / far | "
+        "AR: median / worst / far |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        rows = [r for r in records if r["dataset"] == name]
+        first = rows[0]
+        columns = {
+            "flow": [r["flow"]["test_nll"] for r in rows],
+            "ar": [r["ar"]["test_nll"] for r in rows],
+            "sequence_gaussian": [r["sequence_gaussian"]["test_nll"] for r in rows
+                                  if "test_nll" in r["sequence_gaussian"]],
+            "gru_maf": [r["gru_maf"]["test_nll"] for r in rows if "gru_maf" in r],
+        }
+        means = {k: statistics.fmean(v) for k, v in columns.items() if v}
+        best = min(means.values())
+        cells = {k: (f"**{_mean(v)}**" if v and means[k] == best else _mean(v))
+                 for k, v in columns.items()}
+        orders = "/".join(str(r["ar"]["order"]) for r in rows)
+        sizes = "/".join(str(s) for s in first["sizes"])
+        length = f"≤ {first['max_len']}" if first["variable_length"] else str(first["max_len"])
+        lines.append(
+            f"| {name} | {sizes} | {first['features']} | {length} | {first['unit']} | "
+            f"{cells['flow']} | {cells['ar']} ({orders}) | {cells['sequence_gaussian']} | "
+            f"{cells['gru_maf']} | {_worst([r['flow']['sequences'] for r in rows])} | "
+            f"{_worst([r['ar']['sequences'] for r in rows])} |")
+    return "\n".join(lines)
+
+
+def replace_between_markers(text: str, block: str) -> str:
+    """``text`` with the lines between :data:`START` and :data:`END` replaced by ``block``.
+
+    Raises:
+        ValueError: the markers are missing or out of order.
+
+    Example:
+        >>> replace_between_markers(f"a\\n{START}\\nold\\n{END}\\nb", "new")
+        'a\\n<!-- small-data:start -->\\nnew\\n<!-- small-data:end -->\\nb'
+    """
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"the page needs the markers {START} and {END}, in this order")
+    return f"{text[: start + len(START)]}\n{block}\n{text[end:]}"
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS,
+                        metavar="NAME", help=f"datasets (default: all of {', '.join(DATASETS)})")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds 0..S-1 (default: 1)")
+    parser.add_argument("--budget", type=float, default=60.0,
+                        help="optimisation seconds of the GRU + MAF (0: skip it; default: 60)")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="epochs of the flow (default: iresflow train's)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out/small_data.json"))
+    parser.add_argument("--doc", type=Path, default=None,
+                        help="also write the table into this page between its markers")
+    parser.add_argument("--table-from", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="run nothing: print (and --doc) the table of earlier --out files")
+    args = parser.parse_args(argv)
+    if args.seeds < 1 or args.budget < 0 or (args.epochs is not None and args.epochs < 1):
+        parser.error("--seeds and --epochs must be positive and --budget >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the suite, print the table, write the JSON (and the page)."""
+    args = _parse(argv)
+    if args.table_from is not None:
+        records = [r for path in args.table_from
+                   for r in json.loads(path.read_text())["records"]]
+        return _report(records, args.doc)
+    records = []
+    with tempfile.TemporaryDirectory() as work:
+        for name in args.datasets:
+            for seed in range(args.seeds):
+                record = run_dataset(name, seed, args.budget, args.epochs, Path(work))
+                records.append(record)
+                print(f"{name} seed {seed}: flow {record['flow']['test_nll']:.3f}, "
+                      f"AR({record['ar']['order']}) {record['ar']['test_nll']:.3f} "
+                      f"({record['flow']['seconds']:.0f} s)", file=sys.stderr, flush=True)
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps({"command": " ".join(sys.argv),
+                                                "records": records}, indent=1) + "\n")
+    return _report(records, args.doc)
+
+
+def _report(records: list[dict[str, Any]], doc: Path | None) -> int:
+    """Print the table (and write it into ``doc``); 1 if a flow NLL is not finite."""
+    table = markdown_table(records)
+    print(table)
+    if doc is not None:
+        doc.write_text(replace_between_markers(doc.read_text(), table))
+    return 0 if all(math.isfinite(r["flow"]["test_nll"]) for r in records) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""Helpers of the small-and-medium data suite (benchmarks/small_data.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.small_data import (
+    ARCHIVE,
+    END,
+    START,
+    archive_files,
+    load,
+    markdown_table,
+    replace_between_markers,
+    run_references,
+    sequence_gaussian_applies,
+)
+from iresflow.data.datasets import load_dataset
+
+HAS_AEON = importlib.util.find_spec("aeon") is not None
+pytestmark = pytest.mark.filterwarnings("ignore:.*fewer than 30:UserWarning")
+
+
+def _npz(tmp_path: Path, batch: int, length: int, lengths: list[int] | None = None) -> Path:
+    x = np.random.default_rng(0).standard_normal((batch, length, 1)).cumsum(1)
+    path = tmp_path / f"d{batch}x{length}.npz"
+    if lengths is None:
+        np.savez(path, x=x)
+    else:
+        np.savez(path, x=x, lengths=np.array(lengths))
+    return path
+
+
+def _record(name: str, seed: int, flow: float, ar: float, gru: float | None,
+            far: int = 0) -> dict[str, Any]:
+    summary = {"median": 1.0, "worst": 2.5 + seed, "far_above": far}
+    record: dict[str, Any] = {
+        "dataset": name, "seed": seed, "features": 2, "max_len": 10, "sizes": [8, 1, 5],
+        "unit": "nats/frame", "variable_length": False,
+        "flow": {"test_nll": flow, "sequences": summary},
+        "ar": {"test_nll": ar, "order": 1, "sequences": {**summary, "far_above": 0}},
+        "sequence_gaussian": {"skipped": "variable length"}}
+    if gru is not None:
+        record["gru_maf"] = {"test_nll": gru}
+    return record
+
+
+def test_table_averages_seeds_and_bolds_the_best() -> None:
+    records = [_record("a", 0, 1.0, 2.0, 3.0, far=1), _record("a", 1, 3.0, 2.0, 3.0, far=2),
+               _record("b", 0, 1234.5, -0.5, None)]
+    lines = markdown_table(records).splitlines()
+    assert len(lines) == 4 and lines[0].count("|") == lines[2].count("|")
+    row_a = [cell.strip() for cell in lines[2].split("|")[1:-1]]
+    assert row_a[:5] == ["a", "8/1/5", "2", "10", "nats/frame"]
+    assert row_a[5] == "**2.000 ± 1.414**" and row_a[6] == "**2.000 ± 0.000** (1/1)"  # tie
+    assert row_a[7] == "—" and row_a[8] == "3.000 ± 0.000"
+    assert row_a[9] == "1.00 / 2.50 / 3"  # the first seed's median and worst, far summed
+    row_b = [cell.strip() for cell in lines[3].split("|")[1:-1]]
+    assert row_b[5] == "1234.5" and row_b[6] == "**-0.500** (1)" and row_b[8] == "—"
+
+
+def test_markers_are_replaced_and_required() -> None:
+    page = f"# t\n{START}\nold\n{END}\ntail\n"
+    assert replace_between_markers(page, "new") == f"# t\n{START}\nnew\n{END}\ntail\n"
+    with pytest.raises(ValueError, match="markers"):
+        replace_between_markers("no markers", "new")
+
+
+def test_sequence_gaussian_needs_fixed_length_and_enough_sequences(tmp_path: Path) -> None:
+    many = load_dataset(str(_npz(tmp_path, 60, 4)), seed=0)
+    assert sequence_gaussian_applies(many) is None
+    few = load_dataset(str(_npz(tmp_path, 20, 30)), seed=0)
+    assert "N D = 30" in str(sequence_gaussian_applies(few))
+    ragged = load_dataset(str(_npz(tmp_path, 60, 4, [4, 2] * 30)), seed=0)
+    assert sequence_gaussian_applies(ragged) == "variable length"
+
+
+def test_references_score_the_test_split(tmp_path: Path) -> None:
+    ds = load_dataset(str(_npz(tmp_path, 60, 4)), seed=0)
+    record = run_references(ds)
+    ar = record["ar"]
+    assert 0 <= ar["order"] <= 3 and len(ar["order_val_nll"]) == 4
+    assert ar["sequences"]["sequences"] == len(ds.test)
+    # a random walk: the AR(p) Gaussian beats the frame Gaussian (p = 0) on validation
+    assert ar["order_val_nll"][1] < ar["order_val_nll"][0]
+    assert np.isfinite(record["sequence_gaussian"]["test_nll"])
+
+
+def test_archive_files_reject_unknown_names() -> None:
+    with pytest.raises(ValueError, match="BasicMotions"):
+        archive_files("NotADataset")
+
+
+@pytest.mark.skipif(not HAS_AEON, reason="the archive datasets ship with aeon")
+def test_archive_datasets_load_with_their_official_splits() -> None:
+    train_path, test_path = archive_files("BasicMotions")
+    assert train_path.name == "BasicMotions_TRAIN.ts" and test_path.is_file()
+    ds = load("BasicMotions", seed=0)
+    assert (len(ds.train) + len(ds.val), len(ds.test)) == (40, 40)
+    assert (ds.features, ds.max_len) == (6, 100)
+    assert all(archive_files(name)[0].is_file() for name in ARCHIVE)
+    assert torch.isfinite(ds.test.x).all()
