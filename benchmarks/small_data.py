@@ -45,10 +45,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from benchmarks.baselines.training import fit_model, split_log_prob
 
 from benchmarks.baselines.gaussian import SequenceGaussian
 from benchmarks.baselines.recurrent import RecurrentFlow
-from benchmarks.baselines.training import fit_model, split_log_prob
 from iresflow.data.datasets import SequenceDataset, load_dataset
 from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.models.worst_cases import summarize_sequence_nll
@@ -128,8 +128,9 @@ def distribution(nll: torch.Tensor) -> dict[str, Any]:
 
 def run_flow(name: str, seed: int, run_dir: Path, epochs: int | None) -> dict[str, Any]:
     """The default flow through the product path: ``train``, then ``evaluate_run``'s scores."""
+    from iresflow.runs.evaluate import evaluate_run
+    from iresflow.runs.load import load_run
     from iresflow.train.config import TrainConfig
-    from iresflow.train.evaluate import evaluate_run, load_run
     from iresflow.train.loop import train
 
     extra = {} if epochs is None else {"epochs": epochs}
@@ -142,7 +143,7 @@ def run_flow(name: str, seed: int, run_dir: Path, epochs: int | None) -> dict[st
         scores = run_dir / "scores.npz"
         evaluation = evaluate_run(run, split="test", method="auto",
                                   n_samples=config.eval_n_samples, seed=config.seed,
-                                  scores=scores)
+                                  scores=str(scores))
     per_sequence = torch.from_numpy(np.load(scores)["nll"])
     return {"test_nll": evaluation["nll"], "method": evaluation["method"],
             "epochs": result.epochs, "best_epoch": result.best_epoch,
