@@ -12,11 +12,7 @@ import torch
 from scipy.stats import multivariate_normal
 from torchdiffeq import odeint
 
-from benchmarks.baselines.autoregressive import (
-    AutoregressiveGaussian,
-    lagged,
-    left_align,
-)
+from benchmarks.baselines.autoregressive import left_align
 from benchmarks.baselines.cnf import (
     CNF,
     FixedProbeValidation,
@@ -40,6 +36,7 @@ from benchmarks.results import (
 )
 from iresflow.data.datasets import SequenceDataset, SequenceSplit
 from iresflow.models.distributions import sample_mask
+from iresflow.models.reference import AutoregressiveGaussian, history_lags
 from iresflow.train.config import TrainConfig
 from iresflow.train.fit import fit
 from iresflow.train.likelihood import split_log_prob
@@ -134,8 +131,9 @@ C1 = torch.tensor([[0.5, 0.0], [0.2, 0.3]], dtype=torch.float64)
 
 def test_lagged_and_left_align() -> None:
     x = torch.arange(1.0, 5.0).reshape(1, 4, 1)
-    assert lagged(x, 2)[0].tolist() == [[0, 0], [1, 0], [2, 1], [3, 2]]
-    assert lagged(x, 6).shape == (1, 4, 6) and lagged(x, 0).shape == (1, 4, 0)
+    assert history_lags(x, None, 2)[0][0].tolist() == [[0, 0], [1, 0], [2, 1], [3, 2]]
+    assert history_lags(x, None, 6)[0].shape == (1, 4, 6)
+    assert history_lags(x, None, 0)[0].shape == (1, 4, 0)
     aligned, mask = left_align(x, torch.tensor([[True, False, True, True]]))
     assert aligned.flatten().tolist() == [1, 3, 4, 0] and mask.tolist() == [[1, 1, 1, 0]]
 
@@ -177,10 +175,13 @@ def test_ar_conditionals_match_scipy_with_variable_lengths(dtype: torch.dtype) -
         expected.append(total)
     garbage = torch.where(mask[..., None], x, 1e3).to(dtype)  # padded values must not matter
     np.testing.assert_allclose(model.log_prob(garbage, mask).numpy(), expected, rtol=_tol(dtype))
-    holes = torch.tensor([[False, True, False, True, True]])  # real frames need not be a prefix
-    compact = x[1:2, :3].clone()
-    compact[0, 0], compact[0, 1], compact[0, 2] = x[0, 1], x[0, 3], x[0, 4]
-    torch.testing.assert_close(model.log_prob(x[:1], holes), model.log_prob(compact))
+    # real frames need not be a prefix: a gap ends the history, as in the flow's AR layer, so
+    # the runs of real frames are independent sequences
+    holes = torch.tensor([[False, True, False, True, True]])
+    runs = torch.stack([x[0, 1:3], x[0, 3:5]])
+    run_mask = torch.tensor([[True, False], [True, True]])
+    torch.testing.assert_close(model.log_prob(x[:1], holes),
+                               model.log_prob(runs, run_mask).sum(0, keepdim=True))
 
 
 def test_ar_fit_is_least_squares_over_real_frame_pairs() -> None:
