@@ -18,6 +18,7 @@ import os
 import sys
 import types
 import typing
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -29,6 +30,7 @@ from iresflow.runs.evaluate import evaluate
 from iresflow.runs.figures import plot_samples
 from iresflow.runs.finish import train_and_evaluate
 from iresflow.runs.load import load_run
+from iresflow.runs.reference import ReferenceWarning
 from iresflow.runs.report import (
     describe_classification,
     describe_evaluation,
@@ -305,9 +307,11 @@ def _train(args: argparse.Namespace) -> int:
     out = args.out
     if out is None:
         out = Path("runs") / f"{Path(config.data).name.split('.')[0]}-seed{config.seed}"
-    finished = train_and_evaluate(
-        config, out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet
-    )
+    with warnings.catch_warnings():  # printed with the evaluation
+        warnings.simplefilter("ignore", ReferenceWarning)
+        finished = train_and_evaluate(
+            config, out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet
+        )
     if lead_process():
         result = finished.result
         how = "stopped early" if result.stopped_early else "done"
@@ -322,7 +326,9 @@ def _train(args: argparse.Namespace) -> int:
 
 def _evaluate(args: argparse.Namespace) -> int:
     settings = _record(EvaluateSettings, args)
-    result = evaluate(args.run, settings, _record(RunSettings, args))
+    with warnings.catch_warnings():  # printed with the evaluation
+        warnings.simplefilter("ignore", ReferenceWarning)
+        result = evaluate(args.run, settings, _record(RunSettings, args))
     if lead_process():
         print(describe_evaluation(result))
         if "classification" in result:

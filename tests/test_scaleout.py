@@ -163,6 +163,9 @@ def test_evaluation_on_two_processes_equals_one(tmp_path: Path) -> None:
         np.testing.assert_allclose(two["log_prob"], one["log_prob"], rtol=1e-6)
         nll = -one["log_prob"].sum() / float(loaded.dataset.test.frames.sum())
         assert nll == pytest.approx(single["nll"], rel=1e-9)
+        # the closed-form reference, fitted on every rank, is the single process's
+        saved = json.loads((run / "evaluation.json").read_text())["test"][method]
+        assert saved["reference"] == single["reference"] and "nll" in single["reference"]
 
 
 # -- torchrun ---------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from iresflow.data.datasets import SequenceSplit
 from iresflow.data.store import StoredSplit
+from iresflow.models.worst_cases import summarize_sequence_nll
 from iresflow.runs.classify import (
     bayes_classify,
     class_log_likelihoods,
@@ -30,6 +32,7 @@ from iresflow.runs.classify import (
     confusion_matrix,
 )
 from iresflow.runs.load import LoadedRun, load_run
+from iresflow.runs.reference import ReferenceWarning, compare_with_reference, fit_reference
 from iresflow.runs.settings import EvaluateSettings, RunSettings
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.distributed import current_world, launch
@@ -92,8 +95,8 @@ def evaluate_run(
     run: LoadedRun, settings: EvaluateSettings | None = None, *, save: bool = True,
     **changes: Any,
 ) -> dict[str, Any]:
-    r"""Negative log-likelihood of a split in the dataset's unit (and, for a label-conditional
-    run, the accuracy of its generative classifier).
+    r"""Negative log-likelihood of a split in the dataset's unit beside the closed-form AR(p)
+    Gaussian's (and, for a label-conditional run, the accuracy of its generative classifier).
 
     ``method="auto"`` (the end of ``iresflow train``) computes the NLL exactly when that is
     affordable, i.e. when the estimated cost (:func:`~iresflow.train.likelihood.log_prob_cost`)
@@ -105,11 +108,11 @@ def evaluate_run(
     Args:
         run: A loaded run.
         settings: Split, method, estimates, seed (torch's global generators are restored
-            after), per-sequence ``scores`` file (written by rank 0, :func:`sequence_scores`)
-            and ``classify`` (Bayes' rule, :func:`~iresflow.runs.classify.bayes_classify`, with
+            after), per-sequence ``scores`` file (written by rank 0, :func:`sequence_scores`),
+            ``classify`` (Bayes' rule, :func:`~iresflow.runs.classify.bayes_classify`, with
             the class frequencies of the training split as prior and the class likelihoods of
-            the NLL's method); default: :class:`~iresflow.runs.settings.EvaluateSettings`.
-            Its ``nproc`` is for :func:`evaluate`; this function runs in the calling processes.
+            the NLL's method) and ``reference`` (default: ``EvaluateSettings()``); its
+            ``nproc`` is for :func:`evaluate`, this function runs in the calling processes.
         save: Merge the result into ``evaluation.json`` of the run (keyed by split, then the
             method used); in a process group only rank 0 writes it.
         **changes: Fields of the settings to change (``method="roulette"``).
@@ -119,10 +122,14 @@ def evaluate_run(
     (:func:`~iresflow.train.likelihood.sharded_log_prob`).
 
     Returns:
-        ``{"split", "method", "nll", "unit", "sequences", "checkpoint", "epoch"}`` with the
-        method used, plus ``"n_samples"`` and ``"stderr"`` for the roulette method and
-        ``"choice"`` (why, in words) for ``"auto"``. With ``classify``, ``"classification"``:
-        ``{"accuracy", "confusion" (rows true, columns predicted), "classes", "prior"}``, saved
+        ``{"split", "method", "nll", "unit", "sequences", "checkpoint", "epoch",
+        "per_sequence"}`` (the last: :func:`~iresflow.models.worst_cases.summarize_sequence_nll`
+        as a dict), plus ``"n_samples"`` and ``"stderr"`` for the roulette method and
+        ``"choice"`` (why, in words) for ``"auto"``. With ``reference``, ``"reference"``
+        (:func:`~iresflow.runs.reference.fit_reference`) and, when the flow is worse,
+        ``"warnings"`` (also issued as :class:`~iresflow.runs.reference.ReferenceWarning`).
+        With ``classify``, ``"classification"``: ``{"accuracy", "confusion" (rows true,
+        columns predicted), "classes", "prior"}``, saved
         as ``evaluation.json[split]["classification"]`` with the method.
 
     Raises:
@@ -149,9 +156,10 @@ def evaluate_run(
             batch_size=run.config.batch_size, seed=settings.seed,
         )
     log_prob, stderr = estimate
-    result = _nll_result(run, settings.split, method, n_samples, estimate)
-    if choice is not None:
-        result["choice"] = choice
+    result = _nll_result(run, settings.split, method, n_samples, estimate) | (
+        {} if choice is None else {"choice": choice})
+    if settings.reference:  # after the flow's results, which the warnings compare with
+        _add_reference(run, settings.split, result)
     columns = {} if settings.scores is None else sequence_scores(
         run, settings.split, log_prob, stderr
     )
@@ -175,12 +183,25 @@ def _nll_result(
         "split": split, "method": method, "nll": run.dataset.nll(log_prob, data),
         "unit": run.dataset.unit, "sequences": len(data), "checkpoint": run.checkpoint,
         "epoch": run.epoch,
+        "per_sequence": summarize_sequence_nll(run.dataset.sequence_nll(log_prob, data)).to_dict(),
     }
     if method == "roulette":
         result["n_samples"] = n_samples
         if stderr is not None:
             result["stderr"] = run.dataset.nll_stderr(stderr, data)
     return result
+
+
+def _add_reference(run: LoadedRun, split: str, result: dict[str, Any]) -> None:
+    """Add the closed-form reference (:func:`~iresflow.runs.reference.fit_reference`, the same
+    on every rank) and the warnings against it to ``result``; rank 0 issues them."""
+    result["reference"] = fit_reference(run.dataset, split, condition=run.config.condition)
+    found = compare_with_reference(result)
+    if found:
+        result["warnings"] = found
+    if current_world().main:
+        for warning in found:
+            warnings.warn(warning, ReferenceWarning, stacklevel=3)
 
 
 def _classify(

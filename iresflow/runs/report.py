@@ -17,7 +17,13 @@ from iresflow.runs.sample import Samples
 from iresflow.runs.settings import InfoSettings
 from iresflow.train.config import ConfigError
 
-__all__ = ["describe_classification", "describe_evaluation", "describe_run", "describe_samples"]
+__all__ = [
+    "describe_classification",
+    "describe_evaluation",
+    "describe_reference",
+    "describe_run",
+    "describe_samples",
+]
 
 
 def describe_run(run: LoadedRun, settings: InfoSettings | None = None, **changes: Any) -> str:
@@ -79,7 +85,9 @@ def describe_run(run: LoadedRun, settings: InfoSettings | None = None, **changes
 
 
 def describe_evaluation(result: dict[str, Any]) -> str:
-    """One line for a result of :func:`~iresflow.runs.evaluate.evaluate_run`.
+    """A result of :func:`~iresflow.runs.evaluate.evaluate_run` in words: the NLL on one line,
+    then, when the result has them, the per-sequence NLLs of the flow and of the closed-form
+    reference (:func:`describe_reference`).
 
     Example:
         >>> describe_evaluation({"split": "test", "method": "exact", "nll": 1.5,
@@ -92,10 +100,51 @@ def describe_evaluation(result: dict[str, Any]) -> str:
     details = result.get("choice", result["method"])
     if "n_samples" in result and "choice" not in result:
         details += f", {result['n_samples']} estimates per sequence"
-    return (
+    lines = [
         f"{text} {result['unit']} ({details}; {result['sequences']} sequences, "
         f"{result['checkpoint']} checkpoint of epoch {result['epoch']})"
-    )
+    ]
+    if "per_sequence" in result:
+        lines += describe_reference(result)
+    return "\n".join(lines)
+
+
+def describe_reference(result: dict[str, Any]) -> list[str]:
+    """The flow's per-sequence NLLs beside the closed-form reference's, and the warnings.
+
+    Args:
+        result: A result of :func:`~iresflow.runs.evaluate.evaluate_run` with
+            ``"per_sequence"`` (and ``"reference"`` unless it was switched off).
+
+    Returns:
+        Lines of text: a table of NLL, median, worst and the count far above the median for the
+        flow and the reference (or why the reference is missing), what the reference is, and
+        one ``warning:`` line per warning.
+    """
+    split, unit = result["split"], result["unit"]
+    rows = [("flow", result["nll"], result["per_sequence"])]
+    reference = result.get("reference")
+    if reference is not None and "nll" in reference:
+        rows.append((f"{reference['model']} reference", reference["nll"],
+                     reference["per_sequence"]))
+    lines = [f"{split} NLL per sequence ({unit}):",
+             f"  {'model':<28}{'NLL':>10}{'median':>10}{'worst':>11}  far above the median"]
+    for name, nll, summary in rows:
+        lines.append(
+            f"  {name:<28}{nll:>10.4f}{summary['median']:>10.4f}{summary['worst']:>11.4f}  "
+            f"{summary['far_above']} (above {summary['threshold']:.4f})"
+        )
+    if reference is None:
+        return lines
+    if "skipped" in reference:
+        return [*lines, f"reference: not computed ({reference['skipped']})"]
+    condition = reference["flow_condition"]
+    about = (f"reference: closed-form {reference['model']}, {reference['parameters']:,} "
+             f"parameters, fitted on the training split, order 0..{reference['max_order']} "
+             f"chosen on the validation split (its NLL {reference['val_nll']:.4f})")
+    if condition != "none":
+        about += f"; unconditional, p(x), while the flow is conditional on its {condition}"
+    return [*lines, about, *(f"warning: {text}" for text in result.get("warnings", []))]
 
 
 def describe_classification(classification: dict[str, Any]) -> str:

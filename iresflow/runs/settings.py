@@ -83,6 +83,12 @@ class EvaluateSettings(SettingsRecord):
         "p(x | y=k) + log pi_k with pi the class frequencies of the training split, and report "
         "the accuracy and the confusion matrix",
     )
+    reference: bool = setting(
+        True,
+        "also fit the closed-form AR(p) Gaussian on the training split (order 0..3 chosen on "
+        "the validation split), print its NLL and per-sequence NLLs beside the flow's, and "
+        "warn when the flow is worse",
+    )
     nproc: int = setting(
         1,
         "processes sharing the split, started by evaluate (gloo on the CPU, nccl with one GPU "
