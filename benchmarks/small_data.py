@@ -14,7 +14,7 @@ train/test splits, and the three shipped datasets through their names. Per datas
 * **sequence Gaussian**: a full-covariance Gaussian over the flattened sequence, fitted on train
   and validation, where it applies (fixed length, more fitting sequences than :math:`N D`);
 * **GRU + MAF**: :class:`benchmarks.baselines.recurrent.RecurrentFlow` trained by
-  :func:`benchmarks.baselines.training.fit_model` for ``--budget`` seconds (0: skipped);
+  :func:`iresflow.train.fit.fit` for ``--budget`` seconds (0: skipped);
 * the per-sequence NLL distribution of the flow and of the AR Gaussian
   (:func:`iresflow.models.worst_cases.summarize_sequence_nll`: median, worst, sequences far
   above the median).
@@ -31,6 +31,7 @@ between its ``<!-- small-data:start -->`` / ``<!-- small-data:end -->`` markers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -45,13 +46,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from benchmarks.baselines.training import fit_model, split_log_prob
 
 from benchmarks.baselines.gaussian import SequenceGaussian
 from benchmarks.baselines.recurrent import RecurrentFlow
+from benchmarks.results_specs import FULL, SPECS, train_config
 from iresflow.data.datasets import SequenceDataset, load_dataset
 from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.models.worst_cases import summarize_sequence_nll
+from iresflow.train.fit import fit
+from iresflow.train.likelihood import split_log_prob
 
 #: UEA/UCR archive datasets bundled in the aeon wheel, in the suite's order.
 ARCHIVE = ("BasicMotions", "CardanoSentiment", "ItalyPowerDemand", "GunPoint", "ArrowHead",
@@ -171,16 +174,22 @@ def run_references(ds: SequenceDataset) -> dict[str, Any]:
     return record
 
 
-def run_gru_maf(ds: SequenceDataset, seed: int, budget: float) -> dict[str, Any]:
-    """The GRU + MAF baseline trained for ``budget`` optimisation seconds."""
+def run_gru_maf(name: str, ds: SequenceDataset, seed: int, budget: float) -> dict[str, Any]:
+    """The GRU + MAF baseline trained for ``budget`` optimisation seconds.
+
+    Through :func:`~iresflow.train.fit.fit`, the loop of ``iresflow train``, with the results
+    table's protocol for a baseline (:func:`benchmarks.results_specs.train_config`).
+    """
+    protocol = dataclasses.replace(FULL, max_seconds=budget, max_epochs=10_000,
+                                   patience=GRU_PATIENCE)
+    config = dataclasses.replace(train_config(SPECS["gru_maf"], name, GRU_LR, seed, protocol),
+                                 **data_settings(name))
     torch.manual_seed(seed)
     model = RecurrentFlow(ds.features, ds.max_len, hidden=GRU_HIDDEN)
-    result = fit_model(model, ds.train, ds.val, lr=GRU_LR, max_seconds=budget,
-                       max_epochs=10_000, patience=GRU_PATIENCE,
-                       generator=torch.Generator().manual_seed(seed))
-    model.eval()
-    return {"test_nll": ds.nll(split_log_prob(model.log_prob, ds.test), ds.test),
-            "epochs": result.epochs, "stopped": result.stopped}
+    result = fit(config, ds, model)
+    log_prob = split_log_prob(result.model, ds.test)[0]
+    return {"test_nll": ds.nll(log_prob, ds.test), "epochs": len(result.history),
+            "stopped": result.stopped}
 
 
 def run_dataset(name: str, seed: int, budget: float, epochs: int | None,
@@ -194,7 +203,7 @@ def run_dataset(name: str, seed: int, budget: float, epochs: int | None,
     record.update(run_references(ds))
     record["flow"] = run_flow(name, seed, work / f"{name}-seed{seed}", epochs)
     if budget > 0:
-        record["gru_maf"] = run_gru_maf(ds, seed, budget)
+        record["gru_maf"] = run_gru_maf(name, ds, seed, budget)
     return record
 
 
