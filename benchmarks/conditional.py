@@ -31,7 +31,12 @@ Run from the repository root::
     python -m benchmarks.conditional --quick     # smoke run: 2 epochs per flow
     python -m benchmarks.conditional --seed 0 --max-seconds 200
 
-NUMBERS-PLACEHOLDER
+Seeds 0, 1, 2 (``--seed S --max-seconds 200``; the time budget never bound: every flow stopped
+early or after its 60 epochs): test NLL -22.52, -22.53, -22.56 (unconditional) and -23.56,
+-23.52, -23.53 (conditional, true speaker) nats/frame; generative accuracy 95.9%, 96.5%, 95.9%
+(mean 96.1%), next to 93.8-94.1% for 1-NN and 97.8-98.1% for logistic regression on the same
+seeds. The class-conditional samples are drawn per speaker in ``class_samples.png``
+(``docs/figures/conditional_class_samples.png`` is seed 0's).
 
 The numbers are printed and written to ``benchmarks/out/conditional/conditional.json``.
 """
