@@ -5,8 +5,8 @@ On the official split (270 training utterances of the nine speakers, 370 test ut
 * a class-conditional flow :math:`p(x \mid y)` (``condition = label``: the speaker label through
   a learned embedding, :mod:`iresflow.nn.conditional`) and the same flow without the label
   (``condition = none``), both trained by :func:`iresflow.train.fit.fit`, the loop of
-  ``iresflow train``: the same settings train the same weights as the command lines printed by
-  the benchmark (``iresflow train --data japanese_vowels --n-blocks 2 --hidden 32 --ar-order 1
+  ``iresflow train``, with the settings, hence the weights, of the command lines
+  (``iresflow train --data japanese_vowels --n-blocks 2 --hidden 32 --ar-order 1
   --device cpu`` with ``--condition label --context-features 16`` for the conditional flow);
   10% of the official training utterances are held out for validation, which chooses the
   epoch kept and stops training early (``patience``), as ``iresflow train`` does;
