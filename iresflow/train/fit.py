@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,7 +32,7 @@ from iresflow.train.epoch import TrainingSession
 from iresflow.train.factories import build_model, resolve_device
 from iresflow.train.metrics import epoch_summary
 
-__all__ = ["FitResult", "deterministic_algorithms", "fit", "run_epochs"]
+__all__ = ["FitResult", "fit", "run_epochs", "seeded_training"]
 
 #: Called after every epoch with the session and the epoch's metrics.
 EpochHook = Callable[[TrainingSession, dict[str, float]], None]
@@ -155,8 +156,7 @@ def fit(
         raise RuntimeError("fit trains in one process; in a process group use train()")
     device = resolve_device(config.device)
     devices = [device] if device.type == "cuda" else []
-    with deterministic_algorithms(), torch.random.fork_rng(devices=devices):
-        torch.manual_seed(config.seed)
+    with seeded_training(config.seed, device):
         if model is None:
             model = build_model(config, dataset)
         model = model.to(device)
@@ -181,12 +181,22 @@ def fit(
 
 
 @contextmanager
-def deterministic_algorithms() -> Iterator[None]:
-    """Deterministic kernels where torch has them (warnings elsewhere), restored afterwards."""
+def seeded_training(seed: int, device: torch.device) -> Iterator[None]:
+    """The reproducible setting of a run, the caller's restored afterwards.
+
+    Torch's global generators seeded with ``seed`` (forked, so the caller's are untouched),
+    deterministic kernels where torch has them (warnings elsewhere) and, on CUDA, deterministic
+    cuBLAS workspaces (set before the run's first CUDA matmul).
+    """
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    devices = [device] if device.type == "cuda" else []
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        yield
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            yield
     finally:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)

@@ -30,7 +30,7 @@ from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.distributed import broadcast_object, current_world, launch, process_count
 from iresflow.train.epoch import TrainingSession
 from iresflow.train.factories import build_model, load_data, resolve_device
-from iresflow.train.fit import deterministic_algorithms, run_epochs
+from iresflow.train.fit import run_epochs, seeded_training
 from iresflow.train.metrics import tensorboard_writer, write_metrics
 from iresflow.train.paths import RunPaths, check_run_folder, prepare_run_folder
 
@@ -176,13 +176,9 @@ def _fit(
             "nproc must equal WORLD_SIZE)"
         )
     device = resolve_device(config.device)
-    if device.type == "cuda":  # deterministic cuBLAS; must be set before the first CUDA matmul
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     dataset = load_data(config)
     # The run owns torch's global generators while it trains; the caller's are restored after.
-    devices = [device] if device.type == "cuda" else []
-    with deterministic_algorithms(), torch.random.fork_rng(devices=devices):
-        torch.manual_seed(config.seed)
+    with seeded_training(config.seed, device):
         model = build_model(config, dataset).to(device)  # settings checked before any deletion
         state = _prepare_folder(paths, config, resume=resume, overwrite=overwrite)
         session = TrainingSession(config, dataset, model, device, world)
