@@ -809,3 +809,14 @@ def test_gap_density_keeps_time_positions() -> None:
     shifted = model.log_prob(compact, torch.ones(2, 3, dtype=torch.bool), method="exact")
     assert abs(float(shifted[0] - log_prob[0])) > 1e-6  # positions matter
     torch.testing.assert_close(shifted[1], log_prob[1])  # a trailing gap is plain padding
+
+
+def test_pad_to_adds_unobserved_frames_and_refuses_to_shorten() -> None:
+    from iresflow.data.readers import pad_to
+
+    x, mask = torch.randn(2, 3, 4, dtype=torch.float64), torch.tensor([[1, 1, 0], [1, 1, 1]]).bool()
+    padded, padded_mask = pad_to(x, mask, 5)
+    assert torch.equal(padded[:, :3], x) and not padded[:, 3:].any()
+    assert padded_mask.tolist() == [[True, True, False, False, False], [True] * 3 + [False] * 2]
+    with pytest.raises(ValueError, match="length must be >= the current length 3"):
+        pad_to(x, mask, 2)

@@ -25,7 +25,13 @@ from iresflow.data.preprocessing import (
     interpolate_gaps,
     uniform_dequantize,
 )
-from iresflow.data.readers import observed_frames, pad_sequences, read_ts, read_weekly_csv
+from iresflow.data.readers import (
+    observed_frames,
+    pad_sequences,
+    pad_to,
+    read_ts,
+    read_weekly_csv,
+)
 from iresflow.data.splits import SequenceDataset, SequenceSplit
 from iresflow.data.store import SequenceStore, StoredSplit, is_store
 from iresflow.data.synthetic import load_synthetic, synthetic_names
@@ -211,13 +217,6 @@ def _read_user_labels(kind: str, file: Path) -> list[str] | None:
     return read_npz_labels(file) if kind == "npz" else read_ts(file).labels
 
 
-def _pad_to(raw: Tensor, mask: Tensor, length: int) -> tuple[Tensor, Tensor]:
-    """Pad sequences ``(B, N, D)`` and mask ``(B, N)`` with unobserved frames to ``length``."""
-    extra = length - raw.shape[1]
-    padded = torch.cat([raw, raw.new_zeros(raw.shape[0], extra, raw.shape[2])], dim=1)
-    return padded, torch.cat([mask, mask.new_zeros(mask.shape[0], extra)], dim=1)
-
-
 def _warn_small_splits(name: str, indices: tuple[Tensor, Tensor, Tensor]) -> None:
     """``UserWarning`` for every split with fewer than :data:`MIN_SPLIT_SEQUENCES` sequences."""
     for label, index in zip(("train", "val", "test"), indices, strict=True):
@@ -256,7 +255,7 @@ def _load_user(
                     f"the training file {raw.shape[2]}"
                 )
             length = max(raw.shape[1], test_raw.shape[1])
-            parts = (_pad_to(raw, mask, length), _pad_to(test_raw, test_mask, length))
+            parts = (pad_to(raw, mask, length), pad_to(test_raw, test_mask, length))
             n_train_file = raw.shape[0]
             raw, mask = (torch.cat(pair) for pair in zip(*parts, strict=True))
             train, val, _ = _random_split(n_train_file, val_fraction, 0.0, generator)

@@ -25,6 +25,7 @@ __all__ = [
     "existing_file",
     "observed_frames",
     "pad_sequences",
+    "pad_to",
     "read_ts",
     "read_weekly_csv",
 ]
@@ -203,6 +204,29 @@ def pad_sequences(series: list[Tensor]) -> tuple[Tensor, Tensor]:
         x[b, : s.shape[0]] = s
     mask = torch.arange(x.shape[1]) < lengths.unsqueeze(1)
     return x, mask
+
+
+def pad_to(x: Tensor, mask: Tensor, length: int) -> tuple[Tensor, Tensor]:
+    """Pad sequences with unobserved frames at the end.
+
+    Args:
+        x: Sequences ``(B, N, D)``.
+        mask: Their mask ``(B, N)``, ``True`` for observed frames.
+        length: The new length ``>= N``.
+
+    Returns:
+        ``x`` ``(B, length, D)``, zero at the new frames, and its mask ``(B, length)``.
+
+    Example:
+        >>> x, mask = pad_to(torch.ones(1, 2, 1), torch.ones(1, 2, dtype=torch.bool), 3)
+        >>> x.flatten().tolist(), mask.tolist()
+        ([1.0, 1.0, 0.0], [[True, True, False]])
+    """
+    if length < x.shape[1]:
+        raise ValueError(f"length must be >= the current length {x.shape[1]}, got {length}")
+    extra = length - x.shape[1]
+    padded = torch.cat([x, x.new_zeros(x.shape[0], extra, x.shape[2])], dim=1)
+    return padded, torch.cat([mask, mask.new_zeros(mask.shape[0], extra)], dim=1)
 
 
 def observed_frames(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from iresflow.data.readers import pad_to
 from iresflow.data.splits import SequenceDataset, SequenceSplit
 from iresflow.data.store import StoredSplit
 from iresflow.models.reference import AutoregressiveGaussian
@@ -62,11 +63,7 @@ def _in_memory(split: SequenceSplit | StoredSplit, max_len: int) -> _Frames:
         x, mask = split.batch(torch.arange(len(split)), torch.device("cpu"))
     else:
         x, mask = split.x, split.mask
-    pad = max_len - x.shape[1]
-    if pad > 0:
-        x = torch.cat([x, x.new_zeros(x.shape[0], pad, x.shape[2])], 1)
-        mask = torch.cat([mask, mask.new_zeros(mask.shape[0], pad)], 1)
-    return _Frames(x, mask)
+    return _Frames(*pad_to(x, mask, max_len))
 
 
 def fit_reference(
