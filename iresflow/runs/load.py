@@ -87,7 +87,7 @@ def load_run(
         raise FileNotFoundError(f"run folder not found: {paths.root}")
     if not paths.last.is_file():
         raise FileNotFoundError(f"{paths.root} holds no checkpoint (checkpoints/last.pt)")
-    path = paths.best if settings.checkpoint == "best" and paths.best.is_file() else paths.last
+    path = paths.checkpoint(settings.checkpoint)
     state = load_checkpoint(path)
     try:
         config = TrainConfig.from_dict(state["config"])
@@ -119,7 +119,7 @@ def trained_run(fitted: FittedRun, settings: RunSettings | None = None) -> Loade
     if settings.device is not None:
         raise ConfigError("a trained run stays on its training device: leave device unset")
     paths = fitted.result.paths
-    path = paths.best if settings.checkpoint == "best" and paths.best.is_file() else paths.last
+    path = paths.checkpoint(settings.checkpoint)
     model = fitted.model
     model.set_generator(None)  # as built: the training estimator stream is not the run's
     device = next(model.parameters()).device

@@ -48,6 +48,11 @@ class RunPaths:
         """The checkpoint of the epoch with the lowest validation NLL."""
         return self.checkpoints / "best.pt"
 
+    def checkpoint(self, which: str) -> Path:
+        """The checkpoint to load for ``which`` = ``"best"`` or ``"last"``: ``best`` falls back
+        to ``last`` in a run that has no best checkpoint yet."""
+        return self.best if which == "best" and self.best.is_file() else self.last
+
     @property
     def metrics_jsonl(self) -> Path:
         """One JSON object per epoch."""
