@@ -13,6 +13,10 @@ shared by every row), the script prints the test NLL of
   best-validation checkpoint): by default the default recipe and the attention recipe with the
   best validation NLL in ``docs/recipes.md``;
 
+* the GRU + MAF (:func:`benchmarks.baselines.recurrent.train_recurrent_flow`, sequential
+  sampling) given as many optimisation seconds as the slowest recipe of the same seed
+  (equal training time);
+
 with the fraction of the AR-to-floor gap a model closes, ``(AR - model) / (AR - floor)``, and
 for attention recipes the observed over certified Lipschitz constant of the attention branches
 (``lipschitz_report``; mean over branches, probed with random sequences of 16 frames as in
@@ -31,6 +35,12 @@ Run from the repository root::
     python -m benchmarks.long_range --seeds 0 1 2 --epochs 20 --max-train none
     python -m benchmarks.long_range --references-only --max-train none --max-eval none
     python -m benchmarks.long_range --diagnose-run runs/my_attention_run   # a trained run
+    python -m benchmarks.long_range --seeds 0 1 2 --markdown docs/attention.md \
+        --figures docs/figures
+
+``--markdown`` writes the tables into the page between its ``<!-- long-range -->`` markers;
+``--figures`` writes the learning curves (validation NLL against optimisation seconds, mean
+over seeds) and a picture of what the heads of the first attention recipe attend to.
 
 Writes ``benchmarks/out/long_range.json``. Timings on a shared machine are noisy.
 """
@@ -38,6 +48,7 @@ Writes ``benchmarks/out/long_range.json``. Timings on a shared machine are noisy
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -48,7 +59,10 @@ from typing import Any
 import torch
 
 from benchmarks.baselines.autoregressive import AutoregressiveGaussian
+from benchmarks.baselines.recurrent import GRU_LR, GRU_PATIENCE, train_recurrent_flow
 from benchmarks.recipes import RECIPES, run_recipe
+from benchmarks.results_report import replace_between_markers
+from benchmarks.results_specs import FULL, SPECS, train_config
 from iresflow.data.synthetic import RepeatedMotif, synthetic_family, synthetic_names
 from iresflow.nn.attention import ContractiveL2MultiheadAttention
 from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
@@ -194,9 +208,11 @@ def references(config: TrainConfig) -> dict[str, float]:
 
 
 def run_seed(name: str, seed: int, recipes: list[str], settings: dict[str, Any],
-             folder: Path, diagnose: bool = False) -> dict[str, Any]:
-    """References and trained recipes of one dataset and seed (``settings`` of the trainer
-    override the recipes')."""
+             folder: Path, diagnose: bool = False, gru: bool = True,
+             figures: Path | None = None) -> dict[str, Any]:
+    """References, trained recipes and the GRU + MAF of one dataset and seed (``settings`` of
+    the trainer override the recipes'); ``figures``: where to draw the first attention recipe's
+    heads (:func:`benchmarks.long_range_figures.plot_attention`)."""
     base = TrainConfig(data=name, seed=seed, device="cpu", **settings)
     result: dict[str, Any] = references(base)
     gap = result["ar"] - result["floor"]
@@ -206,6 +222,7 @@ def run_seed(name: str, seed: int, recipes: list[str], settings: dict[str, Any],
                              **{**RECIPES[recipe], **settings})
         row = run_recipe(config, folder / "run")
         row["gap_closed"] = (result["ar"] - row["test_nll"]) / gap
+        row["history"] = _history(folder / "run")
         row["attention_use_full_length"] = (
             None if row["attention_usage"] is None
             else attention_use(folder / "run", result["max_len"]))
@@ -213,10 +230,51 @@ def run_seed(name: str, seed: int, recipes: list[str], settings: dict[str, Any],
         print(f"  {name} seed {seed} {recipe}: test {row['test_nll']:.3f} "
               f"(floor {result['floor']:.3f}, AR {result['ar']:.3f}) "
               f"{row['train_seconds']:.0f} s", flush=True)
-        if diagnose and row["attention_usage"] is not None:
-            row["diagnosis"] = attention_diagnosis(folder / "run")
-            print_diagnosis(row["diagnosis"])
+        if row["attention_usage"] is not None:
+            if diagnose:
+                row["diagnosis"] = attention_diagnosis(folder / "run")
+                print_diagnosis(row["diagnosis"])
+            if figures is not None:
+                from benchmarks.long_range_figures import plot_attention
+                plot_attention(folder / "run", figures / f"long_range_attention_{name}.png",
+                               _lags)
+                figures = None
+    if gru:
+        seconds = max([row["train_seconds"] for row in result["models"].values()], default=60.0)
+        row = run_gru_maf(base, seconds)
+        row["gap_closed"] = (result["ar"] - row["test_nll"]) / gap
+        result["models"][GRU_MAF] = row
+        print(f"  {name} seed {seed} {GRU_MAF}: test {row['test_nll']:.3f} "
+              f"({row['train_seconds']:.0f} s)", flush=True)
     return result
+
+
+#: Row name of the sequential baseline.
+GRU_MAF = "GRU + MAF (sequential sampling)"
+
+
+def run_gru_maf(base: TrainConfig, seconds: float) -> dict[str, Any]:
+    """The GRU + MAF trained for ``seconds`` optimisation seconds on the splits of ``base``
+    (its data, seed and subsets), with the results table's protocol for a baseline."""
+    protocol = dataclasses.replace(FULL, max_seconds=seconds, max_epochs=10_000,
+                                   patience=GRU_PATIENCE)
+    config = dataclasses.replace(
+        train_config(SPECS["gru_maf"], base.data, GRU_LR, base.seed, protocol),
+        max_train=base.max_train, max_eval=base.max_eval)
+    row = train_recurrent_flow(config, load_data(config))
+    return {"test_nll": row["test_nll"], "train_seconds": row["train_seconds"],
+            "best_epoch": row["best_epoch"], "attention_usage": None,
+            "attention_use_full_length": None, "history": row["history"]}
+
+
+def _history(run_dir: Path) -> list[tuple[float, float]]:
+    """``(optimisation seconds so far, validation NLL)`` per epoch of a trained run."""
+    elapsed, curve = 0.0, []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        elapsed += row["train_seconds"]
+        curve.append((elapsed, row["val_nll"]))
+    return curve
 
 
 def _mean_sd(values: list[float], digits: int = 3) -> str:
@@ -271,6 +329,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--diagnose", action="store_true",
                         help="where the attention branches' certificates go (slower)")
+    parser.add_argument("--no-gru", action="store_true", help="skip the GRU + MAF baseline")
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help="write the tables into this page between its markers")
+    parser.add_argument("--figures", type=Path, default=None,
+                        help="write learning curves and the attention picture here")
     parser.add_argument("--diagnose-run", type=Path, default=None,
                         help="only diagnose the attention of this trained run folder")
     args = parser.parse_args()
@@ -283,11 +346,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.datasets:
             recipes = [] if args.references_only else args.recipes
-            results[name] = [run_seed(name, seed, recipes, settings, Path(tmp), args.diagnose)
-                             for seed in args.seeds]
+            results[name] = [
+                run_seed(name, seed, recipes, settings, Path(tmp), args.diagnose,
+                         gru=not (args.no_gru or args.references_only),
+                         figures=args.figures if seed == args.seeds[0] else None)
+                for seed in args.seeds]
     print(f"\nsettings: {json.dumps(settings)}, seeds {args.seeds}\n")
-    for name, runs in results.items():
-        print(table(name, runs) + "\n")
+    tables = "\n\n".join(table(name, runs) for name, runs in results.items())
+    print(tables)
+    if args.markdown is not None:
+        args.markdown.write_text(replace_between_markers(
+            args.markdown.read_text(), tables, str(args.markdown), "<!-- long-range -->",
+            "<!-- /long-range -->"))
+    if args.figures is not None and not args.references_only:
+        from benchmarks.long_range_figures import plot_curves
+        for name, runs in results.items():
+            plot_curves(name, runs, args.figures / f"long_range_curves_{name}.png")
     OUT.mkdir(exist_ok=True)
     (OUT / "long_range.json").write_text(
         json.dumps({"settings": settings, "seeds": args.seeds, "results": results}, indent=2))

@@ -190,14 +190,24 @@ def _target_text(target: dict[str, Any]) -> str:
     return "".join(parts)
 
 
-def replace_between_markers(text: str, block: str, source: str) -> str:
-    """Replace what lies between the results markers of ``text`` by ``block``."""
-    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
-        raise ValueError(f"{source} must contain the markers {START} and {END}, once each, "
+def replace_between_markers(text: str, block: str, source: str, start: str = START,
+                            end: str = END) -> str:
+    """Replace what lies between the markers ``start`` and ``end`` of ``text`` by ``block``.
+
+    Raises:
+        ValueError: ``text`` (read from ``source``) does not contain each marker once, in order.
+
+    Example:
+        >>> replace_between_markers("a <!-- x --> old <!-- /x --> b", "new", "page",
+        ...                         "<!-- x -->", "<!-- /x -->")
+        'a <!-- x -->\nnew\n<!-- /x --> b'
+    """
+    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+        raise ValueError(f"{source} must contain the markers {start} and {end}, once each, "
                          "in this order")
-    head, rest = text.split(START)
-    _, tail = rest.split(END)
-    return f"{head}{START}\n{block}\n{END}{tail}"
+    head, rest = text.split(start)
+    _, tail = rest.split(end)
+    return f"{head}{start}\n{block}\n{end}{tail}"
 
 
 def results_markdown(report: dict[str, Any]) -> str:

@@ -48,13 +48,12 @@ import numpy as np
 import torch
 
 from benchmarks.baselines.gaussian import SequenceGaussian
-from benchmarks.baselines.recurrent import RecurrentFlow
+from benchmarks.baselines.recurrent import GRU_LR, GRU_PATIENCE, train_recurrent_flow
+from benchmarks.results_report import replace_between_markers
 from benchmarks.results_specs import FULL, SPECS, train_config
 from iresflow.data.datasets import SequenceDataset, load_dataset
 from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.models.worst_cases import summarize_sequence_nll
-from iresflow.train.fit import fit
-from iresflow.train.likelihood import split_log_prob
 
 #: UEA/UCR archive datasets bundled in the aeon wheel, in the suite's order.
 ARCHIVE = ("BasicMotions", "CardanoSentiment", "ItalyPowerDemand", "GunPoint", "ArrowHead",
@@ -62,8 +61,6 @@ ARCHIVE = ("BasicMotions", "CardanoSentiment", "ItalyPowerDemand", "GunPoint", "
 SHIPPED = ("japanese_vowels", "digits_rows", "co2_windows")
 DATASETS = ARCHIVE + SHIPPED
 MAX_AR_ORDER = 3
-#: GRU + MAF settings (a fixed architecture; the budget is in optimisation seconds).
-GRU_HIDDEN, GRU_LR, GRU_PATIENCE = 64, 3e-3, 20
 START, END = "<!-- small-data:start -->", "<!-- small-data:end -->"
 
 
@@ -184,12 +181,8 @@ def run_gru_maf(name: str, ds: SequenceDataset, seed: int, budget: float) -> dic
                                    patience=GRU_PATIENCE)
     config = dataclasses.replace(train_config(SPECS["gru_maf"], name, GRU_LR, seed, protocol),
                                  **data_settings(name))
-    torch.manual_seed(seed)
-    model = RecurrentFlow(ds.features, ds.max_len, hidden=GRU_HIDDEN)
-    result = fit(config, ds, model)
-    log_prob = split_log_prob(result.model, ds.test)[0]
-    return {"test_nll": ds.nll(log_prob, ds.test), "epochs": len(result.history),
-            "stopped": result.stopped}
+    row = train_recurrent_flow(config, ds)
+    return {key: row[key] for key in ("test_nll", "epochs", "stopped")}
 
 
 def run_dataset(name: str, seed: int, budget: float, epochs: int | None,
@@ -272,22 +265,6 @@ def markdown_table(records: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def replace_between_markers(text: str, block: str) -> str:
-    """``text`` with the lines between :data:`START` and :data:`END` replaced by ``block``.
-
-    Raises:
-        ValueError: the markers are missing or out of order.
-
-    Example:
-        >>> replace_between_markers(f"a\\n{START}\\nold\\n{END}\\nb", "new")
-        'a\\n<!-- small-data:start -->\\nnew\\n<!-- small-data:end -->\\nb'
-    """
-    start, end = text.find(START), text.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"the page needs the markers {START} and {END}, in this order")
-    return f"{text[: start + len(START)]}\n{block}\n{text[end:]}"
-
-
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS,
@@ -335,7 +312,7 @@ def _report(records: list[dict[str, Any]], doc: Path | None) -> int:
     table = markdown_table(records)
     print(table)
     if doc is not None:
-        doc.write_text(replace_between_markers(doc.read_text(), table))
+        doc.write_text(replace_between_markers(doc.read_text(), table, str(doc), START, END))
     return 0 if all(math.isfinite(r["flow"]["test_nll"]) for r in records) else 1
 
 

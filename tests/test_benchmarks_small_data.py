@@ -12,12 +12,9 @@ import torch
 
 from benchmarks.small_data import (
     ARCHIVE,
-    END,
-    START,
     archive_files,
     load,
     markdown_table,
-    replace_between_markers,
     run_references,
     sequence_gaussian_applies,
 )
@@ -63,13 +60,6 @@ def test_table_averages_seeds_and_bolds_the_best() -> None:
     assert row_a[9] == "1.00 / 2.50 / 3"  # the first seed's median and worst, far summed
     row_b = [cell.strip() for cell in lines[3].split("|")[1:-1]]
     assert row_b[5] == "1234.5" and row_b[6] == "**-0.500** (1)" and row_b[8] == "—"
-
-
-def test_markers_are_replaced_and_required() -> None:
-    page = f"# t\n{START}\nold\n{END}\ntail\n"
-    assert replace_between_markers(page, "new") == f"# t\n{START}\nnew\n{END}\ntail\n"
-    with pytest.raises(ValueError, match="markers"):
-        replace_between_markers("no markers", "new")
 
 
 def test_sequence_gaussian_needs_fixed_length_and_enough_sequences(tmp_path: Path) -> None:
