@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from iresflow.cli import main
+from iresflow.models.distributions import NU_INIT, StudentTSequence
 from iresflow.runs.load import load_run
 from iresflow.runs.sample import Samples, sample_run
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint
@@ -297,6 +298,28 @@ def test_train_on_a_uea_train_test_pair(
     assert main(["train", "--test-data", str(tmp_path / "Toy_TEST.ts"), "--out",
                  str(tmp_path / "r2")]) == 1
     assert "test_data needs data and test_data to be .npz or .ts files" in _error_line(capsys)
+
+
+def test_a_student_t_run_trains_evaluates_samples_and_reloads(tmp_path: Path) -> None:
+    """``--base student-t`` (docs/math.md#student-t-base) end to end: the setting and the
+    learned degrees of freedom are stored, and evaluate and sample use them."""
+    out = tmp_path / "run"
+    assert main(["train", "--base", "student-t", "--epochs", "1", "--out", str(out),
+                 "--device", "cpu", *TINY]) == 0
+    assert TrainConfig.from_toml(out / "config.toml").base == "student-t"
+    run = load_run(out)
+    assert run.model_config.base == "student-t"
+    assert isinstance(run.model.base, StudentTSequence) and run.model.base.nu.shape == (12,)
+    stored = load_checkpoint(out / "checkpoints" / "best.pt")["model"]["base.log_excess"]
+    assert torch.equal(run.model.base.log_excess.detach(), stored)
+    assert not torch.allclose(run.model.base.nu, torch.tensor(NU_INIT))  # it was trained
+    trained = json.loads((out / "evaluation.json").read_text())["test"]["exact"]["nll"]
+    assert main(["evaluate", str(out), "--device", "cpu"]) == 0
+    assert json.loads((out / "evaluation.json").read_text())["test"]["exact"]["nll"] == trained
+    samples = tmp_path / "samples.npz"
+    assert main(["sample", str(out), "--num", "3", "--seed", "1", "--out", str(samples)]) == 0
+    with np.load(samples) as data:
+        assert np.isfinite(data["x"]).all() and (data["x"][~data["mask"]] == 0).all()
 
 
 def test_bare_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:

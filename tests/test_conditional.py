@@ -300,9 +300,11 @@ SETTINGS = [{"num_classes": 3}, {"num_classes": 3, "context_features": 4},
             {"context_features": 2}]
 
 
-def _assert_exact_log_prob_matches_oracle(model, x, mask, context):
+def _assert_exact_log_prob_matches_oracle(model, x, mask, context, base=None):
     """``log_prob(method="exact")`` against the autograd Jacobian of the whole flow + slogdet
-    over the real entries, sequence by sequence, and the chunked evaluation against both."""
+    over the real entries, sequence by sequence, and the chunked evaluation against both.
+    ``base`` is the torch distribution of every noise entry (default: standard normal)."""
+    base = torch.distributions.Normal(0.0, 1.0) if base is None else base
     log_prob = model.log_prob(x, mask, method="exact", context=context)
     batch, length, features = x.shape
     for b in range(batch):
@@ -312,8 +314,7 @@ def _assert_exact_log_prob_matches_oracle(model, x, mask, context):
         jac = jac.reshape(length * features, length * features)
         idx = real_indices(mask, b, length, features).to(x.device)
         z = f(x[b : b + 1])[0][mask[b]]
-        base = torch.distributions.Normal(0.0, 1.0).log_prob(z).sum()
-        expected = base + torch.linalg.slogdet(jac[idx][:, idx])[1]
+        expected = base.log_prob(z).sum() + torch.linalg.slogdet(jac[idx][:, idx])[1]
         assert torch.allclose(log_prob[b], expected, atol=1e-8)
     # chunked evaluation sees the same contexts
     chunked = model.log_prob(x, mask, method="exact", context=context, chunk_size=1)
@@ -325,6 +326,21 @@ def test_model_exact_log_prob_matches_jacobian_oracle(device, settings):
     model = _model(device, **settings)
     x, mask = _padded_inputs(device)
     _assert_exact_log_prob_matches_oracle(model, x, mask, _contexts(device, settings))
+
+
+def test_conditional_model_with_a_student_t_base(device):
+    """The base of a conditional flow may be a Student-t (docs/math.md#student-t-base): the
+    exact density against the Jacobian oracle with torch's Student-t, and samples per label."""
+    model = _model(device, num_classes=3, base="student-t")
+    with torch.no_grad():
+        model.base.log_excess.copy_(torch.log(torch.tensor([1.0, 3.0, 20.0])))
+    x, mask = _padded_inputs(device)
+    labels = _contexts(device, {"num_classes": 3})
+    oracle = torch.distributions.StudentT(model.base.nu.detach())
+    _assert_exact_log_prob_matches_oracle(model, x, mask, labels, base=oracle)
+    samples, _ = model.sample(4, seq_len=5, context=labels,
+                              generator=torch.Generator(device).manual_seed(0))
+    assert samples.shape == (4, 5, 3) and torch.isfinite(samples).all()
 
 
 #: The residual-flow Transformer recipe, conditional.

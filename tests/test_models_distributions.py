@@ -1,13 +1,23 @@
-"""The base density of sequence flows and the padding masks of samples (docs/math.md#masks)."""
+"""The base densities of sequence flows (docs/math.md#masks, docs/math.md#student-t-base) and the
+padding masks of samples."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from scipy import stats
 
-from iresflow.models.distributions import StandardNormalSequence, sample_mask
+from iresflow.models.distributions import (
+    NU_INIT,
+    NU_MIN,
+    StandardNormalSequence,
+    StudentTSequence,
+    make_base,
+    sample_mask,
+)
 
 
 def _mask(lengths: list[int], n: int, device: torch.device) -> torch.Tensor:
@@ -41,3 +51,100 @@ def test_sample_mask_from_a_length_or_per_sample_lengths(device):
     assert sample_mask(1, 50, None, None).shape == (1, 50)  # no max_len: any length
     with pytest.raises(ValueError, match="max_len"):
         sample_mask(1, 5, None, 4)
+
+
+# -- Student-t bases (docs/math.md#student-t-base) -------------------------------------------
+
+
+def _student_t(features: int, nu: list[float] | float, joint: bool, device, dtype):
+    base = StudentTSequence(features, joint=joint).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        base.log_excess.copy_(torch.log(torch.as_tensor(nu, dtype=dtype) - NU_MIN))
+    return base
+
+
+def test_independent_student_t_log_prob_matches_scipy(device, dtype):
+    nu = [2.5, 4.0, 40.0]
+    base = _student_t(3, nu, False, device, dtype)
+    z = 3 * torch.randn(3, 6, 3, device=device, dtype=dtype)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 0, 0, 1, 1, 0], [0, 1, 1, 1, 0, 0]],
+                        dtype=torch.bool, device=device)  # gaps and padding
+    per_frame = stats.t.logpdf(z.cpu().double().numpy(), df=np.array(nu)).sum(-1)
+    expected = (per_frame * mask.cpu().numpy()).sum(-1)
+    np.testing.assert_allclose(base.log_prob(z, mask).detach().cpu().numpy(), expected,
+                               rtol=1e-10 if dtype == torch.float64 else 1e-5)
+    z_changed = torch.where(mask.unsqueeze(-1), z, 1e3)  # masked frames never enter
+    torch.testing.assert_close(base.log_prob(z_changed, mask), base.log_prob(z, mask))
+    torch.testing.assert_close(base.log_prob(z), base.log_prob(z, torch.ones_like(mask)))
+
+
+def test_multivariate_t_log_prob_matches_scipy(device, dtype):
+    base = _student_t(4, 3.5, True, device, dtype)
+    z = 2 * torch.randn(2, 5, 4, device=device, dtype=dtype)
+    mask = torch.tensor([[1, 0, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool, device=device)
+    frames = z.cpu().double().numpy().reshape(-1, 4)
+    per_frame = stats.multivariate_t.logpdf(frames, shape=np.eye(4), df=3.5).reshape(2, 5)
+    expected = (per_frame * mask.cpu().numpy()).sum(-1)
+    np.testing.assert_allclose(base.log_prob(z, mask).detach().cpu().numpy(), expected,
+                               rtol=1e-10 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize("joint", [False, True], ids=["independent", "multivariate"])
+def test_student_t_log_prob_is_differentiable_in_nu(joint):
+    base = _student_t(3, [3.0, 7.0, 20.0] if not joint else 5.0, joint, "cpu", torch.float64)
+    z = 2 * torch.randn(2, 4, 3, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 0]], dtype=torch.bool)
+
+    start = base.log_excess.detach().clone().requires_grad_()
+    del base.log_excess  # the parameter becomes the input of gradcheck
+
+    def log_prob(log_excess: torch.Tensor) -> torch.Tensor:
+        base.log_excess = log_excess
+        return base.log_prob(z, mask)
+
+    assert torch.autograd.gradcheck(log_prob, start)
+
+
+@pytest.mark.parametrize("joint", [False, True], ids=["independent", "multivariate"])
+def test_student_t_samples_follow_scipy(device, joint):
+    """Kolmogorov-Smirnov tests at a fixed seed: the marginals of both bases are Student-t
+    (scaled by the temperature); for the multivariate t, the squared norm over D is F(D, nu)."""
+    nu, features = 4.0, 3
+    base = _student_t(features, nu, joint, device, torch.float64)
+    mask = torch.ones(4000, 1, dtype=torch.bool, device=device)
+    z = base.sample(mask, torch.Generator(device).manual_seed(3), 0.5,
+                    dtype=torch.float64)[:, 0].cpu().numpy()
+    for d in range(features):
+        assert stats.kstest(z[:, d], stats.t(df=nu, scale=0.5).cdf).pvalue > 1e-3
+    norms = np.square(2 * z).sum(-1) / features
+    p_f = stats.kstest(norms, stats.f(features, nu).cdf).pvalue
+    # Independent features are not jointly t: their squared norm is not F(D, nu).
+    assert (p_f > 1e-3) if joint else (p_f < 1e-3)
+
+
+def test_student_t_sampling_respects_the_mask_and_the_generator(device, dtype):
+    base = _student_t(2, [3.0, 9.0], False, device, dtype)
+    mask = _mask([4, 2, 1], 4, device)
+    draw = base.sample(mask, torch.Generator(device).manual_seed(1), dtype=dtype)
+    again = base.sample(mask, torch.Generator(device).manual_seed(1), dtype=dtype)
+    assert torch.equal(draw, again) and draw.dtype == dtype and draw.device.type == device.type
+    assert bool((draw[~mask] == 0).all()) and bool(draw[mask].ne(0).all())
+    assert torch.isfinite(base.log_prob(draw, mask)).all()
+    with pytest.raises(TypeError, match="mask"):
+        base.sample(torch.ones(2, 3, device=device))
+    with pytest.raises(ValueError, match="temperature"):
+        base.sample(mask, temperature=0.0)
+
+
+def test_make_base_and_student_t_arguments():
+    assert isinstance(make_base("normal", 2), StandardNormalSequence)
+    independent, joint = make_base("student-t", 3), make_base("multivariate-t", 3)
+    assert not independent.joint and joint.joint
+    torch.testing.assert_close(independent.nu, torch.full((3,), NU_INIT))
+    torch.testing.assert_close(joint.nu, torch.full((1,), NU_INIT))
+    with pytest.raises(ValueError, match="base must be one of normal, student-t"):
+        make_base("cauchy", 3)
+    with pytest.raises(ValueError, match="nu_init"):
+        StudentTSequence(3, nu_init=NU_MIN)
+    with pytest.raises(TypeError, match="joint"):
+        StudentTSequence(3, joint=1)  # type: ignore[arg-type]

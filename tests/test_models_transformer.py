@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from iresflow.models.config import ConfigError, ModelConfig, default_heads
+from iresflow.models.distributions import StandardNormalSequence, StudentTSequence
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.nn.positional import (
@@ -302,9 +303,12 @@ def test_config_and_defaults(device, dtype):
         "features": 12, "n_blocks": 4, "hidden": 64, "heads": None, "coeff": 0.9,
         "attention": "l2", "positional": "sinusoidal", "max_len": 512, "logdet": "roulette",
         "n_power_iterations": 1, "spectral_norm": "exact", "ar_order": 0,
-        "layers": ("attention", "mlp"), "kernel_size": 3, "context_features": 0,
-        "num_classes": 0,
+        "layers": ("attention", "mlp"), "kernel_size": 3, "base": "normal",
+        "context_features": 0, "num_classes": 0,
     }
+    assert type(model.base) is StandardNormalSequence
+    heavy = ResidualFlowTransformer(model.config, base="multivariate-t").base
+    assert isinstance(heavy, StudentTSequence) and heavy.joint
     assert model.config.resolved_heads == 4
     assert model.config == ModelConfig(features=12, n_blocks=4, max_len=512,
                                        layers=("attention", "mlp"), ar_order=0)

@@ -49,6 +49,7 @@ def test_config_replace_overrides_file_and_validates(tmp_path: Path) -> None:
         ("epochs = true\n", "epochs must be of type int"),
         ("epochs = 0\n", "epochs must be >= 1"),
         ('attention = "dot"\n', "attention must be one of"),
+        ('base = "cauchy"\n', "base must be one of normal, student-t, multivariate-t"),
         ('device = "tpu"\n', "device must be"),
         ("lr = inf\n", "lr must be finite"),
     ],
@@ -81,16 +82,18 @@ max_len = 40
 logdet = "exact"
 n_power_iterations = 3
 spectral_norm = "power"
+base = "student-t"
 lr = 0.01
 """
 MODEL_FLAGS = [
     "--n-blocks", "2", "--hidden", "16", "--heads", "2", "--coeff", "0.5",
     "--attention", "lipschitznorm", "--positional", "learned", "--max-len", "40",
-    "--logdet", "exact", "--n-power-iterations", "3", "--spectral-norm", "power", "--lr", "0.01",
+    "--logdet", "exact", "--n-power-iterations", "3", "--spectral-norm", "power",
+    "--base", "student-t", "--lr", "0.01",
 ]
 MODEL_PYTHON = ModelConfig(
     n_blocks=2, hidden=16, heads=2, coeff=0.5, attention="lipschitznorm", positional="learned",
-    max_len=40, logdet="exact", n_power_iterations=3, spectral_norm="power",
+    max_len=40, logdet="exact", n_power_iterations=3, spectral_norm="power", base="student-t",
 )
 
 

@@ -1,7 +1,11 @@
 """Flows: the generic sequence flow (a chain and a base) and the residual-flow Transformer."""
 
 from iresflow.models.config import ModelConfig
-from iresflow.models.distributions import SequenceBase, StandardNormalSequence
+from iresflow.models.distributions import (
+    SequenceBase,
+    StandardNormalSequence,
+    StudentTSequence,
+)
 from iresflow.models.flow import SequenceFlow
 from iresflow.models.transformer import ResidualFlowTransformer
 
@@ -11,4 +15,5 @@ __all__ = [
     "SequenceBase",
     "SequenceFlow",
     "StandardNormalSequence",
+    "StudentTSequence",
 ]

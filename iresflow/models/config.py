@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from iresflow._settings import ConfigError, check_keys, check_range, setting, validate_fields
+from iresflow.models.distributions import BASES
 
 __all__ = ["LAYER_KINDS", "ModelConfig", "default_heads"]
 
@@ -88,6 +89,10 @@ class ModelConfig:
     )
     spectral_norm: str = setting(
         "exact", "spectral norm of the MLP layers in training", ("exact", "power")
+    )
+    base: str = setting(
+        "normal", "density of the noise: standard normal, Student-t per feature with learned "
+        "degrees of freedom, or one multivariate t per frame", BASES
     )
     context_features: int = setting(
         0, "size C of the per-sequence context vector: covariates, or the class-label embedding "

@@ -1,8 +1,10 @@
 r"""Base distributions of sequence flows and the padding masks of samples.
 
 :class:`SequenceBase` is the contract of the density of a flow's noise over the real frames
-(docs/math.md#masks); :class:`StandardNormalSequence` is the default one. :func:`sample_mask`
-builds the padding mask of sequences to sample.
+(docs/math.md#masks); :class:`StandardNormalSequence` is the default one,
+:class:`StudentTSequence` a heavy-tailed one with learned degrees of freedom
+(docs/math.md#student-t-base), and :func:`make_base` builds either by the name of the model
+setting ``base``. :func:`sample_mask` builds the padding mask of sequences to sample.
 """
 
 from __future__ import annotations
@@ -15,7 +17,25 @@ from torch import Tensor, nn
 
 from iresflow._validation import check_float, check_generator, check_int, check_sequence
 
-__all__ = ["SequenceBase", "StandardNormalSequence", "sample_mask"]
+__all__ = [
+    "BASES",
+    "NU_INIT",
+    "NU_MIN",
+    "SequenceBase",
+    "StandardNormalSequence",
+    "StudentTSequence",
+    "make_base",
+    "sample_mask",
+]
+
+#: Names of the base densities (the model setting ``base``): the standard normal, independent
+#: Student-t features, or a multivariate t per frame (:func:`make_base`).
+BASES = ("normal", "student-t", "multivariate-t")
+#: Lower bound of the degrees of freedom of :class:`StudentTSequence`: the variance
+#: :math:`\nu / (\nu - 2)` of the noise stays finite.
+NU_MIN = 2.0
+#: Initial degrees of freedom of :class:`StudentTSequence`: close to the standard normal.
+NU_INIT = 30.0
 
 
 class SequenceBase(nn.Module, ABC):
@@ -128,16 +148,157 @@ class StandardNormalSequence(SequenceBase):
         Returns:
             Noise of shape ``(B, N, D)``.
         """
-        if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
-            raise TypeError("mask must be a boolean torch.Tensor of shape (B, N)")
-        generator = check_generator(generator)
-        temperature = check_float(temperature, "temperature", 0.0)
+        generator, temperature = _check_draw(mask, generator, temperature)
         z = torch.randn(*mask.shape, self.features, generator=generator, device=mask.device,
                         dtype=dtype) * temperature
         return torch.where(mask.unsqueeze(-1), z, 0.0)
 
     def extra_repr(self) -> str:
         return f"features={self.features}"
+
+
+class StudentTSequence(SequenceBase):
+    r"""Student-t density of the real frames, with learned degrees of freedom
+    (docs/math.md#student-t-base).
+
+    With ``joint=False`` every feature of every frame is an independent Student-t with unit scale
+    and its own degrees of freedom :math:`\nu_d`; with ``joint=True`` every frame is a
+    :math:`D`-variate t with identity scale and one :math:`\nu` (the features of a frame share
+    one chi-square scale, so a frame far out in one feature tends to be far out in others). For
+    a group of :math:`k` coordinates (:math:`k = 1` per feature, :math:`k = D` per frame) with
+    squared norm :math:`q`,
+
+    .. math::
+        \log p = \log\Gamma\big(\tfrac{\nu + k}{2}\big) - \log\Gamma\big(\tfrac{\nu}{2}\big)
+        - \tfrac{k}{2}\log(\pi\nu) - \tfrac{\nu + k}{2}\log\big(1 + \tfrac{q}{\nu}\big),
+
+    summed over the groups of the real frames. :math:`\nu = \nu_{\min} + e^{\eta}` with the
+    parameter :attr:`log_excess` :math:`\eta` (an optimiser step changes :math:`\nu - 2` by
+    a fraction of itself) and :data:`NU_MIN` :math:`= 2`, so the variance exists. The context of a
+    conditional flow is ignored (its last layer shifts and scales the noise per context).
+
+    Args:
+        features: Feature size ``D``.
+        joint: One multivariate t per frame instead of independent features.
+        nu_init: Initial degrees of freedom, ``> NU_MIN`` (default :data:`NU_INIT`, nearly
+            Gaussian).
+
+    Example:
+        >>> base = StudentTSequence(2, nu_init=5.0)
+        >>> mask = torch.tensor([[True, True, False]])
+        >>> z = base.sample(mask, generator=torch.Generator().manual_seed(0))
+        >>> z.shape, bool((z[0, 2] == 0).all()), base.log_prob(z, mask).shape
+        (torch.Size([1, 3, 2]), True, torch.Size([1]))
+        >>> base.nu.detach().tolist()
+        [5.0, 5.0]
+    """
+
+    def __init__(self, features: int, *, joint: bool = False, nu_init: float = NU_INIT) -> None:
+        super().__init__()
+        self.features = check_int(features, "features", 1)
+        if not isinstance(joint, bool):
+            raise TypeError(f"joint must be a bool, got {type(joint).__name__}")
+        self.joint = joint
+        nu_init = check_float(nu_init, "nu_init", NU_MIN)
+        #: :math:`\eta = \log(\nu - \nu_{\min})`, one per feature or one per frame ``(G,)``.
+        self.log_excess = nn.Parameter(
+            torch.full((1 if joint else self.features,), math.log(nu_init - NU_MIN))
+        )
+
+    @property
+    def nu(self) -> Tensor:
+        """Degrees of freedom ``(G,)``: one per feature (``G = D``), or one (``joint``)."""
+        return NU_MIN + self.log_excess.exp()
+
+    def log_prob(
+        self, z: Tensor, mask: Tensor | None = None, context: Tensor | None = None
+    ) -> Tensor:
+        """See :meth:`SequenceBase.log_prob`; ``context`` is ignored."""
+        z = check_sequence(z, "z", features=self.features, allow_2d=False)
+        nu = self.nu
+        square = z.square().sum(-1, keepdim=True) if self.joint else z.square()
+        k = z.shape[-1] if self.joint else 1
+        per_group = (torch.lgamma((nu + k) / 2) - torch.lgamma(nu / 2)
+                     - 0.5 * k * torch.log(math.pi * nu)
+                     - 0.5 * (nu + k) * torch.log1p(square / nu))
+        per_frame = per_group.sum(-1)
+        if mask is not None:
+            per_frame = torch.where(mask, per_frame, 0.0)
+        return per_frame.sum(-1)
+
+    def sample(
+        self,
+        mask: Tensor,
+        generator: torch.Generator | None = None,
+        temperature: float = 1.0,
+        *,
+        context: Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        r"""Draw :math:`T\,t` on the real frames, zeros at padding.
+
+        :math:`t = g \sqrt{\nu / w}` with :math:`g \sim \mathcal N(0, I)` and a chi-square
+        :math:`w \sim \chi^2_\nu` per feature (or per frame with ``joint``), drawn from the
+        generator; the draw is not differentiable in :math:`\nu`.
+
+        Args:
+            mask: Boolean padding mask ``(B, N)``; the noise is drawn on its device.
+            generator: Optional ``torch.Generator`` (on the mask's device).
+            temperature: Scale :math:`T > 0` of the draw.
+            context: Ignored.
+            dtype: Floating dtype of the noise (default: torch's default dtype).
+
+        Returns:
+            Noise of shape ``(B, N, D)``.
+        """
+        generator, temperature = _check_draw(mask, generator, temperature)
+        g = torch.randn(*mask.shape, self.features, generator=generator, device=mask.device,
+                        dtype=dtype)
+        nu = self.nu.detach().to(device=mask.device, dtype=g.dtype)
+        half_nu = (nu / 2).expand(*mask.shape, nu.numel())
+        # torch.distributions' Gamma and Chi2 take no generator; their sampler does.
+        chi_square = 2 * torch._standard_gamma(half_nu, generator=generator)
+        z = g * torch.sqrt(nu / chi_square) * temperature
+        return torch.where(mask.unsqueeze(-1), z, 0.0)
+
+    def extra_repr(self) -> str:
+        return f"features={self.features}, joint={self.joint}"
+
+
+def _check_draw(
+    mask: Tensor, generator: torch.Generator | None, temperature: float
+) -> tuple[torch.Generator | None, float]:
+    """The checked ``generator`` and ``temperature`` of :meth:`SequenceBase.sample`, after
+    checking that ``mask`` is a boolean ``(B, N)`` tensor."""
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+        raise TypeError("mask must be a boolean torch.Tensor of shape (B, N)")
+    return check_generator(generator), check_float(temperature, "temperature", 0.0)
+
+
+def make_base(kind: str, features: int) -> SequenceBase:
+    """Build the base density of a flow by the name of the model setting ``base``.
+
+    Args:
+        kind: ``"normal"`` (:class:`StandardNormalSequence`), ``"student-t"`` (independent
+            Student-t features) or ``"multivariate-t"`` (one multivariate t per frame), see
+            :data:`BASES`.
+        features: Feature size ``D``.
+
+    Returns:
+        The base, with :data:`NU_INIT` degrees of freedom for a t.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+
+    Example:
+        >>> make_base("multivariate-t", 3).nu.shape
+        torch.Size([1])
+    """
+    if kind == "normal":
+        return StandardNormalSequence(features)
+    if kind in ("student-t", "multivariate-t"):
+        return StudentTSequence(features, joint=kind == "multivariate-t")
+    raise ValueError(f"base must be one of {', '.join(BASES)}, got {kind!r}")
 
 
 def sample_mask(

@@ -236,7 +236,8 @@ class SequenceFlow(nn.Module):
             lengths: Per-sample lengths, integer tensor ``(num,)`` with values in
                 ``[1, max_len]``; ``N = max(lengths)`` and shorter samples are padded.
             generator: Optional ``torch.Generator`` for the noise (on the model's device).
-            temperature: Standard deviation :math:`T > 0` of the base noise (1 = the model).
+            temperature: Scale :math:`T > 0` of the base noise (its standard deviation for the
+                normal base; 1 = the model).
             context: Conditioning input of a conditional flow, one per sample (labels
                 ``(num,)`` or covariates ``(num, C)``, see :meth:`log_prob`).
 

@@ -17,7 +17,7 @@ self-attention with a positional table added inside the branch
 (docs/math.md#contractive-attention, docs/math.md#lipschitznorm) or position-wise spectrally
 normalised LipSwish MLPs (docs/math.md#lipswish, docs/math.md#spectral-norm), optionally with
 LU feature mixings (docs/math.md#feature-mixing). The noise :math:`Z` has a standard normal
-density over the real frames, so
+density over the real frames (or a Student-t one, docs/math.md#student-t-base), so
 
 .. math:: \log p(X) = \sum_{n\,:\,m_n = 1} \log\mathcal N(z_n; 0, I_D)
     + \sum_{\text{steps}} \log|\det J_{\text{step}}| .
@@ -31,6 +31,7 @@ from torch import nn
 
 from iresflow._settings import ConfigError
 from iresflow.models.config import ModelConfig
+from iresflow.models.distributions import make_base
 from iresflow.models.flow import SequenceFlow
 from iresflow.nn.attention import (
     ContractiveL2MultiheadAttention,
@@ -60,12 +61,13 @@ class ResidualFlowTransformer(SequenceFlow):
     An ``ActNorm`` and an autoregressive linear layer of order ``ar_order`` at the data end
     (none with ``ar_order = 0``), then ``n_blocks`` blocks whose layers are ``config.layers`` in
     order (module docstring): ``"conv"``, ``"attention"`` and ``"mlp"`` are residual steps
-    ``ActNorm -> x + g(x)``, ``"mix"`` an LU feature mixing; a standard normal base over the
-    real frames. The default recipe (``ar_order = 3``, blocks of ``conv`` and ``mlp``) contains
-    the AR(3) Gaussian as a special case and starts from it. ``layers=("attention", "mlp")``
-    with ``ar_order=0`` is the residual-flow Transformer; ``layers=("mlp",)`` with
-    ``ar_order=0`` a flow on single frames applied i.i.d. to every frame (the ablation without
-    interactions between frames).
+    ``ActNorm -> x + g(x)``, ``"mix"`` an LU feature mixing; the base over the real frames is
+    the standard normal, or a Student-t with learned degrees of freedom (``base``,
+    :func:`~iresflow.models.distributions.make_base`). The default recipe (``ar_order = 3``,
+    blocks of ``conv`` and ``mlp``) contains the AR(3) Gaussian as a special case and starts
+    from it. ``layers=("attention", "mlp")`` with ``ar_order=0`` is the residual-flow
+    Transformer; ``layers=("mlp",)`` with ``ar_order=0`` a flow on single frames applied i.i.d.
+    to every frame (the ablation without interactions between frames).
 
     Branch certificates: the attention branch is ``coeff`` times the attention map divided by
     its certified bound (docs/math.md#contractive-attention, docs/math.md#lipschitznorm); each
@@ -167,8 +169,8 @@ class ResidualFlowTransformer(SequenceFlow):
             encoder = ContextEncoder(config.resolved_context_features, config.num_classes)
             steps.append(ConditionalAffine(features, config.resolved_context_features))
             names.append("output.affine")
-        super().__init__(SequenceCompositeTransform(steps, names), features=features,
-                         max_len=config.max_len, context_encoder=encoder)
+        super().__init__(SequenceCompositeTransform(steps, names), make_base(config.base, features),
+                         features=features, max_len=config.max_len, context_encoder=encoder)
         self.config = config
 
 
