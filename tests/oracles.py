@@ -350,3 +350,77 @@ def assert_close_runs(a: Path, b: Path, tolerance: float) -> None:
                 assert abs(other[key] - value) <= (1 if tolerance > 0 else 0), key
             else:
                 assert math.isclose(other[key], value, rel_tol=tolerance, abs_tol=tolerance), key
+
+
+def l2_attention_direct(attn: nn.Module, x: Tensor, mask: Tensor | None = None) -> Tensor:
+    """L2 multi-head attention literally (Kim Eq. (8), docs/math.md#l2-attention): N x N x d_h
+    differences, A_h, W^V, W^O, and the relative bias b_h(clip(j - i)) entry by entry
+    (docs/math.md#relative-bias) when ``attn.relative_bias`` is set."""
+    b, n, d = x.shape
+    dh = d // attn.heads
+    outs = []
+    for h in range(attn.heads):
+        wq = attn.w_query[:, h * dh : (h + 1) * dh]
+        wv = attn.w_value[:, h * dh : (h + 1) * dh]
+        q = x @ wq
+        diff = q[:, :, None, :] - q[:, None, :, :]
+        logits = -(diff**2).sum(-1) / math.sqrt(dh)
+        if attn.relative_bias is not None:
+            w = attn.max_offset
+            bias = [[attn.relative_bias[h, min(max(j - i, -w), w) + w] for j in range(n)]
+                    for i in range(n)]
+            logits = logits + torch.stack([torch.stack(row) for row in bias])
+        if mask is not None:
+            logits = logits.masked_fill(~mask[:, None, :], -math.inf)
+        p = torch.softmax(logits, dim=-1)
+        a = wq @ wq.T / math.sqrt(dh)
+        outs.append(p @ x @ a @ wv)
+    out = torch.cat(outs, dim=-1) @ attn.w_out
+    if mask is not None:
+        out = out * mask[..., None]
+    return out
+
+
+def key_mass(table: Tensor, real: Sequence[bool], window: int) -> list[float]:
+    """R_h = max over real queries i of sum over real keys k != i of exp(b_h(k - i) - b_h(0))
+    (docs/math.md#relative-bias), one head at a time in Python floats."""
+    positions = [i for i, r in enumerate(real) if r]
+    masses = []
+    for row in table.tolist():
+        def b(offset: int, row: list[float] = row) -> float:
+            return row[min(max(offset, -window), window) + window]
+        masses.append(max(
+            sum(math.exp(b(k - i) - b(0)) for k in positions if k != i) for i in positions
+        ))
+    return masses
+
+
+def kim_inf_bound(attn: nn.Module, spread: float) -> float:
+    """Kim's Theorem 3.2 infinity-bound (docs/math.md#l2-bounds) with phi^{-1}(N - 1) replaced
+    by ``spread``, from the glossary norms of every head's weight blocks."""
+    mn, inf = torch.linalg.matrix_norm, math.inf
+    dh = attn.dim // attn.heads
+    blocks = [(attn.w_query[:, h * dh : (h + 1) * dh], attn.w_value[:, h * dh : (h + 1) * dh])
+              for h in range(attn.heads)]
+    q_inf = max(float(mn(q, inf) * mn(q.T, inf)) for q, _ in blocks)
+    v_inf = max(float(mn(v.T, inf)) for _, v in blocks)
+    return (4 * spread + 1 / math.sqrt(dh)) * float(mn(attn.w_out.T, inf)) * q_inf * v_inf
+
+
+def heads_inf_bound(attn: nn.Module, spreads: Sequence[float]) -> float:
+    """docs/math.md#l2-bounds-heads one output column and one head at a time: the maximum over
+    columns c of the sum over heads of ||(W^{Q,h} G_h)_{:,c}||_1 / sqrt(d_h)
+    + 4 spreads[h] ||W^{Q,h T}||_inf ||(G_h)_{:,c}||_1, G_h = W^{Q,h T} W^{V,h} W^{O,h}."""
+    dh = attn.dim // attn.heads
+    columns = []
+    for c in range(attn.dim):
+        total = 0.0
+        for h in range(attn.heads):
+            q = attn.w_query[:, h * dh : (h + 1) * dh]
+            g = q.T @ attn.w_value[:, h * dh : (h + 1) * dh] @ attn.w_out[h * dh : (h + 1) * dh, c]
+            total += float((q @ g).abs().sum()) / math.sqrt(dh)
+            total += 4 * spreads[h] * float(torch.linalg.matrix_norm(q.T, math.inf)) * float(
+                g.abs().sum()
+            )
+        columns.append(total)
+    return max(columns)

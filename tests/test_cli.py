@@ -261,6 +261,26 @@ def test_edited_checkpoints_are_renormalised_or_refused(
         load_run(copy)
 
 
+def test_relative_window_trains_and_round_trips_through_a_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--epochs", "1", "--device", "cpu", "--relative-window",
+            "2"]
+    assert main(argv + TINY) == 0
+    state = load_checkpoint(out / "checkpoints" / "best.pt")
+    assert TrainConfig.from_dict(state["config"]).relative_window == 2
+    tables = {k: v for k, v in state["model"].items() if k.endswith("attention.relative_bias")}
+    assert tables and all(v.shape == (4, 5) for v in tables.values())  # 4 heads, offsets -2..2
+    assert all(bool(v.abs().sum() > 0) for v in tables.values())  # trained away from zero
+    loaded = load_run(out, device="cpu")
+    assert loaded.config.relative_window == 2
+    for name, value in tables.items():
+        assert torch.equal(loaded.model.state_dict()[name], value)
+    assert main(["info", str(out), "--seq-len", "6"]) == 0
+    assert "relative_window = 2" in capsys.readouterr().out
+
+
 def _write_uea(path: Path, cases: list[np.ndarray]) -> None:
     """A UEA/sktime ``.ts`` file: header, ``@data``, one case per line, dimensions split by ':'."""
     lines = ["@problemName toy", f"@dimensions {cases[0].shape[1]}", "@classLabel true a b",

@@ -18,28 +18,7 @@ from iresflow.nn.attention import (
     lipschitz_bound,
 )
 from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
-
-
-def l2_direct(attn: L2MultiheadAttention, x: torch.Tensor, mask=None) -> torch.Tensor:
-    """Kim Eq. (8) literally: N x N x d_h differences, A_h, W^V, W^O (the oracle of H1)."""
-    b, n, d = x.shape
-    dh = d // attn.heads
-    outs = []
-    for h in range(attn.heads):
-        wq = attn.w_query[:, h * dh : (h + 1) * dh]
-        wv = attn.w_value[:, h * dh : (h + 1) * dh]
-        q = x @ wq
-        diff = q[:, :, None, :] - q[:, None, :, :]
-        logits = -(diff**2).sum(-1) / math.sqrt(dh)
-        if mask is not None:
-            logits = logits.masked_fill(~mask[:, None, :], -math.inf)
-        p = torch.softmax(logits, dim=-1)
-        a = wq @ wq.T / math.sqrt(dh)
-        outs.append(p @ x @ a @ wv)
-    out = torch.cat(outs, dim=-1) @ attn.w_out
-    if mask is not None:
-        out = out * mask[..., None]
-    return out
+from tests.oracles import l2_attention_direct
 
 
 def make(cls, *args, dtype, device, **kwargs):
@@ -55,7 +34,7 @@ def test_h1_efficient_equals_direct(dim, heads, masked, dtype, device):
     attn = make(L2MultiheadAttention, dim, heads, dtype=dtype, device=device)
     x = 3 * torch.randn(3, 6, dim, dtype=dtype, device=device)
     mask = torch.tensor(MASK, device=device) if masked else None
-    expected = l2_direct(attn, x, mask)
+    expected = l2_attention_direct(attn, x, mask)
     tol = 1e-10 if dtype == torch.float64 else 1e-4
     torch.testing.assert_close(attn(x, mask), expected, atol=tol, rtol=0)
     with torch.no_grad():  # fused scaled_dot_product_attention path

@@ -114,6 +114,23 @@ def test_model_settings_agree_from_toml_cli_and_python(tmp_path: Path) -> None:
     assert changed.model == MODEL_PYTHON.replace(hidden=8, heads=None)
 
 
+def test_relative_window_from_toml_flags_and_python(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('relative_window = 4\nlayers = ["attention", "mlp"]\n', encoding="utf-8")
+    expected = ModelConfig(relative_window=4, layers=("attention", "mlp"))
+    from_flags = parse_train_config(["--relative-window", "4", "--layers", "attention,mlp"])
+    assert TrainConfig.from_toml(path).model == from_flags.model == expected
+    assert TrainConfig.from_toml_string(from_flags.to_toml()) == from_flags
+    assert ModelConfig.from_dict(expected.to_dict()) == expected
+    assert ModelConfig().relative_window is None  # no bias by default
+    cleared = parse_train_config(["--config", str(path), "--relative-window", "none"])
+    assert cleared.model == expected.replace(relative_window=None)
+    with pytest.raises(ConfigError, match="relative_window must be >= 1"):
+        ModelConfig(relative_window=0)
+    with pytest.raises(ConfigError, match="relative_window needs attention = l2"):
+        TrainConfig(relative_window=2, attention="lipschitznorm")
+
+
 def test_flat_settings_round_trip_through_dicts_and_pickles() -> None:
     config = TrainConfig(model=MODEL_PYTHON, epochs=3)
     flat = config.to_dict()

@@ -81,6 +81,10 @@ class ModelConfig:
     coeff: float = setting(0.9, "Lipschitz coefficient of every residual branch, in (0, 1)")
     attention: str = setting("l2", "kind of the attention layers", ("l2", "lipschitznorm"))
     positional: str = setting("sinusoidal", "positional encoding", ("sinusoidal", "learned"))
+    relative_window: int | None = setting(
+        None, "window W of a learned relative-position bias in the scores of l2 attention "
+        "(offsets clipped to [-W, W]; the certificate includes it)", unset="no bias",
+    )
     logdet: str = setting(
         "roulette", "log-determinant used for training", ("exact", "roulette", "series")
     )
@@ -107,7 +111,7 @@ class ModelConfig:
         validate_fields(self)
         check_range("coeff", self.coeff, 0.0, 1.0)
         for name in ("features", "max_len", "n_blocks", "hidden", "heads", "n_power_iterations",
-                     "kernel_size"):
+                     "kernel_size", "relative_window"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
@@ -121,6 +125,10 @@ class ModelConfig:
             raise ConfigError(f"kernel_size must be odd, got {self.kernel_size}")
         if not self.layers:
             raise ConfigError("layers must name at least one layer kind")
+        if self.relative_window is not None and self.attention != "l2":
+            raise ConfigError(
+                f"relative_window needs attention = l2, got attention = {self.attention}"
+            )
         if self.features is not None and self.heads is not None and self.features % self.heads:
             raise ConfigError(
                 f"heads must divide features={self.features}, got heads={self.heads}"

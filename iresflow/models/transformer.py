@@ -14,10 +14,12 @@ exact log-determinant, fitted by least squares at initialisation so that the flo
 AR(p) Gaussian) and residual steps whose branches :math:`g` are contractive by construction:
 temporal convolutions (docs/math.md#temporal-conv), contractive L2 or LipschitzNorm
 self-attention with a positional table added inside the branch
-(docs/math.md#contractive-attention, docs/math.md#lipschitznorm) or position-wise spectrally
-normalised LipSwish MLPs (docs/math.md#lipswish, docs/math.md#spectral-norm), optionally with
-LU feature mixings (docs/math.md#feature-mixing). The noise :math:`Z` has a standard normal
-density over the real frames (or a Student-t one, docs/math.md#student-t-base), so
+(docs/math.md#contractive-attention, docs/math.md#lipschitznorm; L2 attention optionally with a
+learned relative-position bias in its scores, docs/math.md#relative-bias) or position-wise
+spectrally normalised LipSwish MLPs (docs/math.md#lipswish, docs/math.md#spectral-norm),
+optionally with LU feature mixings (docs/math.md#feature-mixing). The noise :math:`Z` has a
+standard normal density over the real frames (or a Student-t one,
+docs/math.md#student-t-base), so
 
 .. math:: \log p(X) = \sum_{n\,:\,m_n = 1} \log\mathcal N(z_n; 0, I_D)
     + \sum_{\text{steps}} \log|\det J_{\text{step}}| .
@@ -180,7 +182,7 @@ def _branch(kind: str, config: ModelConfig, encoding: nn.Module | None) -> Lipsc
     features, hidden, coeff = config.features, config.hidden, config.coeff
     branch: LipschitzBranch
     if kind == "attention":
-        attention = _attention_branch(config.attention, features, config.resolved_heads, coeff)
+        attention = _attention_branch(config, features, coeff)
         branch = PositionalBranch(attention, encoding)
     elif kind == "conv":
         branch = TemporalConvBranch(features, hidden, config.kernel_size, coeff,
@@ -195,7 +197,10 @@ def _branch(kind: str, config: ModelConfig, encoding: nn.Module | None) -> Lipsc
     return branch
 
 
-def _attention_branch(kind: str, features: int, heads: int, coeff: float) -> LipschitzBranch:
-    if kind == "l2":
-        return ContractiveL2MultiheadAttention(features, heads, coeff=coeff)
+def _attention_branch(config: ModelConfig, features: int, coeff: float) -> LipschitzBranch:
+    heads = config.resolved_heads
+    if config.attention == "l2":
+        return ContractiveL2MultiheadAttention(
+            features, heads, coeff=coeff, max_offset=config.relative_window
+        )
     return ContractiveLipschitzNormAttention(features, heads, coeff=coeff)

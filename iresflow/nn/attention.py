@@ -6,15 +6,16 @@ padded positions are exactly zero, and padded inputs never influence real output
 
 Weights are plain ``(D, D)`` parameters in the *math orientation* of docs/math.md#conventions:
 tokens are rows and a weight acts by right multiplication, ``X @ W``; head ``h`` uses the columns
-``h * d_h : (h + 1) * d_h`` of the query/key/value weights and ``d_h = D / H``. There are no biases:
-Kim's Theorem 3.2 bound assumes none (docs/math.md#dot-product-attention, #l2-attention).
+``h * d_h : (h + 1) * d_h`` of the query/key/value weights and ``d_h = D / H``. There are no
+additive biases of the linear maps: Kim's Theorem 3.2 bound assumes none
+(docs/math.md#dot-product-attention, #l2-attention). L2 attention may add a learned
+relative-position bias to its scores, which its certificate covers (docs/math.md#relative-bias).
 
 Execution path: when no autograd graph is recorded (``torch.no_grad``, e.g. fixed-point inversion
-and sampling) and no ``torch.func`` transform is active, attention runs through
-:func:`torch.nn.functional.scaled_dot_product_attention` (fused kernel); otherwise through an
-explicit max-subtracted softmax. The fused CPU kernel has no forward-mode derivative, no
-double-backward and no vmap batching rule, all of which the log-determinant estimators and the
-exact log-det engine need; both paths compute the same function (checked to 1e-10 in float64).
+and sampling) and no ``torch.func`` transform is active, attention runs through the fused
+:func:`torch.nn.functional.scaled_dot_product_attention`, otherwise through an explicit softmax
+(which forward-mode derivatives, double-backward and ``vmap`` need); both paths compute the same
+function, with or without a score bias (checked to 1e-10 in float64).
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from abc import abstractmethod
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from iresflow._validation import check_inputs, check_int, under_functorch_transform
+from iresflow.nn._heads import attend, merge_heads, relative_scores, split_heads
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.bounds import l2_attention_bound
 from iresflow.nn.linear import check_coefficient
@@ -53,44 +54,59 @@ class L2MultiheadAttention(nn.Module):
 
     .. math::
         P^h_{ij} = \mathrm{softmax}_j\Big(-\frac{\|x_i^\top W^{Q,h} - x_j^\top W^{Q,h}\|_2^2}
-            {\sqrt{d_h}}\Big),\qquad
+            {\sqrt{d_h}} + b_h(\mathrm{clip}(j - i, -W, W))\Big),\qquad
         F(X) = \big[P^1 X A_1 W^{V,1}, \dots, P^H X A_H W^{V,H}\big] W^O ,
 
-    with :math:`A_h = W^{Q,h} W^{Q,h\top} / \sqrt{d_h}`. Tying :math:`W^K = W^Q` is what makes the
-    map Lipschitz (Kim Lemma F.1), so there is no key weight; there are no biases either (the
-    Theorem 3.2 bound assumes none). Computed without the
+    with :math:`A_h = W^{Q,h} W^{Q,h\top} / \sqrt{d_h}` and an optional learned
+    relative-position bias :math:`b_h` over the offsets :math:`-W, \dots, W` (``max_offset``
+    :math:`= W`; none by default; docs/math.md#relative-bias). Offsets are tensor positions
+    (padding included); padded keys still get no weight. Tying :math:`W^K = W^Q` is what makes the
+    map Lipschitz (Kim Lemma F.1), so there is no key weight; the linear maps have no biases
+    either (the Theorem 3.2 bound assumes none). Computed without the
     :math:`N \times N \times d_h` differences (docs/math.md#l2-attention): with
     :math:`Q^h = X W^{Q,h}` and :math:`s_j = \|q^h_j\|^2`,
     :math:`P^h = \mathrm{softmax}_{\mathrm{row}}((2 Q^h Q^{h\top} - \mathbf 1 s^\top) / \sqrt{d_h})`
     and the head output is :math:`P^h Q^h (W^{Q,h\top} W^{V,h}) / \sqrt{d_h} = P^h X (A_h W^{V,h})`,
     whose value map :math:`A_h W^{V,h}` (:math:`D \times d_h`) is formed through the
-    :math:`d_h \times d_h` product without :math:`A_h`; cost :math:`O(N^2 D + N D^2)`. Its Lipschitz
-    bounds are :func:`lipschitz_bound`.
+    :math:`d_h \times d_h` product without :math:`A_h`; cost :math:`O(N^2 D + N D^2)`; the bias
+    is added to these scores. Its Lipschitz bounds are :func:`lipschitz_bound`.
 
     Args:
         dim: Token dimension ``D``.
         heads: Number of heads ``H`` (divides ``D``).
+        max_offset: Window ``W >= 1`` of the relative-position bias, a parameter
+            ``relative_bias`` of shape ``(H, 2W + 1)`` initialised to zero (the unbiased map);
+            ``None`` (default): no bias.
 
     Example:
-        >>> attn = L2MultiheadAttention(dim=4, heads=2)
-        >>> attn(torch.randn(3, 5, 4)).shape
-        torch.Size([3, 5, 4])
+        >>> attn = L2MultiheadAttention(dim=4, heads=2, max_offset=3)
+        >>> attn(torch.randn(3, 5, 4)).shape, attn.relative_bias.shape
+        (torch.Size([3, 5, 4]), torch.Size([2, 7]))
     """
 
-    def __init__(self, dim: int, heads: int) -> None:
+    relative_bias: nn.Parameter | None
+
+    def __init__(self, dim: int, heads: int, max_offset: int | None = None) -> None:
         super().__init__()
         _check_dims(dim, heads)
         self.dim = dim
         self.heads = heads
+        self.max_offset = None if max_offset is None else check_int(max_offset, "max_offset", 1)
         self.w_query = nn.Parameter(torch.empty(dim, dim))
         self.w_value = nn.Parameter(torch.empty(dim, dim))
         self.w_out = nn.Parameter(torch.empty(dim, dim))
+        self.relative_bias = None
+        if self.max_offset is not None:
+            self.relative_bias = nn.Parameter(torch.empty(heads, 2 * self.max_offset + 1))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Draw every weight from :math:`U[-1/\\sqrt D, 1/\\sqrt D]` (``nn.Linear``'s default)."""
+        """Draw every weight from :math:`U[-1/\\sqrt D, 1/\\sqrt D]` (``nn.Linear``'s default);
+        the relative bias starts at zero."""
         for w in (self.w_query, self.w_value, self.w_out):
             nn.init.uniform_(w, -(self.dim**-0.5), self.dim**-0.5)
+        if self.relative_bias is not None:
+            nn.init.zeros_(self.relative_bias)
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """Apply L2-MHA.
@@ -109,15 +125,18 @@ class L2MultiheadAttention(nn.Module):
         # Value map of head h: W^{Q,h} (W^{Q,h T} W^{V,h}) / sqrt(d_h) = A_h W^{V,h} (D x d_h),
         # built from d_h x d_h products; all heads together form one (D, D) matrix.
         w_qv = (wq @ (wq.transpose(1, 2) @ wv) / math.sqrt(d_head)).transpose(0, 1)
-        value = _split_heads(x @ w_qv.reshape(self.dim, self.dim), self.heads)
-        q = _split_heads(x @ self.w_query, self.heads)  # (B, H, N, d_h)
+        value = split_heads(x @ w_qv.reshape(self.dim, self.dim), self.heads)
+        q = split_heads(x @ self.w_query, self.heads)  # (B, H, N, d_h)
         sq = (q * q).sum(dim=-1, keepdim=True)
         # Augmented vectors: [2q_i, -1] . [q_j, |q_j|^2] = 2 q_i.q_j - |q_j|^2, i.e. the logits up
         # to the row constant -|q_i|^2, which cancels in the row softmax.
         query = torch.cat([2 * q, -torch.ones_like(sq)], dim=-1)
         key = torch.cat([q, sq], dim=-1)
-        heads = _attend(query, key, value, mask, scale=d_head**-0.5)
-        return _merge_heads(heads, self.w_out, mask)
+        bias = None
+        if self.relative_bias is not None:
+            bias = relative_scores(self.relative_bias, x.shape[1])  # (H, N, N)
+        heads = attend(query, key, value, mask, d_head**-0.5, bias)
+        return merge_heads(heads, self.w_out, mask)
 
 
 class DotProductMultiheadAttention(nn.Module):
@@ -188,24 +207,24 @@ class DotProductMultiheadAttention(nn.Module):
             ``MHA(X)``, shape ``(B, N, D)``, zero at padded positions.
         """
         mask = _check_inputs(x, mask, self.w_query)
-        q = _split_heads(x @ self.w_query, self.heads)
-        k = _split_heads(x @ self.w_key, self.heads)
-        v = _split_heads(x @ self.w_value, self.heads)
+        q = split_heads(x @ self.w_query, self.heads)
+        k = split_heads(x @ self.w_key, self.heads)
+        v = split_heads(x @ self.w_value, self.heads)
         if self.lipschitz_norm is None:
             scale = q.shape[-1] ** -0.5
         else:
             token_mask = None if mask is None else mask[:, None, :]
             q = q * lipschitz_norm_scale(q, k, v, self.alpha, token_mask)
             scale = 1.0
-        return _merge_heads(_attend(q, k, v, mask, scale), self.w_out, mask)
+        return merge_heads(attend(q, k, v, mask, scale), self.w_out, mask)
 
 
 class _ContractiveAttention(LipschitzBranch):
     r"""Shared body of the contractive attention branches: :math:`c\,F(X) / B(\theta, N)`.
 
     Subclasses set ``attention`` (the unnormalised map :math:`F`), ``coeff`` and ``length``
-    (``"actual"``: each sequence's real length in the bound; ``"max"``: the padded length) and
-    implement :meth:`raw_bound`.
+    (``"actual"``: each sequence's real tokens, from the mask, in the bound; ``"max"``: the padded
+    length) and implement :meth:`raw_bound`.
     """
 
     position_wise = False
@@ -229,12 +248,22 @@ class _ContractiveAttention(LipschitzBranch):
             Branch output, shape ``(B, N, D)``, zero at padded positions.
         """
         y = self.attention(x, mask)
-        bound = self.raw_bound(_lengths(x, mask, self.length))
+        bound = self.raw_bound(x.shape[1], mask if self.length == "actual" else None)
         return self.coeff * y / bound.reshape(-1, 1, 1)
 
     @abstractmethod
-    def raw_bound(self, seq_len: int | Tensor) -> Tensor:
-        """Certified bound :math:`B(\\theta, N)` of the unnormalised map for the current weights."""
+    def raw_bound(self, seq_len: int | Tensor, mask: Tensor | None = None) -> Tensor:
+        """Certified bound :math:`B(\\theta, N)` of the unnormalised map for the current weights.
+
+        Args:
+            seq_len: Sequence length (int) or per-sequence lengths, e.g. shape ``(B,)``.
+            mask: Optional boolean padding mask ``(B, N)`` with ``N = seq_len`` (an int): each
+                sequence's bound then counts its real tokens only.
+
+        Returns:
+            The bound in the branch's norm: 0-dim, of ``seq_len``'s shape, or ``(B,)`` with a
+            mask.
+        """
 
     def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
         """Certified Lipschitz constant of the branch: ``coeff`` for every length.
@@ -252,20 +281,26 @@ class ContractiveL2MultiheadAttention(_ContractiveAttention):
     r"""Contractive L2-MHA residual branch (docs/math.md#contractive-attention):
     :math:`c\,F(X) / B(\theta, N)`.
 
-    :math:`F` is :class:`L2MultiheadAttention` and :math:`B` its Kim Theorem 3.2 bound for the
-    current weights (:math:`\infty`-norm by default), recomputed in every forward and
-    differentiated through (no update call; docs/math.md#contractive-attention), so the branch is
-    :math:`c`-Lipschitz in that norm for any weights. With a mask and ``length="actual"`` the bound
-    uses each sequence's real length (real outputs only see real tokens, so the bound of the shorter
-    sequence holds); ``length="max"`` uses the padded length, also valid because
-    :math:`\varphi^{-1}` increases.
+    :math:`F` is :class:`L2MultiheadAttention` and :math:`B` its bound for the current weights and
+    relative bias (:func:`~iresflow.nn.bounds.l2_attention_bound`: the head-by-head
+    :math:`\infty`-bound by default, docs/math.md#l2-bounds-heads, or Kim's 2-bound), recomputed
+    in every forward and differentiated through (no update call;
+    docs/math.md#contractive-attention), so the branch is :math:`c`-Lipschitz in that norm for any
+    weights. With a mask and ``length="actual"`` the bound uses each sequence's real tokens (real
+    outputs only see real tokens, so the bound of the shorter sequence holds; with a bias, the
+    positions of its real tokens, docs/math.md#relative-bias); ``length="max"`` uses the padded
+    length, also valid because :math:`\varphi^{-1}` increases.
 
     Args:
         dim: Token dimension ``D``.
         heads: Number of heads ``H`` (divides ``D``).
         coeff: Contraction coefficient :math:`c \in (0, 1)`.
-        norm: Norm of the certificate: ``"inf"`` (the tighter one, default) or ``"2"``.
-        length: ``"actual"`` (per-sequence lengths from the mask) or ``"max"`` (padded length).
+        norm: Norm of the certificate: ``"inf"`` (the tighter one, default) or ``"2"`` (not
+            with a relative bias).
+        length: ``"actual"`` (per-sequence real tokens from the mask) or ``"max"`` (padded
+            length).
+        max_offset: Window ``W`` of a learned relative-position bias of the scores
+            (:class:`L2MultiheadAttention`); ``None`` (default): none.
 
     Example:
         >>> branch = ContractiveL2MultiheadAttention(dim=4, heads=2, coeff=0.9)
@@ -282,6 +317,7 @@ class ContractiveL2MultiheadAttention(_ContractiveAttention):
         coeff: float = 0.9,
         norm: Literal["inf", "2"] = "inf",
         length: Literal["actual", "max"] = "actual",
+        max_offset: int | None = None,
     ) -> None:
         super().__init__()
         coeff = check_coefficient(coeff, strict=True)
@@ -289,22 +325,16 @@ class ContractiveL2MultiheadAttention(_ContractiveAttention):
             raise ValueError(f"norm must be 'inf' or '2', got {norm!r}")
         if length not in ("actual", "max"):
             raise ValueError(f"length must be 'actual' or 'max', got {length!r}")
-        self.attention = L2MultiheadAttention(dim, heads)
+        if norm == "2" and max_offset is not None:
+            raise ValueError("norm='2' has no certificate with a relative bias (max_offset)")
+        self.attention = L2MultiheadAttention(dim, heads, max_offset)
         self.coeff = float(coeff)
         self.norm = norm  # type: ignore[misc]  # per-instance choice of the certified norm
         self.length = length
 
-    def raw_bound(self, seq_len: int | Tensor) -> Tensor:
-        """Kim's bound :math:`B(\\theta, N)` of the unnormalised L2-MHA for the current weights.
-
-        Args:
-            seq_len: Sequence length (int) or per-sequence lengths, e.g. shape ``(B,)``.
-
-        Returns:
-            The bound in the branch's norm, 0-dim or of ``seq_len``'s shape.
-        """
-        a = self.attention
-        return l2_attention_bound(a.w_query, a.w_value, a.w_out, a.heads, seq_len, self.norm)
+    def raw_bound(self, seq_len: int | Tensor, mask: Tensor | None = None) -> Tensor:
+        """The bound :math:`B(\\theta, N)` of the unnormalised L2-MHA (:func:`lipschitz_bound`)."""
+        return lipschitz_bound(self.attention, seq_len, self.norm, mask)
 
 
 class ContractiveLipschitzNormAttention(_ContractiveAttention):
@@ -339,18 +369,13 @@ class ContractiveLipschitzNormAttention(_ContractiveAttention):
         self.coeff = float(coeff)
         self.length = "actual"
 
-    def raw_bound(self, seq_len: int | Tensor) -> Tensor:
-        """F6/F7 certificate :math:`B(\\theta, N)` of the unnormalised attention (2-norm).
-
-        Args:
-            seq_len: Sequence length (int) or per-sequence lengths, e.g. shape ``(B,)``.
-
-        Returns:
-            The bound, 0-dim or of ``seq_len``'s shape.
-        """
+    def raw_bound(self, seq_len: int | Tensor, mask: Tensor | None = None) -> Tensor:
+        """F6/F7 certificate :math:`B(\\theta, N)` of the unnormalised attention (2-norm), with
+        :math:`N` the real length of each sequence of ``mask`` if given."""
         a = self.attention
+        lengths = seq_len if mask is None else mask.sum(dim=1)
         heads = transformer_head_bound(
-            a.alpha, seq_len, a.w_query, a.w_key, a.w_value, a.heads
+            a.alpha, lengths, a.w_query, a.w_key, a.w_value, a.heads
         )  # (..., H)
         return multihead_bound(heads, a.w_out)
 
@@ -359,19 +384,25 @@ def lipschitz_bound(
     attn: L2MultiheadAttention,
     seq_len: int | Tensor,
     p: Literal["inf", "2"] | float = "inf",
+    mask: Tensor | None = None,
 ) -> Tensor:
-    r"""Kim's Theorem 3.2 bound for the current weights of an L2-MHA module.
+    r"""Certified Lipschitz bound of an L2-MHA module for its current weights and relative bias.
 
-    The bound of :func:`~iresflow.nn.bounds.l2_attention_bound` (docs/math.md#l2-bounds) on the
-    module's weights.
+    The bound of :func:`~iresflow.nn.bounds.l2_attention_bound` (docs/math.md#l2-bounds,
+    #l2-bounds-heads, #relative-bias) on the module's parameters.
 
     Args:
         attn: An :class:`~iresflow.nn.attention.L2MultiheadAttention`.
-        seq_len: Sequence length ``N >= 1`` (int), or a tensor of per-sequence lengths.
-        p: ``"inf"`` or ``"2"`` (see :func:`~iresflow.nn.bounds.l2_attention_bound`).
+        seq_len: Sequence length ``N >= 1`` (int), or a tensor of per-sequence lengths (not for a
+            module with a relative bias: give a ``mask``).
+        p: ``"inf"`` or ``"2"`` (see :func:`~iresflow.nn.bounds.l2_attention_bound`; ``"2"`` not
+            with a relative bias).
+        mask: Optional boolean padding mask ``(B, N)`` with ``N = seq_len``: per-sequence bounds
+            over the real tokens.
 
     Returns:
-        The bound :math:`B_p(\theta, N)`, 0-dim (int ``seq_len``) or of ``seq_len``'s shape.
+        The bound :math:`B_p(\theta, N)`: 0-dim (int ``seq_len``), of ``seq_len``'s shape, or
+        ``(B,)`` with a mask.
 
     Example:
         >>> attn = L2MultiheadAttention(dim=4, heads=2)
@@ -380,49 +411,9 @@ def lipschitz_bound(
     """
     if not isinstance(attn, L2MultiheadAttention):
         raise TypeError(f"attn must be an L2MultiheadAttention, got {type(attn).__name__}")
-    return l2_attention_bound(attn.w_query, attn.w_value, attn.w_out, attn.heads, seq_len, p)
-
-
-def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """``softmax(q k^T * scale) v`` per (batch, head), padded keys excluded.
-
-    Shapes: ``q, k`` ``(B, H, N, E)``, ``v`` ``(B, H, N, d)``, ``mask`` ``(B, N)``; returns
-    ``(B, H, N, d)``. See the module docstring for the choice of path.
-    """
-    key_mask = None if mask is None else mask[:, None, None, :]
-    if torch.is_grad_enabled() or under_functorch_transform():
-        logits = (q * scale) @ k.transpose(-1, -2)  # scaling q is cheaper than scaling logits
-        if key_mask is not None:
-            logits = logits.masked_fill(~key_mask, -math.inf)
-        # torch.softmax subtracts the row maximum before exponentiating.
-        return torch.softmax(logits, dim=-1) @ v
-    # The fused kernels need equal head sizes for q, k and v: pad v with zeros and drop them.
-    width = v.shape[-1]
-    v = F.pad(v, (0, q.shape[-1] - width))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=scale)
-    return out[..., :width]
-
-
-def _split_heads(x: Tensor, heads: int) -> Tensor:
-    """``(B, N, D) -> (B, H, N, D / H)``."""
-    b, n, d = x.shape
-    return x.reshape(b, n, heads, d // heads).transpose(1, 2)
-
-
-def _merge_heads(x: Tensor, w_out: Tensor, mask: Tensor | None) -> Tensor:
-    """Concatenate heads ``(B, H, N, d_h) -> (B, N, D)``, apply ``W^O``, zero padded positions."""
-    b, h, n, d = x.shape
-    out = x.transpose(1, 2).reshape(b, n, h * d) @ w_out
-    if mask is not None:
-        out = out.masked_fill(~mask[..., None], 0.0)
-    return out
-
-
-def _lengths(x: Tensor, mask: Tensor | None, length: str) -> int | Tensor:
-    """Sequence lengths entering a bound: per-sequence real lengths ``(B,)`` or the padded ``N``."""
-    if mask is None or length == "max":
-        return x.shape[1]
-    return mask.sum(dim=1)
+    return l2_attention_bound(
+        attn.w_query, attn.w_value, attn.w_out, attn.heads, seq_len, p, attn.relative_bias, mask
+    )
 
 
 def _check_inputs(x: Tensor, mask: Tensor | None, weight: Tensor) -> Tensor | None:

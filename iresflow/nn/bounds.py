@@ -1,7 +1,8 @@
-r"""Lipschitz bounds of L2 multi-head self-attention (Kim et al., Theorem 3.2).
+r"""Lipschitz bounds of L2 multi-head self-attention (Kim et al., Theorem 3.2, and a refinement).
 
 The bounds of docs/math.md#l2-bounds, evaluated on weight matrices in the *math orientation* of
-docs/math.md#conventions (tokens are rows, weights act by right multiplication, ``X @ W``):
+docs/math.md#conventions (tokens are rows, weights act by right multiplication, ``X @ W``).
+Kim's Theorem 3.2 gives
 
 .. math::
     \mathrm{lip}_\infty(F) \le \Big(4\varphi^{-1}(N-1) + \frac{1}{\sqrt{d_h}}\Big)
@@ -15,7 +16,11 @@ docs/math.md#conventions (tokens are rows, weights act by right multiplication, 
 with :math:`\varphi(x) = x e^{x+1}` and :math:`\varphi^{-1}(N-1) = W_0((N-1)/e)` (principal Lambert
 W branch; the off-by-one :math:`W_0(N/e)` of third-party code is looser,
 docs/math.md#l2-bounds (C.1)). The power 4 in the 2-bound is the degree-consistent form
-(docs/math.md#l2-bounds (C.2), check H5 (docs/math.md#checks)).
+(docs/math.md#l2-bounds (C.2), check H5 (docs/math.md#checks)). The :math:`\infty`-bound
+computed here is the same argument carried out head by head and output column by output column
+(docs/math.md#l2-bounds-heads), never larger than Kim's, and it extends to a learned
+relative-position bias in the scores (docs/math.md#relative-bias), where :math:`N - 1` becomes a
+bias-weighted count of the other real tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from scipy.special import lambertw
 from torch import Tensor
 
 from iresflow._validation import check_int, values_checked
+from iresflow.nn._heads import relative_scores
 
 __all__ = ["check_norm", "l2_attention_bound", "phi", "phi_inv"]
 
@@ -61,7 +67,8 @@ def phi_inv(y: float | Tensor) -> float | Tensor:
     evaluated in torch with a fixed number of Halley steps (no data-dependent control flow, so it
     runs under ``torch.func.vmap``; the value checks follow
     :func:`~iresflow._validation.values_checked`); the result is differentiable in ``y`` with the
-    exact derivative :math:`1/\varphi'(x)` (one implicit-function Newton step carries the gradient).
+    exact derivative :math:`1/\varphi'(x)`, and exact second derivatives (two Newton steps at the
+    converged value carry the graph; the bound with a relative bias is differentiated twice).
 
     Args:
         y: Non-negative finite number, or a tensor of any shape (integer tensors are converted to
@@ -103,15 +110,25 @@ def l2_attention_bound(
     heads: int,
     seq_len: int | Tensor,
     p: Literal["inf", "2"] | float = "inf",
+    relative_bias: Tensor | None = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
-    r"""Kim's Theorem 3.2 bound of L2-MHA from its weights (docs/math.md#l2-bounds, boxed forms).
+    r"""Certified Lipschitz bound of L2-MHA from its weights (docs/math.md#l2-bounds).
 
     Head ``h`` uses the columns ``h * d_h : (h + 1) * d_h`` of ``w_query`` and ``w_value``
-    (:math:`W^{Q,h}, W^{V,h} \in \mathbb R^{D \times d_h}`); ``w_out`` is :math:`W^O`. Norm glossary
-    (docs/math.md#l2-bounds): :math:`\|W^{Q,h}\|_\infty` is the max abs row sum of :math:`W^{Q,h}`,
-    and :math:`\|W^{Q,h\top}\|_\infty`, :math:`\|W^{V,h\top}\|_\infty`, :math:`\|W^{O\top}\|_\infty`
-    are max abs column sums. The bound is differentiable in the weights (abs/max are
-    sub-differentiable) and carries no gradient in ``seq_len``.
+    (:math:`W^{Q,h}, W^{V,h} \in \mathbb R^{D \times d_h}`) and the same rows of ``w_out``
+    (:math:`W^{O,h} \in \mathbb R^{d_h \times D}`). The :math:`\infty`-bound is the head-by-head
+    form of docs/math.md#l2-bounds-heads, with :math:`G_h = W^{Q,h\top} W^{V,h} W^{O,h}`,
+
+    .. math::
+        B_\infty = \max_c \sum_h \Big( \frac{\|(W^{Q,h} G_h)_{:,c}\|_1}{\sqrt{d_h}}
+            + 4\varphi^{-1}(R_h)\, \|W^{Q,h\top}\|_\infty \|(G_h)_{:,c}\|_1 \Big),
+
+    at most Kim's Theorem 3.2 bound; the 2-bound is Kim's (module docstring). Without a bias
+    :math:`R_h = N - 1`; with a relative-position bias :math:`b_h` (docs/math.md#relative-bias)
+    :math:`R_h = \max_i \sum_{k \ne i} e^{b_h(k - i) - b_h(0)}` over the real tokens ``i, k``.
+    The bound is differentiable in the weights and the bias (abs/max are sub-differentiable) and
+    carries no gradient in ``seq_len``.
 
     Args:
         w_query: :math:`W^Q`, shape ``(D, D)``.
@@ -119,47 +136,53 @@ def l2_attention_bound(
         w_out: :math:`W^O`, shape ``(D, D)``.
         heads: Number of heads ``H`` (divides ``D``).
         seq_len: Sequence length ``N >= 1``: an int, or a tensor of per-sequence lengths (any
-            shape, e.g. ``(B,)``).
+            shape, e.g. ``(B,)``; not with ``relative_bias``).
         p: ``"inf"`` (or ``math.inf``) for the :math:`\infty`-norm bound, ``"2"`` (or ``2``) for the
             2-norm bound, both on :math:`\mathrm{vec}(X)`.
+        relative_bias: Optional per-head table :math:`b_h` over the clipped offsets
+            :math:`-W, \dots, W`, shape ``(H, 2W + 1)`` (``"inf"`` only: no 2-bound is derived
+            with a bias).
+        mask: Optional boolean padding mask ``(B, N)``, ``N = seq_len`` (an int): each sequence's
+            bound counts only its real tokens (with a bias, at their positions; gaps allowed).
 
     Returns:
-        The bound: a 0-dim tensor for an int ``seq_len``, otherwise of ``seq_len``'s shape.
+        The bound: a 0-dim tensor for an int ``seq_len`` without a mask, otherwise of
+        ``seq_len``'s shape, or ``(B,)`` with a mask.
+
+    Raises:
+        ValueError: weights that are not ``(D, D)`` with ``heads`` dividing ``D``, a bias table
+            of another shape, a bias with ``p = "2"``, or a mask that does not match ``seq_len``.
 
     Example:
         >>> w = torch.eye(2, dtype=torch.float64)
         >>> l2_attention_bound(w, w, w, heads=1, seq_len=10)  # 4 * 1.101003 + 1 / sqrt(2)
         tensor(5.1111, dtype=torch.float64)
+        >>> bias = torch.zeros(1, 3, dtype=torch.float64)  # a zero bias changes nothing
+        >>> l2_attention_bound(w, w, w, heads=1, seq_len=10, relative_bias=bias)
+        tensor(5.1111, dtype=torch.float64)
     """
     norm = check_norm(p)
-    check_int(heads, "heads", 1)
-    for name, w in (("w_query", w_query), ("w_value", w_value), ("w_out", w_out)):
-        if not isinstance(w, Tensor) or w.dim() != 2 or w.shape[0] != w.shape[1]:
-            shape = tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__
-            raise ValueError(f"{name} must be a square (D, D) tensor, got {shape}")
-    dim = w_query.shape[0]
-    if w_value.shape[0] != dim or w_out.shape[0] != dim or dim % heads != 0:
-        raise ValueError(
-            f"weights must all be ({dim}, {dim}) with D divisible by heads={heads}, got "
-            f"{tuple(w_query.shape)}, {tuple(w_value.shape)}, {tuple(w_out.shape)}"
-        )
+    dim = _check_weights(w_query, w_value, w_out, heads)
+    if relative_bias is not None and norm == "2":
+        raise ValueError("the 2-norm bound is not derived with a relative bias: use p='inf'")
+    lengths = seq_len if mask is None else _check_bound_mask(mask, seq_len).sum(dim=-1)
+    if relative_bias is None:
+        spread = _length_term(lengths, w_query)[..., None]  # phi^{-1}(N - 1), every head
+    else:
+        spread = _biased_spread(relative_bias, heads, seq_len, mask)  # phi^{-1}(R_h), (..., H)
     d_head = dim // heads
-    length = _length_term(seq_len, w_query)
-    # (D, H, d_h): axis 0 indexes the rows of W^{Q,h}, axis 2 its columns.
-    wq = w_query.reshape(dim, heads, d_head)
-    wv = w_value.reshape(dim, heads, d_head)
+    wq = w_query.reshape(dim, heads, d_head).transpose(0, 1)  # (H, D, d_h)
+    wv = w_value.reshape(dim, heads, d_head).transpose(0, 1)
     if norm == "inf":
-        q_rows = wq.abs().sum(dim=2).amax(dim=0)  # ||W^{Q,h}||_inf, (H,)
-        q_cols = wq.abs().sum(dim=0).amax(dim=1)  # ||W^{Q,h T}||_inf, (H,)
-        v_cols = wv.abs().sum(dim=0).amax(dim=1)  # ||W^{V,h T}||_inf, (H,)
-        o_cols = w_out.abs().sum(dim=0).amax()  # ||W^{O T}||_inf
-        weights = o_cols * (q_rows * q_cols).amax() * v_cols.amax()
-        return (4 * length + d_head**-0.5) * weights
-    q_spec = torch.linalg.matrix_norm(wq.transpose(0, 1), ord=2)  # ||W^{Q,h}||_2, (H,)
-    v_spec = torch.linalg.matrix_norm(wv.transpose(0, 1), ord=2)  # ||W^{V,h}||_2, (H,)
+        g = wq.transpose(1, 2) @ wv @ w_out.reshape(heads, d_head, dim)  # G_h, (H, d_h, D)
+        direct = (wq @ g).abs().sum(dim=1) * d_head**-0.5  # (H, D)
+        through_scores = wq.abs().sum(dim=1).amax(dim=1, keepdim=True) * g.abs().sum(dim=1)
+        return (direct + 4 * spread[..., None] * through_scores).sum(dim=-2).amax(dim=-1)
+    q_spec = torch.linalg.matrix_norm(wq, ord=2)  # ||W^{Q,h}||_2, (H,)
+    v_spec = torch.linalg.matrix_norm(wv, ord=2)  # ||W^{V,h}||_2, (H,)
     weights = (q_spec**4 * v_spec**2).sum().sqrt() * torch.linalg.matrix_norm(w_out, ord=2)
-    n = length.new_tensor(seq_len) if isinstance(seq_len, int) else seq_len.to(length)
-    return torch.sqrt(n / d_head) * (4 * length + 1) * weights
+    n = lengths.to(spread) if isinstance(lengths, Tensor) else spread.new_tensor(lengths)
+    return torch.sqrt(n / d_head) * (4 * spread[..., 0] + 1) * weights
 
 
 def _phi_inv_tensor(y: Tensor) -> Tensor:
@@ -172,9 +195,13 @@ def _phi_inv_tensor(y: Tensor) -> Tensor:
         ew = torch.exp(w)
         residual = w * ew - zd
         w = w - residual / (ew * (w + 1) - (w + 2) * residual / (2 * w + 2))
-    # Converged Newton step with the graph on z only: value unchanged, dw/dz = 1 / (e^w (w + 1)).
-    ew = torch.exp(w)
-    return w - (w * ew - z) / (ew * (w + 1))
+    # Two Newton steps at the converged value carry the graph: the values are unchanged; the
+    # first (graph on z only) makes dw/dz = 1 / (e^w (w + 1)) exact, the second (graph on z and w)
+    # also the second and third derivatives (each step doubles the order of contact with W_0).
+    for _ in range(2):
+        ew = torch.exp(w)
+        w = w - (w * ew - z) / (ew * (w + 1))
+    return w
 
 
 def _length_term(seq_len: int | Tensor, like: Tensor) -> Tensor:
@@ -187,6 +214,59 @@ def _length_term(seq_len: int | Tensor, like: Tensor) -> Tensor:
             raise ValueError("seq_len must be >= 1 everywhere")
         return _phi_inv_tensor(n - 1)
     return like.new_tensor(phi_inv(float(check_int(seq_len, "seq_len", 1) - 1)))
+
+
+def _check_weights(w_query: Tensor, w_value: Tensor, w_out: Tensor, heads: int) -> int:
+    """Check three square ``(D, D)`` weights with ``heads`` dividing ``D``; return ``D``."""
+    check_int(heads, "heads", 1)
+    for name, w in (("w_query", w_query), ("w_value", w_value), ("w_out", w_out)):
+        if not isinstance(w, Tensor) or w.dim() != 2 or w.shape[0] != w.shape[1]:
+            shape = tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__
+            raise ValueError(f"{name} must be a square (D, D) tensor, got {shape}")
+    dim = w_query.shape[0]
+    if w_value.shape[0] != dim or w_out.shape[0] != dim or dim % heads != 0:
+        raise ValueError(
+            f"weights must all be ({dim}, {dim}) with D divisible by heads={heads}, got "
+            f"{tuple(w_query.shape)}, {tuple(w_value.shape)}, {tuple(w_out.shape)}"
+        )
+    return dim
+
+
+def _biased_spread(
+    table: Tensor, heads: int, seq_len: int | Tensor, mask: Tensor | None
+) -> Tensor:
+    r""":math:`\varphi^{-1}(R_h)` with :math:`R_h = \max_i \sum_{k \ne i} e^{b_h(k-i) - b_h(0)}`
+    over the real tokens (docs/math.md#relative-bias); shape ``(H,)``, or ``(B, H)`` with a mask."""
+    if not isinstance(table, Tensor) or table.dim() != 2 or table.shape[0] != heads or (
+        table.shape[1] % 2 == 0
+    ):
+        shape = tuple(table.shape) if isinstance(table, Tensor) else type(table).__name__
+        raise ValueError(f"relative_bias must have shape (heads={heads}, 2W + 1), got {shape}")
+    if isinstance(seq_len, Tensor):
+        raise ValueError("with a relative bias, give the real tokens as a mask, not as lengths")
+    n = check_int(seq_len, "seq_len", 1)
+    window = table.shape[1] // 2
+    # e^{b_h(k - i) - b_h(0)} for every query i and key k != i, shape (H, N, N).
+    weight = torch.exp(relative_scores(table, n) - table[:, window, None, None])
+    weight = weight.masked_fill(torch.eye(n, dtype=torch.bool, device=table.device), 0.0)
+    if mask is None:
+        return phi_inv(weight.sum(dim=-1).amax(dim=-1))
+    rows = torch.einsum("hik,bk->bhi", weight, mask.to(weight.dtype))  # real keys only
+    return phi_inv(rows.masked_fill(~mask[:, None, :], 0.0).amax(dim=-1))  # real queries only
+
+
+def _check_bound_mask(mask: Tensor, seq_len: int | Tensor) -> Tensor:
+    """Check that a mask of real tokens is boolean ``(B, N)`` with ``N = seq_len`` (an int)."""
+    if (
+        not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2
+        or isinstance(seq_len, Tensor) or mask.shape[1] != seq_len
+    ):
+        shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(
+            f"mask must be a boolean (B, N) tensor with N = seq_len (an int), got {shape} and "
+            f"seq_len={seq_len!r}"
+        )
+    return mask
 
 
 def check_norm(p: object) -> Literal["inf", "2"]:
