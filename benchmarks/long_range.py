@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import statistics
 import tempfile
 from pathlib import Path
@@ -65,7 +64,7 @@ from benchmarks.results_report import replace_between_markers
 from benchmarks.results_specs import FULL, SPECS, train_config
 from iresflow.data.synthetic import RepeatedMotif, synthetic_family, synthetic_names
 from iresflow.nn.attention import ContractiveL2MultiheadAttention
-from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
+from iresflow.nn.diagnostics import attention_weights, empirical_lipschitz, jacobian_norm
 from iresflow.nn.positional import PositionalBranch
 from iresflow.runs.load import load_run
 from iresflow.train.config import TrainConfig
@@ -105,17 +104,6 @@ def _lags(name: str, x: torch.Tensor) -> torch.Tensor:
     return torch.full(x.shape[:1], family.period)
 
 
-def _attention_maps(branch: PositionalBranch, x: torch.Tensor) -> torch.Tensor:
-    """Attention weights ``(B, H, N, N)`` of an L2 attention branch at inputs ``x``
-    (docs/math.md#l2-attention: softmax of ``-|q_i - q_j|^2 / sqrt(d_h)``, ``q = (x + E) W^Q``)."""
-    attention = branch.branch.attention
-    b, n, d = x.shape
-    heads = attention.heads
-    q = ((x + branch.encoding(x)) @ attention.w_query).reshape(b, n, heads, d // heads)
-    q = q.transpose(1, 2)
-    return torch.softmax(-torch.cdist(q, q).square() / math.sqrt(d // heads), -1)
-
-
 def _branch_diagnosis(branch: PositionalBranch, x: torch.Tensor, lags: torch.Tensor,
                       generator: torch.Generator) -> dict[str, float]:
     """Where the certificate of one attention branch goes, at its inputs ``x`` ``(B, N, D)``."""
@@ -132,7 +120,7 @@ def _branch_diagnosis(branch: PositionalBranch, x: torch.Tensor, lags: torch.Ten
         value = ratio(torch.ones(1, n, d, dtype=x.dtype), inner)
         random16, random_n = (ratio(torch.randn(4, m, d, generator=generator, dtype=x.dtype))
                               for m in (16, n))
-    maps = _attention_maps(branch, x)
+    maps = attention_weights(branch, x)
     offset = torch.arange(n) - torch.arange(n).unsqueeze(1)
     copies = (offset % lags[:, None, None] == 0) & (offset != 0)  # (B, N, N)
     entropy = -(maps * maps.clamp_min(1e-300).log()).sum(-1)

@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 
 from benchmarks.results_curves import mean_curve
 from iresflow.nn.attention import ContractiveL2MultiheadAttention
+from iresflow.nn.diagnostics import attention_weights
 from iresflow.nn.positional import PositionalBranch
 from iresflow.runs.load import load_run
 
@@ -78,7 +79,7 @@ def plot_attention(run_dir: Path, path: Path,
             branch = getattr(step, "branch", None)
             if isinstance(branch, PositionalBranch) and isinstance(
                     branch.branch, ContractiveL2MultiheadAttention):
-                weights = branch.attention_weights(x, mask)[0]  # (H, N, N)
+                weights = attention_weights(branch, x, mask)[0]  # (H, N, N)
                 break
             x = step(x, mask=mask, logdet=False)[0]
         else:

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from iresflow.nn.attention import L2MultiheadAttention
-from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
+from iresflow.nn.attention import ContractiveL2MultiheadAttention, L2MultiheadAttention
+from iresflow.nn.diagnostics import attention_weights, empirical_lipschitz, jacobian_norm
+from iresflow.nn.positional import PositionalBranch, SinusoidalPositionalEncoding
 
 
 def test_jacobian_norm_matches_autograd(dtype, device):
@@ -100,3 +101,37 @@ def test_bad_arguments():
         jacobian_norm(lambda z: z.sum(0, keepdim=True), x, "inf")
     with pytest.raises(ValueError, match="NaN"):
         jacobian_norm(torch.tanh, torch.full((2, 3), math.nan), "inf")
+
+
+def test_attention_weights_reproduce_the_attention_output() -> None:
+    # Per head, P^h X A_h W^{V,h} concatenated and mapped by W^O is the module's output, with a
+    # relative bias and a mask with a gap (docs/math.md#l2-attention, #relative-bias).
+    torch.manual_seed(0)
+    attn = L2MultiheadAttention(dim=4, heads=2, max_offset=3).double()
+    with torch.no_grad():
+        attn.relative_bias.normal_()
+    x = torch.randn(2, 6, 4, dtype=torch.float64)
+    mask = torch.tensor([[True] * 6, [True, False, True, True, True, False]])
+    weights = attention_weights(attn, x, mask)
+    assert weights.shape == (2, 2, 6, 6)
+    assert torch.all(weights[1, :, :, 1] == 0) and torch.all(weights[1, :, 5] == 0)
+    real_rows = weights.sum(-1)[mask[:, None, :].expand(2, 2, 6)]
+    torch.testing.assert_close(real_rows, torch.ones_like(real_rows))
+    heads = []
+    for h in range(2):
+        wq, wv = attn.w_query[:, 2 * h : 2 * h + 2], attn.w_value[:, 2 * h : 2 * h + 2]
+        heads.append(weights[:, h] @ x @ (wq @ wq.T / math.sqrt(2)) @ wv)
+    expected = (torch.cat(heads, -1) @ attn.w_out) * mask[..., None]
+    torch.testing.assert_close(expected, attn(x, mask), rtol=1e-10, atol=1e-12)
+
+
+def test_attention_weights_see_the_positional_table() -> None:
+    torch.manual_seed(1)
+    inner = ContractiveL2MultiheadAttention(dim=2, heads=1).double()
+    encoding = SinusoidalPositionalEncoding(2)
+    x = torch.randn(1, 5, 2, dtype=torch.float64)
+    torch.testing.assert_close(
+        attention_weights(PositionalBranch(inner, encoding), x),
+        attention_weights(inner.attention, x + encoding(x)))
+    with pytest.raises(TypeError, match="attention must be an L2 attention module"):
+        attention_weights(torch.nn.Linear(2, 2), x)

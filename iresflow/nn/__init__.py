@@ -11,7 +11,7 @@ from iresflow.nn.attention import (
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.bounds import l2_attention_bound, phi_inv
 from iresflow.nn.conv import SpectralConv1d, TemporalConvBranch, circular_conv_norm
-from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
+from iresflow.nn.diagnostics import attention_weights, empirical_lipschitz, jacobian_norm
 from iresflow.nn.linear import InfNormLinear, SpectralLinear
 from iresflow.nn.lipschitz_norm import LinearScoreAttention
 from iresflow.nn.mlp import LipschitzMLP
@@ -29,6 +29,7 @@ __all__ = [
     "SpectralConv1d",
     "SpectralLinear",
     "TemporalConvBranch",
+    "attention_weights",
     "circular_conv_norm",
     "empirical_lipschitz",
     "jacobian_norm",

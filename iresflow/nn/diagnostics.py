@@ -17,9 +17,12 @@ import torch
 from torch import Tensor
 
 from iresflow._validation import check_int, check_sequence
+from iresflow.nn._heads import relative_scores
+from iresflow.nn.attention import ContractiveL2MultiheadAttention, L2MultiheadAttention
 from iresflow.nn.bounds import check_norm
+from iresflow.nn.positional import PositionalBranch
 
-__all__ = ["LipschitzEstimate", "empirical_lipschitz", "jacobian_norm"]
+__all__ = ["LipschitzEstimate", "attention_weights", "empirical_lipschitz", "jacobian_norm"]
 
 
 class LipschitzEstimate(NamedTuple):
@@ -177,3 +180,48 @@ def _normalize(v: Tensor, fallback: Tensor | None = None) -> Tensor:
 def _expand(per_sample: Tensor, like: Tensor) -> Tensor:
     """Reshape a ``(B,)`` tensor to broadcast against ``like`` ``(B, ...)``."""
     return per_sample.reshape((-1,) + (1,) * (like.dim() - 1))
+
+
+def attention_weights(
+    attention: L2MultiheadAttention | ContractiveL2MultiheadAttention | PositionalBranch,
+    x: Tensor,
+    mask: Tensor | None = None,
+) -> Tensor:
+    r"""What every head of an L2 attention looks at: its weights
+    :math:`P^h_{ij} = \mathrm{softmax}_j(-\|q_i - q_j\|^2 / \sqrt{d_h} + b_h(j - i))`
+    (docs/math.md#l2-attention, #relative-bias) at the inputs ``x``.
+
+    Args:
+        attention: An :class:`~iresflow.nn.attention.L2MultiheadAttention`, a contractive branch
+            around one, or a :class:`~iresflow.nn.positional.PositionalBranch` around that (its
+            positional table is added to ``x`` first, as in the branch).
+        x: Sequences ``(B, N, D)``.
+        mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
+
+    Returns:
+        Weights ``(B, H, N, N)`` (query row, key column); rows sum to one over the real keys,
+        padded keys get zero and padded query rows are zero.
+
+    Example:
+        >>> attn = L2MultiheadAttention(dim=4, heads=2)
+        >>> attention_weights(attn, torch.randn(3, 5, 4)).sum(-1).allclose(torch.ones(3, 2, 5))
+        True
+    """
+    if isinstance(attention, PositionalBranch):
+        x = x + attention.encoding(x)
+        attention = attention.branch
+    if isinstance(attention, ContractiveL2MultiheadAttention):
+        attention = attention.attention
+    if not isinstance(attention, L2MultiheadAttention):
+        raise TypeError(f"attention must be an L2 attention module, got {type(attention).__name__}")
+    check_sequence(x, "x", features=attention.dim, allow_2d=False)
+    b, n, d = x.shape
+    d_head = d // attention.heads
+    q = (x @ attention.w_query).reshape(b, n, attention.heads, d_head).transpose(1, 2)
+    logits = -torch.cdist(q, q).square() / d_head**0.5
+    if attention.relative_bias is not None:
+        logits = logits + relative_scores(attention.relative_bias, n).to(logits)
+    if mask is not None:
+        logits = logits.masked_fill(~mask[:, None, None, :], -torch.inf)
+        return torch.softmax(logits, -1) * mask[:, None, :, None]
+    return torch.softmax(logits, -1)
