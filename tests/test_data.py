@@ -438,7 +438,7 @@ def test_npz_round_trip(tmp_path: Path) -> None:
     np.savez(path, x=x.numpy(), lengths=lengths.numpy(), labels=np.arange(20))
     ds = load_dataset("npz", path=path, seed=1)
     assert (ds.name, ds.features, ds.max_len, ds.unit) == ("mine.npz", 3, 6, "nats/frame")
-    assert (len(ds.train), len(ds.val), len(ds.test)) == (16, 2, 2)
+    assert (len(ds.train), len(ds.val), len(ds.test)) == (13, 5, 2)  # default: a quarter
     same = load_dataset(str(path), seed=1)
     assert torch.equal(ds.test.x, same.test.x)
     mask = torch.arange(6) < lengths[:, None]
@@ -600,13 +600,13 @@ def test_ts_with_explicit_test_file(tmp_path: Path) -> None:
     train_cases, test_cases = random_cases(gen, 40, 6, 2), random_cases(gen, 31, 9, 2)
     write_ts(tmp_path / "toy_TRAIN.ts", train_cases, ["a"] * 40)
     write_ts(tmp_path / "toy_TEST.ts", test_cases, ["b"] * 31)
-    with pytest.warns(UserWarning, match="val split has only 4 sequences") as record:
+    with pytest.warns(UserWarning, match="val split has only 10 sequences") as record:
         ds = load_dataset(str(tmp_path / "toy_TRAIN.ts"), test_path=tmp_path / "toy_TEST.ts")
     assert [str(w.message) for w in record if "split" in str(w.message)] == [
-        "toy_TRAIN.ts: the val split has only 4 sequences (fewer than 30); its NLL is a noisy "
+        "toy_TRAIN.ts: the val split has only 10 sequences (fewer than 30); its NLL is a noisy "
         "estimate"
     ]
-    assert (len(ds.train), len(ds.val), len(ds.test)) == (36, 4, 31)
+    assert (len(ds.train), len(ds.val), len(ds.test), ds.val_fraction) == (30, 10, 31, 0.25)
     length = max(len(c) for c in train_cases + test_cases)
     assert ds.max_len == length
     # the test split is the whole test file, in file order
@@ -635,12 +635,12 @@ def test_npz_with_explicit_test_file_of_another_length(tmp_path: Path) -> None:
     np.savez(tmp_path / "a.npz", x=x_train.numpy())
     np.savez(tmp_path / "b.npz", x=x_test.numpy(), lengths=lengths.numpy())
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # 45 / 5 / 30: only val is small
-        with pytest.raises(UserWarning, match="val split has only 5"):
+        warnings.simplefilter("error")  # 40 / 10 / 30: only val is small
+        with pytest.raises(UserWarning, match="val split has only 10"):
             load_dataset("npz", path=tmp_path / "a.npz", test_path=tmp_path / "b.npz")
     with pytest.warns(UserWarning):
         ds = load_dataset("npz", path=tmp_path / "a.npz", test_path=tmp_path / "b.npz")
-    assert (len(ds.train), len(ds.val), len(ds.test), ds.max_len) == (45, 5, 30, 7)
+    assert (len(ds.train), len(ds.val), len(ds.test), ds.max_len) == (40, 10, 30, 7)
     assert not ds.train.mask[:, 4:].any() and not ds.val.mask[:, 4:].any()
     assert torch.equal(ds.test.mask.sum(dim=1), lengths)
     expected = torch.where((torch.arange(7) < lengths[:, None])[..., None], x_test, 0.0)
@@ -654,7 +654,38 @@ def test_no_warning_for_large_splits(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ds = load_dataset(str(path))
-    assert (len(ds.train), len(ds.val), len(ds.test)) == (320, 40, 40)
+    assert (len(ds.train), len(ds.val), len(ds.test), ds.val_fraction) == (320, 40, 40, 0.1)
+
+
+def test_default_val_fraction_holds_ten_sequences_of_small_data() -> None:
+    """A tenth from 100 sequences on; below, 10 validation sequences, at most a quarter."""
+    for total in (1, 2, 20, 36, 40, 41, 50, 67, 99, 100, 101, 270, 1797):
+        fraction = datasets.default_val_fraction(total)
+        n_val = round(fraction * total)  # the loaders' rounding
+        if total >= 100:
+            assert fraction == 0.1
+        elif total >= 40:
+            assert n_val == 10, total
+        else:
+            assert fraction == 0.25
+    with pytest.raises(ValueError, match="total"):
+        datasets.default_val_fraction(0)
+
+
+def test_explicit_val_fraction_is_authoritative_and_recorded(tmp_path: Path) -> None:
+    x = np.random.default_rng(0).standard_normal
+    np.savez(tmp_path / "train.npz", x=x((40, 5, 2)))
+    np.savez(tmp_path / "test.npz", x=x((8, 5, 2)))
+    files = {"name": str(tmp_path / "train.npz"), "test_path": tmp_path / "test.npz"}
+    with pytest.warns(UserWarning):
+        automatic = load_dataset(**files)
+        explicit = load_dataset(**files, val_fraction=0.1)
+        same = load_dataset(**files, val_fraction=automatic.val_fraction)
+    assert (len(automatic.train), len(automatic.val), automatic.val_fraction) == (30, 10, 0.25)
+    assert (len(explicit.train), len(explicit.val), explicit.val_fraction) == (36, 4, 0.1)
+    assert torch.equal(same.val.x, automatic.val.x)  # the recorded fraction rebuilds the split
+    for name in NAMED:  # the shipped datasets keep their tenth
+        assert load_dataset(name).val_fraction == 0.1
 
 
 def test_small_splits_warn_without_test_file(tmp_path: Path) -> None:
@@ -665,8 +696,8 @@ def test_small_splits_warn_without_test_file(tmp_path: Path) -> None:
     messages = sorted(str(w.message) for w in record)
     assert [m.split(": ")[1].split(" (")[0] for m in messages] == [
         "the test split has only 2 sequences",
-        "the train split has only 16 sequences",
-        "the val split has only 2 sequences",
+        "the train split has only 13 sequences",
+        "the val split has only 5 sequences",
     ]
 
 

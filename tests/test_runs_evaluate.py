@@ -28,7 +28,9 @@ def test_load_run_rebuilds_the_stored_model_with_averaged_weights(tmp_path: Path
     config = TrainConfig(**TINY).replace(ema=0.5)
     train(config, tmp_path / "run", progress=False)
     state = load_checkpoint(RunPaths(tmp_path / "run").best)
-    assert state["config"] == config.to_dict() and "model_config" not in state  # stored once
+    # Stored once, with the automatic val_fraction the split used.
+    recorded = config.replace(val_fraction=0.1).to_dict()
+    assert state["config"] == recorded and "model_config" not in state
     run = load_run(tmp_path / "run", device="cpu")
     assert run.model_config == resolve_model_config(config, load_data(config))
     resolved = run.model_config

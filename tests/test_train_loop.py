@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,7 +28,7 @@ def test_train_writes_run_folder_and_restores_global_state(
     assert torch.are_deterministic_algorithms_enabled() == before
     assert torch.equal(torch.get_rng_state(), rng)
     paths = RunPaths(tmp_path / "run")
-    assert TrainConfig.from_toml(paths.config) == config
+    assert TrainConfig.from_toml(paths.config) == config.replace(val_fraction=0.1)  # recorded
     rows = [json.loads(line) for line in paths.metrics_jsonl.read_text().splitlines()]
     assert rows == result.history and [r["epoch"] for r in rows] == [1, 2]
     header = paths.metrics_csv.read_text().splitlines()[0].split(",")
@@ -85,6 +86,30 @@ def test_resume_refuses_changed_model_settings(tmp_path: Path) -> None:
         train(config.replace(hidden=16, epochs=2), tmp_path / "run", resume=True, progress=False)
     with pytest.raises(CheckpointError, match="not found"):
         train(config, tmp_path / "empty", resume=True, progress=False)
+
+
+def test_the_run_records_the_automatic_val_fraction(tmp_path: Path) -> None:
+    """docs/datasets.md#validation-split: 40 training sequences give 10 for validation, and the
+    run's settings keep the fraction, so that it resumes with the same split."""
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "train.npz", x=rng.standard_normal((40, 6, 2)))
+    np.savez(tmp_path / "test.npz", x=rng.standard_normal((8, 6, 2)))
+    config = TrainConfig(**TINY).replace(
+        data=str(tmp_path / "train.npz"), test_data=str(tmp_path / "test.npz"), max_train=None,
+        max_eval=None, batch_size=16,
+    )
+    assert config.val_fraction is None
+    with pytest.warns(UserWarning, match="val split has only 10 sequences"):
+        train(config, tmp_path / "run", progress=False)
+        resumed = train(config.replace(epochs=2), tmp_path / "run", resume=True, progress=False)
+        train(config.replace(val_fraction=0.1), tmp_path / "explicit", progress=False)
+    assert len(resumed.history) == 2
+    assert TrainConfig.from_toml(RunPaths(tmp_path / "run").config) == config.replace(
+        val_fraction=0.25, epochs=2)
+    assert TrainConfig.from_toml(RunPaths(tmp_path / "explicit").config).val_fraction == 0.1
+    with pytest.raises(ConfigError, match="cannot resume .*val_fraction"):
+        train(config.replace(epochs=3, val_fraction=0.1), tmp_path / "run", resume=True,
+              progress=False)
 
 
 def _inject_nan(monkeypatch: pytest.MonkeyPatch, *, training: bool, call: int) -> None:

@@ -6,18 +6,25 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pytest
+import scipy.linalg
 import torch
 from nflows.distributions import StandardNormal
 from nflows.flows import Flow
 from nflows.transforms import CompositeTransform, InverseTransform
 from oracles import jacobian, padded_batch, real_indices
+from scipy.stats import multivariate_normal
 
 from iresflow.nn.conv import TemporalConvBranch
 from iresflow.transforms.base import SequenceCompositeTransform
 from iresflow.transforms.mixing import FeatureMixing
 from iresflow.transforms.residual import ResidualTransform
-from iresflow.transforms.temporal import MIN_INIT_RESIDUAL_VARIANCE, AutoregressiveLinear
+from iresflow.transforms.temporal import (
+    MIN_INIT_RESIDUAL_VARIANCE,
+    RELATIVE_RESIDUAL_VARIANCE_FLOOR,
+    AutoregressiveLinear,
+)
 
 F64 = torch.float64
 
@@ -340,6 +347,77 @@ def test_ar_initialisation_floors_the_residual_covariance(device):
     torch.testing.assert_close(
         smallest, torch.full_like(smallest, MIN_INIT_RESIDUAL_VARIANCE), rtol=1e-6, atol=0
     )
+
+
+def _residual_covariances(x: torch.Tensor, order: int, j: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sub-model ``j``'s residual covariance on the frames with exactly ``j`` predecessors and
+    the pooled one on those with at least ``j`` (first ``j`` lags), by numpy's least squares."""
+    x = x.detach().cpu().numpy()
+    covariances = []
+    pooled = range(j, x.shape[1])
+    for starts in ((j,) if j < order else pooled, pooled):
+        frames = [(b, t) for b in range(x.shape[0]) for t in starts]
+        design = np.stack([np.concatenate([*(x[b, t - k] for k in range(1, j + 1)), [1.0]])
+                           for b, t in frames])
+        response = np.stack([x[b, t] for b, t in frames])
+        residuals = response - design @ np.linalg.lstsq(design, response, rcond=None)[0]
+        covariances.append(residuals.T @ residuals / len(frames))
+    return covariances[0], covariances[-1]
+
+
+def _covariances(layer: AutoregressiveLinear) -> torch.Tensor:
+    """``(p + 1, D, D)``: every sub-model's :math:`\\Sigma_j = (L_j^\\top L_j)^{-1}`."""
+    whitening = layer.whitening_matrix().detach()
+    return torch.linalg.inv(whitening.mT @ whitening)
+
+
+def test_ar_initialisation_floors_a_repeated_frame_against_the_pooled_fit(device):
+    """docs/math.md#ar-variance-floor: frame 1 repeats frame 0 in every training sequence."""
+    p, rho = 3, RELATIVE_RESIDUAL_VARIANCE_FLOOR
+    x = _ar_process(41, 20, device)
+    x[:, 1] = x[:, 0]
+    train, test = x[:40], x[40:].clone()
+    test[:, 1] = _ar_process(1, 20, device)[:, 1]  # a test sequence that breaks the repetition
+    layer = AutoregressiveLinear(2, p).to(device=device, dtype=F64)
+    layer.initialize(train)
+    covariances = _covariances(layer).cpu().numpy()
+    for j in range(p + 1):
+        exact, pooled = _residual_covariances(train, p, j)
+        relative, vectors = scipy.linalg.eigh(exact, pooled)  # vectors.T @ pooled @ vectors = I
+        expected = pooled @ vectors @ np.diag(np.maximum(relative, rho)) @ vectors.T @ pooled
+        np.testing.assert_allclose(covariances[j], expected, rtol=1e-7, atol=1e-12)
+        assert (relative.max() < 1e-12) == (j == 1), j  # the floor binds for sub-model 1 only
+        if j != 1:
+            np.testing.assert_allclose(covariances[j], exact, rtol=1e-7, atol=1e-12)
+    # The whitening scale is bounded by the pooled fit: ||L_1||^2 = 1 / min eig(Sigma_1).
+    _, pooled = _residual_covariances(train, p, 1)
+    scale = torch.linalg.matrix_norm(layer.whitening_matrix()[1].detach(), ord=2).item()
+    assert scale**2 <= (1 + 1e-9) / (rho * np.linalg.eigvalsh(pooled).min())
+    # The broken repetition costs a finite, bounded amount at frame 1: its density is the
+    # Gaussian of the floored sub-model, its Mahalanobis term at most that of rho times the pooled
+    # covariance, and far below the 1e-6 floor alone (Sigma_1 = 1e-6 I before this rule).
+    z, logdet = layer.eval()(test)
+    lags, bias, _ = _sub_model(layer, 1)
+    delta = test[0, 1].cpu().numpy() - (bias + lags[0] @ test[0, 0]).detach().cpu().numpy()
+    mahalanobis = z[0, 1].square().sum().item()
+    log_density = -0.5 * mahalanobis - math.log(2 * math.pi) + layer.log_diag[1].sum().item()
+    expected = multivariate_normal(np.zeros(2), covariances[1]).logpdf(delta)
+    assert math.isclose(log_density, expected, rel_tol=1e-9) and torch.isfinite(logdet).all()
+    assert mahalanobis <= (1 + 1e-9) * delta @ np.linalg.solve(rho * pooled, delta)
+    assert mahalanobis < 1e-2 * (delta @ delta) / MIN_INIT_RESIDUAL_VARIANCE
+
+
+def test_ar_initialisation_keeps_small_innovation_variances(device):
+    """Innovation variances near 1e-3 (Japanese Vowels in standard units) are fits, not floors."""
+    p = 3
+    x = 0.06 * _ar_process(40, 20, device)
+    layer = AutoregressiveLinear(2, p).to(device=device, dtype=F64)
+    layer.initialize(x)
+    covariances = _covariances(layer).cpu().numpy()
+    for j in range(p + 1):
+        exact, _ = _residual_covariances(x, p, j)
+        np.testing.assert_allclose(covariances[j], exact, rtol=1e-8, atol=0)
+    assert np.linalg.eigvalsh(covariances[p]).max() < 1e-2  # an absolute 1e-2 floor would bind
 
 
 def test_ar_initialisation_without_enough_frames_starts_a_sub_model_as_the_identity(device):

@@ -32,12 +32,12 @@ from iresflow.data.readers import (
     read_ts,
     read_weekly_csv,
 )
-from iresflow.data.splits import SequenceDataset, SequenceSplit
+from iresflow.data.splits import SequenceDataset, SequenceSplit, default_val_fraction
 from iresflow.data.store import SequenceStore, StoredSplit, is_store
 from iresflow.data.synthetic import load_synthetic, synthetic_names
 
 __all__ = ["SequenceDataset", "SequenceSplit", "available_datasets", "class_indices",
-           "load_dataset"]
+           "default_val_fraction", "load_dataset"]
 
 _FILES = Path(__file__).resolve().parent / "files"
 
@@ -57,6 +57,11 @@ CO2_STRIDE = 4
 CO2_TEST_FRACTION = 0.15
 #: Recording resolution of the CO2 series, in ppm.
 CO2_RESOLUTION = 0.1
+
+
+def _val_fraction(val_fraction: float | None, total: int) -> float:
+    """``val_fraction``, or :func:`default_val_fraction` of ``total`` sequences if ``None``."""
+    return default_val_fraction(total) if val_fraction is None else val_fraction
 
 
 def _split_sizes(total: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
@@ -88,6 +93,7 @@ def _dataset(
     labels: tuple[Tensor, ...] | None = None,
     classes: tuple[str, ...] | None = None,
     covariates: tuple[Tensor, ...] | None = None,
+    val_fraction: float | None = None,
 ) -> SequenceDataset:
     splits = []
     for k, (raw, mask) in enumerate(parts):
@@ -107,6 +113,7 @@ def _dataset(
         test=test,
         preprocessing=preprocessing,
         classes=classes,
+        val_fraction=val_fraction,
     )
 
 
@@ -117,12 +124,13 @@ def _standardised(
     indices: tuple[Tensor, Tensor, Tensor],
     labels: tuple[Tensor, tuple[str, ...]] | None = None,
     covariates: Tensor | None = None,
+    val_fraction: float | None = None,
 ) -> SequenceDataset:
     parts = tuple((raw[i], mask[i]) for i in indices)
     split_labels = None if labels is None else tuple(labels[0][i] for i in indices)
     split_covariates = None if covariates is None else tuple(covariates[i] for i in indices)
     return _dataset(name, "nats/frame", parts, Standardization.fit(*parts[0]), split_labels,
-                    None if labels is None else labels[1], split_covariates)
+                    None if labels is None else labels[1], split_covariates, val_fraction)
 
 
 def class_indices(names: list[str]) -> tuple[Tensor, tuple[str, ...]]:
@@ -146,7 +154,7 @@ def class_indices(names: list[str]) -> tuple[Tensor, tuple[str, ...]]:
     return torch.tensor([position[n] for n in names], dtype=torch.int64), classes
 
 
-def _load_japanese_vowels(seed: int, val_fraction: float) -> SequenceDataset:
+def _load_japanese_vowels(seed: int, val_fraction: float | None) -> SequenceDataset:
     train_file = read_ts(_FILES / "JapaneseVowels_TRAIN.ts.gz")
     test_file = read_ts(_FILES / "JapaneseVowels_TEST.ts.gz")
     train_cases, test_cases = train_file.series, test_file.series
@@ -154,9 +162,11 @@ def _load_japanese_vowels(seed: int, val_fraction: float) -> SequenceDataset:
     speakers = class_indices(train_file.labels + test_file.labels)  # the speakers 1-9
     generator = torch.Generator().manual_seed(seed)
     n_official = len(train_cases)
+    val_fraction = _val_fraction(val_fraction, n_official)
     train, val, _ = _random_split(n_official, val_fraction, 0.0, generator)
     test = torch.arange(n_official, raw.shape[0])
-    return _standardised("japanese_vowels", raw, mask, (train, val, test), speakers)
+    return _standardised("japanese_vowels", raw, mask, (train, val, test), speakers,
+                         val_fraction=val_fraction)
 
 
 @lru_cache(maxsize=1)
@@ -170,22 +180,25 @@ def _digit_images() -> Tensor:
     return torch.from_numpy(load_digits().images).to(torch.float64)
 
 
-def _load_digits_rows(seed: int, val_fraction: float) -> SequenceDataset:
+def _load_digits_rows(seed: int, val_fraction: float | None) -> SequenceDataset:
     images = _digit_images()  # (1797, 8, 8): 8 rows of 8 pixels, integers 0..16
     generator = torch.Generator().manual_seed(seed)
     raw = uniform_dequantize(images, 1.0, centred=False, generator=generator)
     mask = torch.ones(raw.shape[:2], dtype=torch.bool)
+    val_fraction = _val_fraction(val_fraction, raw.shape[0])
     indices = _random_split(raw.shape[0], val_fraction, TEST_FRACTION, generator)
     parts = tuple((raw[i], mask[i]) for i in indices)
-    return _dataset("digits_rows", "bits/dim", parts, LogitTransform(DIGITS_LEVELS, DIGITS_ALPHA))
+    return _dataset("digits_rows", "bits/dim", parts, LogitTransform(DIGITS_LEVELS, DIGITS_ALPHA),
+                    val_fraction=val_fraction)
 
 
-def _load_co2_windows(seed: int, val_fraction: float) -> SequenceDataset:
+def _load_co2_windows(seed: int, val_fraction: float | None) -> SequenceDataset:
     _, co2 = read_weekly_csv(_FILES / "co2_weekly_mauna_loa.csv")
     generator = torch.Generator().manual_seed(seed)
     filled = interpolate_gaps(co2)
     noisy = uniform_dequantize(filled, CO2_RESOLUTION, centred=True, generator=generator)
     diffs = noisy.diff()  # (T - 1,) weekly differences in ppm
+    val_fraction = _val_fraction(val_fraction, diffs.shape[0])
     n_train, n_val, _ = _split_sizes(diffs.shape[0], val_fraction, CO2_TEST_FRACTION)
     segments = diffs[:n_train], diffs[n_train : n_train + n_val], diffs[n_train + n_val :]
     parts: list[tuple[Tensor, Tensor]] = []
@@ -198,7 +211,8 @@ def _load_co2_windows(seed: int, val_fraction: float) -> SequenceDataset:
         windows = segment.unfold(0, CO2_WINDOW, CO2_STRIDE).unsqueeze(-1)  # (B, N, 1)
         parts.append((windows, torch.ones(windows.shape[:2], dtype=torch.bool)))
     standardization = Standardization.fit(*parts[0])
-    return _dataset("co2_windows", "nats/frame", tuple(parts), standardization)
+    return _dataset("co2_windows", "nats/frame", tuple(parts), standardization,
+                    val_fraction=val_fraction)
 
 
 def _read_user_file(kind: str, file: Path) -> tuple[Tensor, Tensor]:
@@ -230,7 +244,7 @@ def _warn_small_splits(name: str, indices: tuple[Tensor, Tensor, Tensor]) -> Non
 
 
 def _load_user(
-    kind: str, file: Path, test_file: Path | None, seed: int, val_fraction: float
+    kind: str, file: Path, test_file: Path | None, seed: int, val_fraction: float | None
 ) -> SequenceDataset:
     raw, mask = _read_user_file(kind, file)
     names = _read_user_labels(kind, file)
@@ -246,6 +260,7 @@ def _load_user(
     generator = torch.Generator().manual_seed(seed)
     try:
         if test is None:
+            val_fraction = _val_fraction(val_fraction, raw.shape[0])
             indices = _random_split(raw.shape[0], val_fraction, TEST_FRACTION, generator)
         else:
             test_raw, test_mask = test
@@ -257,19 +272,23 @@ def _load_user(
             length = max(raw.shape[1], test_raw.shape[1])
             parts = (pad_to(raw, mask, length), pad_to(test_raw, test_mask, length))
             n_train_file = raw.shape[0]
+            val_fraction = _val_fraction(val_fraction, n_train_file)
             raw, mask = (torch.cat(pair) for pair in zip(*parts, strict=True))
             train, val, _ = _random_split(n_train_file, val_fraction, 0.0, generator)
             indices = (train, val, torch.arange(n_train_file, raw.shape[0]))
         _warn_small_splits(file.name, indices)
         labels = None if names is None else class_indices(names)
-        return _standardised(file.name, raw, mask, indices, labels, covariates)
+        return _standardised(file.name, raw, mask, indices, labels, covariates, val_fraction)
     except ValueError as error:
         raise ValueError(f"{file}: {error}") from None
 
 
-def _load_store(folder: Path, seed: int, val_fraction: float, memory_cap: int) -> SequenceDataset:
+def _load_store(
+    folder: Path, seed: int, val_fraction: float | None, memory_cap: int
+) -> SequenceDataset:
     store = SequenceStore(folder, memory_cap=memory_cap)
     generator = torch.Generator().manual_seed(seed)
+    val_fraction = _val_fraction(val_fraction, len(store))
     try:
         indices = _random_split(len(store), val_fraction, TEST_FRACTION, generator)
     except ValueError as error:
@@ -287,10 +306,11 @@ def _load_store(folder: Path, seed: int, val_fraction: float, memory_cap: int) -
         val=val,
         test=test,
         preprocessing=standardization,
+        val_fraction=val_fraction,
     )
 
 
-_LOADERS: dict[str, Callable[[int, float], SequenceDataset]] = {
+_LOADERS: dict[str, Callable[[int, float | None], SequenceDataset]] = {
     "japanese_vowels": _load_japanese_vowels,
     "digits_rows": _load_digits_rows,
     "co2_windows": _load_co2_windows,
@@ -318,7 +338,7 @@ def load_dataset(
     *,
     seed: int = 0,
     path: str | os.PathLike | None = None,
-    val_fraction: float = 0.1,
+    val_fraction: float | None = None,
     test_path: str | os.PathLike | None = None,
     memory_cap: int = 0,
 ) -> SequenceDataset:
@@ -349,7 +369,7 @@ def load_dataset(
             ``.ts.gz``.
         seed: Seed of the torch generator for splits and dequantisation.
         path: The user file for ``"npz"`` and ``"ts"``.
-        val_fraction: Fraction in ``(0, 1)`` held out for validation.
+        val_fraction: Fraction in ``(0, 1)`` for validation; ``None``: :func:`default_val_fraction`.
         test_path: Optional test file of a user dataset, in the format of the training file.
         memory_cap: For a store, megabytes its memory map may keep resident before it is
             re-opened, which bounds the memory the data occupy (0: no cap; see
@@ -371,7 +391,7 @@ def load_dataset(
     if is_store(name):
         if path is not None or test_path is not None:
             raise ValueError(f"a store folder takes no path or test_path ({name!r})")
-        return _load_store(Path(name).expanduser(), seed, float(val_fraction), memory_cap)
+        return _load_store(Path(name).expanduser(), seed, val_fraction, memory_cap)
     key = name
     lowered = name.lower()
     if lowered.endswith((".npz", ".ts", ".ts.gz")):
@@ -383,7 +403,7 @@ def load_dataset(
             raise ValueError(f"load_dataset({key!r}) needs path= pointing to a .{key} file")
         file = Path(path).expanduser()
         test_file = Path(test_path).expanduser() if test_path is not None else None
-        return _load_user(key, file, test_file, seed, float(val_fraction))
+        return _load_user(key, file, test_file, seed, val_fraction)
     if key not in _LOADERS:
         raise ValueError(
             f"unknown dataset {name!r}; available: {available_datasets()} "
@@ -392,7 +412,7 @@ def load_dataset(
     for label, value in (("path", path), ("test_path", test_path)):
         if value is not None:
             raise ValueError(f"{label} is only used by the 'npz' and 'ts' loaders, not {name!r}")
-    return _LOADERS[key](seed, float(val_fraction))
+    return _LOADERS[key](seed, val_fraction)
 
 
 def _check_load_arguments(
@@ -408,10 +428,13 @@ def _check_load_arguments(
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float):
-        raise TypeError(f"val_fraction must be a float, got {type(val_fraction).__name__}")
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
+    if val_fraction is not None:
+        if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float):
+            raise TypeError(
+                f"val_fraction must be a float or None, got {type(val_fraction).__name__}"
+            )
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
     for label, value in (("path", path), ("test_path", test_path)):
         if value is not None and not isinstance(value, str | os.PathLike):
             raise TypeError(f"{label} must be a str or os.PathLike, got {type(value).__name__}")

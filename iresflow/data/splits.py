@@ -11,7 +11,8 @@ preprocessing, so that negative log-likelihoods are reported in the original uni
 
 where :math:`u_b` counts the frames (``"nats/frame"``) or the dimensions (``"bits/dim"``, then
 divided by :math:`\ln 2`) of sequence :math:`b`. :func:`~iresflow.data.datasets.load_dataset`
-builds them.
+builds them, holding out :func:`default_val_fraction` of the sequences for validation unless told
+otherwise.
 """
 
 from __future__ import annotations
@@ -26,9 +27,43 @@ from iresflow._validation import check_finite, check_mask, check_sequence
 from iresflow.data.preprocessing import Preprocessing
 from iresflow.data.store import StoredSplit
 
-__all__ = ["SequenceDataset", "SequenceSplit"]
+__all__ = ["SequenceDataset", "SequenceSplit", "default_val_fraction"]
 
 _UNITS = ("nats/frame", "bits/dim")
+
+#: Fraction of the sequences held out for validation when none is given, for data with at least
+#: :data:`MIN_VAL_SEQUENCES` / ``VAL_FRACTION`` sequences (:func:`default_val_fraction`).
+VAL_FRACTION = 0.1
+#: Sequences the default validation split holds at least, where that takes at most
+#: :data:`MAX_VAL_FRACTION` of the data: a tenth of a few dozen sequences is too few to choose the
+#: best epoch and to stop early on.
+MIN_VAL_SEQUENCES = 10
+#: Largest fraction of the data the default validation split takes.
+MAX_VAL_FRACTION = 0.25
+
+
+def default_val_fraction(total: int) -> float:
+    """The validation fraction used when none is given (docs/datasets.md#validation-split).
+
+    :data:`VAL_FRACTION`, raised for small data so that the validation split holds
+    :data:`MIN_VAL_SEQUENCES` sequences, but never above :data:`MAX_VAL_FRACTION`.
+
+    Args:
+        total: Number of sequences the validation split is drawn from (of weeks for
+            ``co2_windows``), at least 1.
+
+    Returns:
+        The fraction, in ``[VAL_FRACTION, MAX_VAL_FRACTION]``.
+
+    Example:
+        >>> default_val_fraction(270), default_val_fraction(40), default_val_fraction(20)
+        (0.1, 0.25, 0.25)
+        >>> round(default_val_fraction(67) * 67)
+        10
+    """
+    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+        raise ValueError(f"total must be an int >= 1, got {total!r}")
+    return min(max(VAL_FRACTION, MIN_VAL_SEQUENCES / total), MAX_VAL_FRACTION)
 
 
 @dataclass
@@ -128,6 +163,9 @@ class SequenceDataset:
             when the data are stored in raw space.
         classes: Names of the classes that the splits' ``labels`` index (e.g. the nine
             speakers ``"1"`` to ``"9"`` of Japanese Vowels); ``None`` for unlabelled data.
+        val_fraction: The fraction of the sequences held out for validation that made the
+            splits (the automatic one resolved, see :func:`default_val_fraction`); ``None`` if
+            not recorded.
 
     Example:
         >>> from iresflow.data.datasets import load_dataset
@@ -145,6 +183,7 @@ class SequenceDataset:
     test: SequenceSplit | StoredSplit
     preprocessing: Preprocessing | None = None
     classes: tuple[str, ...] | None = None
+    val_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if self.unit not in _UNITS:

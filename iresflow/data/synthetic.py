@@ -35,7 +35,8 @@ __all__ = ["SPLIT_SIZES", "NonlinearSeasonal", "RepeatedMotif", "load_synthetic"
 SPLIT_SIZES = (1000, 200, 500)
 #: Seed of the generator of the test split: the same test sequences for every ``seed``.
 TEST_SEED = 0
-#: The only ``val_fraction`` a synthetic dataset accepts (its split sizes are fixed).
+#: The only ``val_fraction`` a synthetic dataset accepts besides ``None`` (its split sizes are
+#: fixed), and the one its datasets record.
 DEFAULT_VAL_FRACTION = 0.1
 
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -301,7 +302,7 @@ def _split(x: Tensor) -> SequenceSplit:
 
 
 def load_synthetic(name: str, seed: int = 0,
-                   val_fraction: float = DEFAULT_VAL_FRACTION) -> SequenceDataset:
+                   val_fraction: float | None = DEFAULT_VAL_FRACTION) -> SequenceDataset:
     """A synthetic dataset: fixed-size splits drawn from the family's generator.
 
     The test split (:data:`SPLIT_SIZES`) is drawn from a generator seeded with
@@ -312,7 +313,7 @@ def load_synthetic(name: str, seed: int = 0,
     Args:
         name: One of :func:`synthetic_names`.
         seed: Seed ``>= 0`` of the training and validation sequences.
-        val_fraction: Must be :data:`DEFAULT_VAL_FRACTION` (the split sizes are fixed).
+        val_fraction: :data:`DEFAULT_VAL_FRACTION` or ``None`` (the split sizes are fixed).
 
     Returns:
         The dataset.
@@ -326,7 +327,7 @@ def load_synthetic(name: str, seed: int = 0,
         (1000, 200, 500, torch.Size([500, 64, 2]))
     """
     family = synthetic_family(name)
-    if val_fraction != DEFAULT_VAL_FRACTION:
+    if val_fraction not in (None, DEFAULT_VAL_FRACTION):
         raise ValueError(f"{name} has fixed split sizes {SPLIT_SIZES} (train, val, test); "
                          f"val_fraction must be {DEFAULT_VAL_FRACTION}, got {val_fraction}")
     if seed < 0:
@@ -338,4 +339,5 @@ def load_synthetic(name: str, seed: int = 0,
         train_val, test = train_val[0], test[0]  # drop the periods
     return SequenceDataset(name=name, features=family.features, max_len=family.length,
                            unit="nats/frame", train=_split(train_val[:n_train]),
-                           val=_split(train_val[n_train:]), test=_split(test))
+                           val=_split(train_val[n_train:]), test=_split(test),
+                           val_fraction=DEFAULT_VAL_FRACTION)

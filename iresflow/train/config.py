@@ -12,9 +12,10 @@ applies its command-line flags, which take precedence. The configuration is writ
 run folder as ``config.toml`` and stored inside every checkpoint.
 
 Options that mean "off" or "automatic" use ``0`` (``ema``, ``clip``, ``warmup``, ``patience``) or
-are simply omitted from the file (``test_data``, ``heads``, ``max_len``, ``max_train``,
-``max_eval``), so every setting has a TOML spelling and ``TrainConfig.from_toml`` inverts
-:meth:`TrainConfig.to_toml` exactly.
+are simply omitted from the file (``val_fraction``, ``test_data``, ``heads``, ``max_len``,
+``max_train``, ``max_eval``), so every setting has a TOML spelling and
+``TrainConfig.from_toml`` inverts :meth:`TrainConfig.to_toml` exactly. A run writes the
+automatic ``val_fraction`` it used into its ``config.toml``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from iresflow._settings import ConfigError, check_keys, check_range, setting, validate_fields
+from iresflow.data.splits import MAX_VAL_FRACTION, MIN_VAL_SEQUENCES, VAL_FRACTION
 from iresflow.models.config import ModelConfig
 
 __all__ = [
@@ -90,8 +92,10 @@ class TrainConfig:
     data: str = setting(
         "japanese_vowels", "dataset name, path to a .npz/.ts file, or a sequence-store folder"
     )
-    val_fraction: float = setting(
-        0.1, "fraction of the training sequences held out for validation"
+    val_fraction: float | None = setting(
+        None, "fraction of the training sequences held out for validation",
+        unset=f"{VAL_FRACTION:g}, raised so that validation holds {MIN_VAL_SEQUENCES} sequences "
+        f"but at most {MAX_VAL_FRACTION:g} of them; a run records the fraction it used",
     )
     test_data: str | None = setting(
         None,
@@ -186,7 +190,8 @@ class TrainConfig:
                 f"model.features must be left unset (it comes from the data), got "
                 f"{self.model.features}"
             )
-        check_range("val_fraction", self.val_fraction, 0.0, 1.0)
+        if self.val_fraction is not None:
+            check_range("val_fraction", self.val_fraction, 0.0, 1.0)
         check_range("lr", self.lr, 0.0, math.inf)
         if not 0.0 <= self.ema < 1.0:
             raise ConfigError(f"ema must lie in [0, 1) (0: off), got {self.ema}")

@@ -177,6 +177,8 @@ def _fit(
         )
     device = resolve_device(config.device)
     dataset = load_data(config)
+    if config.val_fraction is None:  # the run records the automatic fraction its split used
+        config = config.replace(val_fraction=dataset.val_fraction)
     # The run owns torch's global generators while it trains; the caller's are restored after.
     with seeded_training(config.seed, device):
         model = build_model(config, dataset).to(device)  # settings checked before any deletion

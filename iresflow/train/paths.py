@@ -166,6 +166,8 @@ def prepare_run_folder(
         saved = TrainConfig.from_toml(paths.config) if started else TrainConfig.from_dict(
             state["config"]
         )
+        if saved.val_fraction is None:  # automatic: what the same data resolve to (config's)
+            saved = saved.replace(val_fraction=config.val_fraction)
         changed = saved.incompatible_fields(config)
         if changed:
             raise ConfigError(

@@ -21,8 +21,12 @@ from iresflow.transforms.base import LogDetRequest
 __all__ = ["AutoregressiveLinear"]
 
 #: Eigenvalue floor of the residual covariance in the initialisation of
-#: :class:`AutoregressiveLinear` (docs/math.md#temporal-linear).
+#: :class:`AutoregressiveLinear`: a numerical guard in the units of the data, which the training
+#: loop standardises (docs/math.md#temporal-linear).
 MIN_INIT_RESIDUAL_VARIANCE = 1e-6
+#: Floor of a sub-model's residual variance, in every direction, as a fraction of the variance of
+#: the pooled fit of the same order in that direction (docs/math.md#ar-variance-floor).
+RELATIVE_RESIDUAL_VARIANCE_FLOOR = 1e-3
 
 
 class AutoregressiveLinear(DataInitializedTransform):
@@ -71,7 +75,16 @@ class AutoregressiveLinear(DataInitializedTransform):
       initialises its model from a large batch, see
       :meth:`~iresflow.models.flow.SequenceFlow.initialize`).
 
-    An eigenvalue of :math:`\Sigma_j` below :data:`MIN_INIT_RESIDUAL_VARIANCE` is raised to it.
+    A sub-model fitted on its exact frames (the first case, :math:`j < p`) is compared with the
+    pooled AR(j) fit :math:`R_j` of the second case (docs/math.md#ar-variance-floor): every
+    eigenvalue :math:`\lambda` of :math:`R_j^{-1/2} \Sigma_j R_j^{-\top/2}` is raised to
+    :math:`\rho =` :data:`RELATIVE_RESIDUAL_VARIANCE_FLOOR`, so in no direction is its variance
+    below :math:`\rho` times the pooled one. A sub-model whose frames are predicted exactly (a
+    repeated frame in every training sequence) would otherwise get a near-zero variance and a
+    huge whitening scale, and a test sequence without the repetition an enormous NLL. Where no
+    :math:`\lambda` is below :math:`\rho`, :math:`\Sigma_j` is kept as fitted. Last, every
+    eigenvalue of :math:`\Sigma_j` (and of :math:`R_j`) below :data:`MIN_INIT_RESIDUAL_VARIANCE`
+    is raised to it.
 
     Conditional version (``context_features = C > 0``): every sequence's context
     :math:`c \in \mathbb R^C` shifts the parameters of all sub-models,
@@ -260,20 +273,26 @@ class AutoregressiveLinear(DataInitializedTransform):
         sub_models = torch.arange(p + 1, device=x.device)
         exact = (real.unsqueeze(-1) & (lengths.unsqueeze(-1) == sub_models)).sum(dim=(0, 1))
         counts = torch.stack([exact, exact.flip(0).cumsum(0).flip(0)]).tolist()
+
+        def fit(rows: Tensor, j: int) -> tuple[Tensor, Tensor]:
+            targets = x[rows].to(work)
+            regressors = torch.cat([lags[rows][:, : j * d], targets.new_ones(len(targets), 1)], 1)
+            return _conditional_gaussian_fit(targets, regressors.to(work))
+
         identity = []
         for j in range(p + 1):
             needed = (j + 1) * d + 1
-            rows = real & (lengths == j if counts[0][j] >= needed else lengths >= j)
             if counts[1][j] < needed:
                 identity.append(f"{j} ({counts[1][j]} of {needed})")
-                self.lag_weights[j].zero_()
-                self.bias[j].zero_()
-                self.log_diag[j].zero_()
-                self.lower[j].zero_()
+                for parameter in (self.lag_weights, self.bias, self.log_diag, self.lower):
+                    parameter[j].zero_()
                 continue
-            targets = x[rows].to(work)
-            regressors = torch.cat([lags[rows][:, : j * d], targets.new_ones(len(targets), 1)], 1)
-            coefficients, whitening = _conditional_gaussian_fit(targets, regressors.to(work))
+            pooled = real & (lengths >= j)
+            own = counts[0][j] >= needed and counts[0][j] < counts[1][j]
+            coefficients, covariance = fit(real & (lengths == j) if own else pooled, j)
+            if own:  # the exact frames: floored against the pooled fit of the same order
+                covariance = _relative_floor(covariance, fit(pooled, j)[1])
+            whitening = _whitening(covariance)
             # coefficients[(k - 1) D + i, o] multiplies feature i of x_{t-k}: A_{j,k}[o, i].
             self.lag_weights[j].zero_()
             self.lag_weights[j, :j].copy_(coefficients[: j * d].reshape(j, d, d).transpose(1, 2))
@@ -302,18 +321,55 @@ def _conditional_gaussian_fit(targets: Tensor, regressors: Tensor) -> tuple[Tens
         regressors: ``(R, Q)`` (a column of ones for the bias).
 
     Returns:
-        ``(coefficients (Q, D), whitening (D, D))``: the minimum-norm least-squares solution and
-        :math:`L = C^{-1}` for the Cholesky factor :math:`C` of the residual covariance, its
-        eigenvalues floored at :data:`MIN_INIT_RESIDUAL_VARIANCE`.
+        ``(coefficients (Q, D), covariance (D, D))``: the minimum-norm least-squares solution and
+        the mean outer product of its residuals.
     """
     coefficients = torch.linalg.pinv(regressors) @ targets
     residuals = targets - regressors @ coefficients
-    covariance = residuals.mT @ residuals / len(targets)
+    return coefficients, residuals.mT @ residuals / len(targets)
+
+
+def _floor_eigenvalues(covariance: Tensor) -> Tensor:
+    """``(D, D)`` covariance with its eigenvalues raised to :data:`MIN_INIT_RESIDUAL_VARIANCE`."""
     eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
     eigenvalues = eigenvalues.clamp_min(MIN_INIT_RESIDUAL_VARIANCE)
-    cholesky = torch.linalg.cholesky((eigenvectors * eigenvalues) @ eigenvectors.mT)
-    eye = torch.eye(targets.shape[1], dtype=targets.dtype, device=targets.device)
-    return coefficients, torch.linalg.solve_triangular(cholesky, eye, upper=False)
+    return (eigenvectors * eigenvalues) @ eigenvectors.mT
+
+
+def _relative_floor(covariance: Tensor, reference: Tensor) -> Tensor:
+    r"""Raise the variance of ``covariance`` in every direction to at least :math:`\rho` times
+    that of ``reference`` (docs/math.md#ar-variance-floor).
+
+    With :math:`R = C C^\top` (``reference``, eigenvalues floored first) and
+    :math:`C^{-1} \Sigma C^{-\top} = U \Lambda U^\top`, the result is
+    :math:`C U \max(\Lambda, \rho) U^\top C^\top`, :math:`\rho =`
+    :data:`RELATIVE_RESIDUAL_VARIANCE_FLOOR`; ``covariance`` itself where no eigenvalue is below
+    :math:`\rho`.
+
+    Args:
+        covariance: ``(D, D)`` residual covariance :math:`\Sigma` of a sub-model.
+        reference: ``(D, D)`` residual covariance :math:`R` of the pooled fit of its order.
+
+    Returns:
+        ``(D, D)``.
+    """
+    cholesky = torch.linalg.cholesky(_floor_eigenvalues(reference))
+    half = torch.linalg.solve_triangular(cholesky, covariance, upper=False)
+    relative = torch.linalg.solve_triangular(cholesky, half.mT, upper=False)
+    eigenvalues, eigenvectors = torch.linalg.eigh(relative)
+    if bool(eigenvalues.min() >= RELATIVE_RESIDUAL_VARIANCE_FLOOR):  # initialisation: host sync
+        return covariance
+    floored = eigenvectors * eigenvalues.clamp_min(RELATIVE_RESIDUAL_VARIANCE_FLOOR)
+    back = cholesky @ floored @ eigenvectors.mT @ cholesky.mT
+    return (back + back.mT) / 2
+
+
+def _whitening(covariance: Tensor) -> Tensor:
+    r"""``(D, D)`` :math:`L = C^{-1}` for the Cholesky factor :math:`C` of ``covariance`` ``(D, D)``
+    with its eigenvalues floored at :data:`MIN_INIT_RESIDUAL_VARIANCE`."""
+    cholesky = torch.linalg.cholesky(_floor_eigenvalues(covariance))
+    eye = torch.eye(covariance.shape[0], dtype=covariance.dtype, device=covariance.device)
+    return torch.linalg.solve_triangular(cholesky, eye, upper=False)
 
 
 def _history_lengths(x: Tensor, mask: Tensor | None, order: int) -> Tensor:
