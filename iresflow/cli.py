@@ -291,7 +291,7 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
             raise CLIError("--resume needs --out RUN, the run folder to continue")
         if args.config is not None:
             raise CLIError("--resume takes the settings of the run; change them with flags")
-        base = TrainConfig.from_toml(RunPaths(args.out).config)
+        base = TrainConfig.from_toml(RunPaths(args.out).config, stored=True)
     else:
         base = TrainConfig.from_toml(args.config) if args.config is not None else TrainConfig()
         for name in ("data", "test_data"):  # a run must find its files from anywhere

@@ -276,7 +276,7 @@ def test_neumann_gradient_reaches_context(device, kind):
 
 def _model(device, *, mask=None, **settings):
     options = {"features": 3, "n_blocks": 1, "hidden": 8, "max_len": 6, "ar_order": 1,
-               "layers": ("conv", "mlp"), "logdet": "exact"} | settings
+               "layers": ("conv", "mlp"), "logdet": "exact", "base": "normal"} | settings
     model = ResidualFlowTransformer(**options).to(device=device, dtype=F64)
     _randomize_context_nets(model, scale=0.5)
     return model.eval()

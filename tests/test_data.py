@@ -821,7 +821,8 @@ def test_gap_density_keeps_time_positions() -> None:
 
     torch.manual_seed(0)
     # After the keyword-settings change of the model constructor: features=2 as a keyword.
-    model = ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=6).double()
+    model = ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=6,
+                                    base="normal").double()
     model.train().log_prob(torch.randn(8, 4, 2, dtype=torch.float64) + 0.3, method="exact")
     model.eval()
     x = torch.randn(2, 4, 2, dtype=torch.float64)

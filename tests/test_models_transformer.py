@@ -30,10 +30,11 @@ def _model(device, dtype, *, features=2, seq_len=3, **kwargs) -> ResidualFlowTra
     """A tiny model with ActNorm initialised on shifted, scaled data, in eval mode.
 
     The recipe is the attention Transformer (``attention`` and ``mlp`` layers, no autoregressive
-    layer) unless ``kwargs`` say otherwise.
+    layer, a standard normal base: the oracles below write its density) unless ``kwargs`` say
+    otherwise.
     """
     options = {"n_blocks": 1, "hidden": 8, "max_len": 6, "ar_order": 0,
-               "layers": ("attention", "mlp")} | kwargs
+               "layers": ("attention", "mlp"), "base": "normal"} | kwargs
     model = ResidualFlowTransformer(features=features, **options).to(device=device, dtype=dtype)
     data = torch.randn(8, seq_len, features, device=device, dtype=dtype) * 1.7 + 0.3
     model.train().log_prob(data, method="exact")
@@ -317,7 +318,7 @@ def test_lipschitz_report_describes_the_evaluation_mode_model(device, dtype):
 
 def test_config_and_defaults(device, dtype):
     model = ResidualFlowTransformer(features=12, n_blocks=4, max_len=512,
-                                    layers=("attention", "mlp"), ar_order=0)
+                                    layers=("attention", "mlp"), ar_order=0, base="normal")
     assert model.config.to_dict() == {
         "features": 12, "n_blocks": 4, "hidden": 64, "heads": None, "coeff": 0.9,
         "attention": "l2", "positional": "sinusoidal", "max_len": 512, "logdet": "roulette",
@@ -330,7 +331,9 @@ def test_config_and_defaults(device, dtype):
     assert isinstance(heavy, StudentTSequence) and heavy.joint
     assert model.config.resolved_heads == 4
     assert model.config == ModelConfig(features=12, n_blocks=4, max_len=512,
-                                       layers=("attention", "mlp"), ar_order=0)
+                                       layers=("attention", "mlp"), ar_order=0, base="normal")
+    default = ResidualFlowTransformer(features=12, max_len=8).base
+    assert isinstance(default, StudentTSequence) and default.joint
     assert ResidualFlowTransformer(**model.config.to_dict()).config == model.config
     assert ResidualFlowTransformer(model.config, hidden=8).config == model.config.replace(hidden=8)
     assert [default_heads(d) for d in (1, 2, 3, 4, 5, 6, 12)] == [1, 2, 3, 4, 1, 3, 4]

@@ -15,7 +15,7 @@ from iresflow.models.transformer import ResidualFlowTransformer
 def test_flow_trains_and_samples_on_fixed_length_data(device, dtype, attention):
     n, d = 3, 2
     model = ResidualFlowTransformer(features=d, n_blocks=1, hidden=8, max_len=n,
-                                    attention=attention, logdet="exact")
+                                    attention=attention, logdet="exact", base="normal")
     model = model.to(device=device, dtype=dtype)
     flow = Flow(model.transform, StandardNormal([n, d])).to(device=device, dtype=dtype)
     # Correlated, non-standard data: consecutive tokens share a component.

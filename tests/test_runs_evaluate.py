@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from iresflow.models.config import ModelConfig
+from iresflow.models.distributions import StandardNormalSequence
 from iresflow.runs import evaluate
 from iresflow.runs.evaluate import evaluate_run
 from iresflow.runs.load import full_history, load_run
 from iresflow.train.averaging import load_average, moving_average
-from iresflow.train.checkpoint import load_checkpoint
+from iresflow.train.checkpoint import load_checkpoint, save_checkpoint
 from iresflow.train.config import TrainConfig
 from iresflow.train.epoch import TrainingSession
 from iresflow.train.factories import load_data, resolve_model_config
@@ -143,3 +144,21 @@ def test_full_history_shows_epochs_after_the_best(
     assert [row["epoch"] for row in history] == [1, 2, 3, 4] and best == 2
     assert history == [json.loads(line) for line in
                        RunPaths(tmp_path / "run").metrics_jsonl.read_text().splitlines()]
+
+
+def test_a_run_written_before_the_base_setting_loads_with_a_normal_base(tmp_path: Path) -> None:
+    # Runs written before `base` existed record no base: they had a standard normal noise
+    # density, not today's default, and must load (and resume) as they were trained.
+    folder = tmp_path / "run"
+    train(TrainConfig(**TINY).replace(epochs=1, base="normal"), folder, progress=False)
+    for path in folder.glob("checkpoints/*.pt"):
+        state = load_checkpoint(path)
+        del state["config"]["base"]
+        save_checkpoint(state, path)
+    paths = RunPaths(folder)
+    paths.config.write_text("\n".join(line for line in paths.config.read_text().splitlines()
+                                      if not line.startswith("base =")))
+    assert TrainConfig().base == "multivariate-t"
+    assert type(load_run(folder, device="cpu").model.base) is StandardNormalSequence
+    train(TrainConfig.from_toml(paths.config, stored=True).replace(epochs=2), folder,
+          resume=True, progress=False)

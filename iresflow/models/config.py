@@ -95,8 +95,9 @@ class ModelConfig:
         "exact", "spectral norm of the MLP layers in training", ("exact", "power")
     )
     base: str = setting(
-        "normal", "density of the noise: standard normal, Student-t per feature with learned "
-        "degrees of freedom, or one multivariate t per frame", BASES
+        "multivariate-t", "density of the noise: standard normal, Student-t per feature with "
+        "learned degrees of freedom, or one multivariate t per frame (heavy tails: a sequence "
+        "a little outside the training range is not punished quadratically)", BASES
     )
     context_features: int = setting(
         0, "size C of the per-sequence context vector: covariates, or the class-label embedding "

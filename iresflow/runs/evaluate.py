@@ -82,7 +82,7 @@ def evaluate(
 def _stored_device(run_dir: str | os.PathLike) -> str:
     """The ``device`` setting of a run folder (``auto`` without one: loading then says why)."""
     path = RunPaths(Path(run_dir)).config
-    return TrainConfig.from_toml(path).device if path.is_file() else "auto"
+    return TrainConfig.from_toml(path, stored=True).device if path.is_file() else "auto"
 
 
 def _evaluate_rank(

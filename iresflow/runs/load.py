@@ -90,7 +90,7 @@ def load_run(
     path = paths.checkpoint(settings.checkpoint)
     state = load_checkpoint(path)
     try:
-        config = TrainConfig.from_dict(state["config"])
+        config = TrainConfig.from_dict(state["config"], stored=True)
     except (KeyError, TypeError) as error:
         raise CheckpointError(f"checkpoint {path} holds no settings: {error}") from None
     device = resolve_device(settings.device if settings.device is not None else config.device)

@@ -54,6 +54,10 @@ RESUMABLE_FIELDS = frozenset(
 #: ``features``, which comes from the data.
 MODEL_SETTINGS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "features")
 
+#: Settings added after runs were first written, with the value that reproduces such a run: the
+#: noise density was standard normal before ``base`` existed.
+SETTINGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"base": "normal"}
+
 #: Endings of ``data`` (and ``test_data``) that name a user file rather than a dataset.
 USER_FILE_SUFFIXES = (".npz", ".ts", ".ts.gz")
 
@@ -288,13 +292,20 @@ class TrainConfig:
         return values
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+    def from_dict(cls, values: dict[str, Any], *, stored: bool = False) -> TrainConfig:
         """Build a configuration from a (possibly partial) flat dict of settings.
+
+        Args:
+            values: Settings by name; the others keep their defaults.
+            stored: The settings of an existing run (its ``config.toml`` or checkpoint): a
+                setting it lacks was added after the run was written, and takes the value
+                that reproduces the run (:data:`SETTINGS_BEFORE_THEY_EXISTED`), not today's
+                default.
 
         Raises:
             ConfigError: an unknown key or an invalid value.
         """
-        return cls(**values)
+        return cls(**({**SETTINGS_BEFORE_THEY_EXISTED, **values} if stored else values))
 
     def to_toml(self) -> str:
         """Serialise to a flat TOML document; automatic (``None``) settings are omitted."""
@@ -313,8 +324,9 @@ class TrainConfig:
         return "\n".join(lines) + "\n"
 
     @classmethod
-    def from_toml_string(cls, text: str, source: str = "<string>") -> TrainConfig:
-        """Parse a flat TOML document of settings.
+    def from_toml_string(cls, text: str, source: str = "<string>", *,
+                         stored: bool = False) -> TrainConfig:
+        """Parse a flat TOML document of settings (``stored``: as in :meth:`from_dict`).
 
         Raises:
             ConfigError: bad TOML, a nested table, an unknown key or an invalid value.
@@ -326,13 +338,14 @@ class TrainConfig:
                 f"{source}: expected flat key = value pairs, found table [{tables[0]}]"
             )
         try:
-            return cls.from_dict(values)
+            return cls.from_dict(values, stored=stored)
         except ConfigError as error:
             raise ConfigError(f"{source}: {error}") from None
 
     @classmethod
-    def from_toml(cls, path: str | Path) -> TrainConfig:
-        """Read a configuration file written by :meth:`save` or by hand.
+    def from_toml(cls, path: str | Path, *, stored: bool = False) -> TrainConfig:
+        """Read a configuration file written by :meth:`save` or by hand (``stored``: a run's
+        own file, as in :meth:`from_dict`).
 
         Raises:
             ConfigError: the file is missing, unreadable or invalid.
@@ -342,7 +355,7 @@ class TrainConfig:
             text = path.read_text(encoding="utf-8")
         except OSError as error:
             raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
-        return cls.from_toml_string(text, str(path))
+        return cls.from_toml_string(text, str(path), stored=stored)
 
     def save(self, path: str | Path) -> None:
         """Write :meth:`to_toml` to ``path``."""

@@ -163,9 +163,8 @@ def prepare_run_folder(
         # A run killed before its first checkpoint left only its config: it starts from that.
         started = paths.config.is_file() and not paths.last.exists()
         state = None if started else load_checkpoint(paths.last)
-        saved = TrainConfig.from_toml(paths.config) if started else TrainConfig.from_dict(
-            state["config"]
-        )
+        saved = (TrainConfig.from_toml(paths.config, stored=True) if started
+                 else TrainConfig.from_dict(state["config"], stored=True))
         if saved.val_fraction is None:  # automatic: what the same data resolve to (config's)
             saved = saved.replace(val_fraction=config.val_fraction)
         changed = saved.incompatible_fields(config)
