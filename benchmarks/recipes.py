@@ -55,9 +55,12 @@ RECIPES: dict[str, dict[str, Any]] = {
     },
     # The residual-flow Transformer block after the AR input layer, and the same with a learned
     # relative-position bias in the attention scores (certified, docs/math.md#relative-bias).
-    "AR(3), attention + mlp": {"layers": ("attention", "mlp")},
-    "AR(3), attention + mlp, relative bias": {
-        "layers": ("attention", "mlp"), "relative_window": 32,
+    "AR(3), attention + mlp, 8 blocks": {"layers": ("attention", "mlp"), "n_blocks": 8},
+    "AR(3), attention + mlp, 8 blocks, relative bias": {
+        "layers": ("attention", "mlp"), "n_blocks": 8, "relative_window": 32,
+    },
+    "Transformer, relative bias": {
+        "ar_order": 0, "layers": ("attention", "mlp"), "n_blocks": 8, "relative_window": 32,
     },
 }
 QUICK = {"epochs": 2, "max_train": 48, "max_eval": 16}
