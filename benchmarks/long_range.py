@@ -42,7 +42,9 @@ Run from the repository root::
 ``--figures`` writes the learning curves (validation NLL against optimisation seconds, mean
 over seeds) and a picture of what the heads of the first attention recipe attend to.
 
-Writes ``benchmarks/out/long_range.json``. Timings on a shared machine are noisy.
+Writes ``--out`` (default ``benchmarks/out/long_range.json``) after every seed;
+``--table-from`` reports earlier files without training (their seeds merged), e.g. runs of
+different seeds made side by side. Timings on a shared machine are noisy.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -299,7 +302,7 @@ def _optional_int(text: str) -> int | None:
     return None if text.lower() == "none" else int(text)
 
 
-def main() -> None:
+def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--datasets", nargs="+", default=synthetic_names(),
                         choices=synthetic_names())
@@ -318,41 +321,69 @@ def main() -> None:
     parser.add_argument("--diagnose", action="store_true",
                         help="where the attention branches' certificates go (slower)")
     parser.add_argument("--no-gru", action="store_true", help="skip the GRU + MAF baseline")
+    parser.add_argument("--out", type=Path, default=OUT / "long_range.json",
+                        help="JSON of the results (default: %(default)s)")
     parser.add_argument("--markdown", type=Path, default=None,
                         help="write the tables into this page between its markers")
     parser.add_argument("--figures", type=Path, default=None,
                         help="write learning curves and the attention picture here")
+    parser.add_argument("--table-from", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="train nothing: report earlier --out files (their seeds merged)")
     parser.add_argument("--diagnose-run", type=Path, default=None,
                         help="only diagnose the attention of this trained run folder")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    """Train and report (or report earlier results, or diagnose a run)."""
+    args = _parse()
     torch.set_num_threads(args.threads)
     if args.diagnose_run is not None:
         print_diagnosis(attention_diagnosis(args.diagnose_run))
         return
+    if args.table_from is not None:
+        results: dict[str, list[dict[str, Any]]] = {}
+        for path in args.table_from:
+            saved = json.loads(path.read_text())
+            print(f"{path}: {saved.get('command', 'command not recorded')}")
+            for name, runs in saved["results"].items():
+                results.setdefault(name, []).extend(runs)
+        report(results, args.markdown, args.figures)
+        return
     settings = {"epochs": args.epochs, "max_train": args.max_train, "max_eval": args.max_eval}
-    results: dict[str, list[dict[str, Any]]] = {}
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.datasets:
             recipes = [] if args.references_only else args.recipes
-            results[name] = [
-                run_seed(name, seed, recipes, settings, Path(tmp), args.diagnose,
-                         gru=not (args.no_gru or args.references_only),
-                         figures=args.figures if seed == args.seeds[0] else None)
-                for seed in args.seeds]
+            results[name] = []
+            for seed in args.seeds:
+                results[name].append(run_seed(
+                    name, seed, recipes, settings, Path(tmp), args.diagnose,
+                    gru=not (args.no_gru or args.references_only),
+                    figures=args.figures if seed == args.seeds[0] else None))
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(
+                    {"command": "python -m benchmarks.long_range " + " ".join(sys.argv[1:]),
+                     "settings": settings, "results": results}, indent=1))
     print(f"\nsettings: {json.dumps(settings)}, seeds {args.seeds}\n")
+    report(results, args.markdown, None if args.references_only else args.figures)
+
+
+def report(results: dict[str, list[dict[str, Any]]], markdown: Path | None,
+           figures: Path | None) -> None:
+    """Print the tables; write them into ``markdown`` between its ``<!-- long-range -->``
+    markers and the learning curves into ``figures`` when given."""
     tables = "\n\n".join(table(name, runs) for name, runs in results.items())
     print(tables)
-    if args.markdown is not None:
-        args.markdown.write_text(replace_between_markers(
-            args.markdown.read_text(), tables, str(args.markdown), "<!-- long-range -->",
+    if markdown is not None:
+        markdown.write_text(replace_between_markers(
+            markdown.read_text(), tables, str(markdown), "<!-- long-range -->",
             "<!-- /long-range -->"))
-    if args.figures is not None and not args.references_only:
+    if figures is not None:
         from benchmarks.long_range_figures import plot_curves
         for name, runs in results.items():
-            plot_curves(name, runs, args.figures / f"long_range_curves_{name}.png")
-    OUT.mkdir(exist_ok=True)
-    (OUT / "long_range.json").write_text(
-        json.dumps({"settings": settings, "seeds": args.seeds, "results": results}, indent=2))
+            if runs[0]["models"]:
+                plot_curves(name, runs, figures / f"long_range_curves_{name}.png")
 
 
 if __name__ == "__main__":

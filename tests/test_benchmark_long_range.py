@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.long_range import DEFAULT_RECIPES, references, run_seed, table
+from benchmarks.long_range import DEFAULT_RECIPES, GRU_MAF, references, report, run_seed, table
 from iresflow.nn.attention import ContractiveL2MultiheadAttention
 from iresflow.train.config import TrainConfig
 
@@ -24,7 +24,8 @@ def test_one_tiny_seed_prints_a_row_per_model(tmp_path: Path) -> None:
     settings = {"epochs": 1, "max_train": 8, "max_eval": 4, "n_blocks": 1, "hidden": 8,
                 "batch_size": 4}
     result = run_seed("repeated_motif", 0, list(DEFAULT_RECIPES), settings, tmp_path,
-                      diagnose=True)
+                      diagnose=True, figures=tmp_path / "figures")
+    assert (tmp_path / "figures" / "long_range_attention_repeated_motif.png").stat().st_size > 0
     attention = result["models"][DEFAULT_RECIPES[1]]
     assert 0 < attention["attention_usage"] <= 1
     assert 0 < attention["attention_use_full_length"] <= 1
@@ -35,8 +36,15 @@ def test_one_tiny_seed_prints_a_row_per_model(tmp_path: Path) -> None:
     assert 0 < diagnosis["length_share"] < 1 and 1 <= diagnosis["effective_tokens"] <= 64
     assert 0 < diagnosis["copy_mass_uniform"] < 1
     assert result["models"][DEFAULT_RECIPES[0]]["attention_usage"] is None
+    gru = result["models"][GRU_MAF]
+    assert math.isfinite(gru["test_nll"]) and gru["history"] and gru["attention_usage"] is None
     text = table("repeated_motif", [result])
-    assert text.count("\n| ") == 5  # header rule, floor, AR and two models
+    assert text.count("\n| ") == 6  # header rule, floor, AR, two recipes and the GRU + MAF
+    page = tmp_path / "page.md"
+    page.write_text("# p\n<!-- long-range -->\nold\n<!-- /long-range -->\nend\n")
+    report({"repeated_motif": [result]}, page, tmp_path / "figures")
+    assert text in page.read_text() and "old" not in page.read_text()
+    assert (tmp_path / "figures" / "long_range_curves_repeated_motif.png").stat().st_size > 0
 
 
 def test_constant_sequence_jacobian_is_the_value_path() -> None:
