@@ -58,6 +58,7 @@ CONFIGS = [
     {"layers": ("mlp",)},
     {"layers": ("conv", "mlp"), "ar_order": 2},
     {"layers": ("attention", "conv", "mix"), "ar_order": 1, "kernel_size": 5},
+    {"layers": ("relative", "mlp"), "ar_order": 1, "relative_window": 2},
 ]
 
 

@@ -128,7 +128,7 @@ def test_relative_window_from_toml_flags_and_python(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="relative_window must be >= 1"):
         ModelConfig(relative_window=0)
     with pytest.raises(ConfigError, match="relative_window needs attention = l2"):
-        TrainConfig(relative_window=2, attention="lipschitznorm")
+        TrainConfig(relative_window=2, attention="lipschitznorm", layers=("attention", "mlp"))
 
 
 def test_flat_settings_round_trip_through_dicts_and_pickles() -> None:

@@ -18,8 +18,9 @@ from iresflow.models.distributions import BASES
 __all__ = ["LAYER_KINDS", "ModelConfig", "default_heads"]
 
 #: Layer kinds of a block recipe (:attr:`ModelConfig.layers`): residual steps with a contractive
-#: attention, temporal-convolution or position-wise MLP branch, or an LU feature mixing.
-LAYER_KINDS = ("attention", "conv", "mlp", "mix")
+#: attention, relative-mixing, temporal-convolution or position-wise MLP branch, or an LU feature
+#: mixing.
+LAYER_KINDS = ("attention", "relative", "conv", "mlp", "mix")
 
 
 def default_heads(features: int) -> int:
@@ -68,8 +69,9 @@ class ModelConfig:
     n_blocks: int = setting(3, "number of blocks")
     layers: tuple[str, ...] = setting(
         ("conv", "mlp"),
-        "layers of every block, in order: attention, conv (temporal convolution) and mlp are "
-        "residual steps after an ActNorm; mix is an LU feature mixing",
+        "layers of every block, in order: attention, relative (an MLP of a learned average "
+        "over relative offsets), conv (temporal convolution) and mlp are residual steps after "
+        "an ActNorm; mix is an LU feature mixing",
         LAYER_KINDS,
     )
     hidden: int = setting(64, "hidden width of the feed-forward and convolution branches")
@@ -83,7 +85,8 @@ class ModelConfig:
     positional: str = setting("sinusoidal", "positional encoding", ("sinusoidal", "learned"))
     relative_window: int | None = setting(
         None, "window W of a learned relative-position bias in the scores of l2 attention "
-        "(offsets clipped to [-W, W]; the certificate includes it)", unset="no bias",
+        "(offsets clipped to [-W, W]; the certificate includes it), and of the relative layers",
+        unset="no bias; relative layers: the longest sequence minus one",
     )
     logdet: str = setting(
         "roulette", "log-determinant used for training", ("exact", "roulette", "series")
@@ -126,7 +129,8 @@ class ModelConfig:
             raise ConfigError(f"kernel_size must be odd, got {self.kernel_size}")
         if not self.layers:
             raise ConfigError("layers must name at least one layer kind")
-        if self.relative_window is not None and self.attention != "l2":
+        if (self.relative_window is not None and "attention" in self.layers
+                and self.attention != "l2"):
             raise ConfigError(
                 f"relative_window needs attention = l2, got attention = {self.attention}"
             )

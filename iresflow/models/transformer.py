@@ -44,6 +44,7 @@ from iresflow.nn.conditional import ConditionalBranch, ContextEncoder
 from iresflow.nn.conv import TemporalConvBranch
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.nn.positional import PositionalBranch, make_positional_encoding
+from iresflow.nn.relative import RelativeMixingBranch
 from iresflow.transforms.actnorm import ActNorm
 from iresflow.transforms.base import SequenceCompositeTransform
 from iresflow.transforms.conditional import ConditionalAffine
@@ -177,13 +178,16 @@ class ResidualFlowTransformer(SequenceFlow):
 
 
 def _branch(kind: str, config: ModelConfig, encoding: nn.Module | None) -> LipschitzBranch:
-    """The contractive branch of a residual step of kind ``attention``, ``conv`` or ``mlp``,
-    conditional on the context in a conditional model."""
+    """The contractive branch of a residual step of kind ``attention``, ``relative``, ``conv`` or
+    ``mlp``, conditional on the context in a conditional model."""
     features, hidden, coeff = config.features, config.hidden, config.coeff
     branch: LipschitzBranch
     if kind == "attention":
         attention = _attention_branch(config, features, coeff)
         branch = PositionalBranch(attention, encoding)
+    elif kind == "relative":
+        window = config.relative_window or max(config.max_len - 1, 1)
+        branch = RelativeMixingBranch(features, hidden, window, coeff)
     elif kind == "conv":
         branch = TemporalConvBranch(features, hidden, config.kernel_size, coeff,
                                     max_len=config.max_len)

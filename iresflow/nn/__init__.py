@@ -15,6 +15,7 @@ from iresflow.nn.diagnostics import attention_weights, empirical_lipschitz, jaco
 from iresflow.nn.linear import InfNormLinear, SpectralLinear
 from iresflow.nn.lipschitz_norm import LinearScoreAttention
 from iresflow.nn.mlp import LipschitzMLP
+from iresflow.nn.relative import RelativeMixingBranch
 
 __all__ = [
     "ContractiveL2MultiheadAttention",
@@ -26,6 +27,7 @@ __all__ = [
     "LipSwish",
     "LipschitzBranch",
     "LipschitzMLP",
+    "RelativeMixingBranch",
     "SpectralConv1d",
     "SpectralLinear",
     "TemporalConvBranch",

@@ -1,0 +1,99 @@
+r"""Relative mixing: a contractive branch that reads frames at learned offsets, whatever their
+content (docs/math.md#relative-mixing).
+
+.. math::
+    g(X)_i = h\Big(\sum_j P_{ij}\, x_j\Big),\qquad
+    P_{ij} = \mathrm{softmax}_{j\ \text{real}}\, b\big(\mathrm{clip}(j - i, -W, W)\big),
+
+with a learned table :math:`b` over the offsets :math:`-W, \dots, W` and :math:`h` a token-wise
+MLP certified in the :math:`\infty`-norm. Every row of :math:`P` is a probability vector that does
+not depend on :math:`X`, so :math:`X \mapsto P X` is 1-Lipschitz in the entrywise
+:math:`\infty`-norm, and the branch inherits the MLP's certificate unchanged: no length term, as
+content-based attention has (docs/math.md#l2-bounds-heads). It is the branch for dependence at a
+fixed lag that lies beyond a convolution's reach (a season, a period).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from iresflow._validation import check_int, check_mask, check_sequence
+from iresflow.nn._heads import relative_scores
+from iresflow.nn.base import LipschitzBranch
+from iresflow.nn.mlp import LipschitzMLP
+
+__all__ = ["RelativeMixingBranch"]
+
+
+class RelativeMixingBranch(LipschitzBranch):
+    r"""Token-wise MLP of a learned, content-free weighted average over relative offsets.
+
+    Args:
+        features: Token dimension ``D``.
+        hidden: Hidden width of the MLP ``D -> hidden -> hidden -> D``.
+        window: Largest offset :math:`W \ge 1` with its own score; farther offsets share the
+            score of :math:`\pm W`.
+        coeff: Certified Lipschitz bound in :math:`(0, 1)` (each of the MLP's three linear
+            layers gets ``coeff ** (1/3)``).
+
+    Example:
+        >>> g = RelativeMixingBranch(features=2, hidden=8, window=4)
+        >>> x = torch.randn(3, 6, 2)
+        >>> g(x).shape, bool(g.lipschitz_constant() <= 0.9 + 1e-6)
+        (torch.Size([3, 6, 2]), True)
+    """
+
+    position_wise = False
+    norm = "inf"
+
+    def __init__(self, features: int, hidden: int, window: int, coeff: float = 0.9) -> None:
+        super().__init__()
+        self.features = check_int(features, "features", 1)
+        self.window = check_int(window, "window", 1)
+        self.mlp = LipschitzMLP((features, hidden, hidden, features), coeff=coeff ** (1 / 3),
+                                norm="inf")
+        #: Scores of the offsets -W..W (zero: the plain average of the real frames).
+        self.scores = nn.Parameter(torch.zeros(2 * window + 1))
+
+    def mixing_weights(self, seq_len: int, mask: Tensor | None = None) -> Tensor:
+        """The weights :math:`P` (query row, key column), zero at padded keys.
+
+        Args:
+            seq_len: Sequence length ``N``.
+            mask: Optional boolean padding mask ``(B, N)``.
+
+        Returns:
+            ``(N, N)`` without a mask, ``(B, N, N)`` with one; rows sum to one over real keys.
+        """
+        logits = relative_scores(self.scores[None], seq_len)[0]  # (N, N)
+        if mask is None:
+            return torch.softmax(logits, dim=-1)
+        return torch.softmax(logits.masked_fill(~mask[:, None, :], -torch.inf), dim=-1)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Evaluate :math:`g(X)`.
+
+        Args:
+            x: Sequences, shape ``(B, N, D)``.
+            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real tokens.
+
+        Returns:
+            ``g(x)``, shape ``(B, N, D)``, zero at padded positions; padded inputs never reach a
+            real output.
+        """
+        check_sequence(x, "x", features=self.features, allow_2d=False)
+        mask = check_mask(mask, x)
+        weights = self.mixing_weights(x.shape[1], mask).to(x.dtype)
+        return self.mlp(weights @ x, mask)
+
+    def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
+        """Certified bound in the :math:`\\infty`-norm: the MLP's (the mixing is 1-Lipschitz).
+
+        Args:
+            seq_len: Ignored (the bound holds for every length).
+        """
+        return self.mlp.lipschitz_constant()
+
+    def extra_repr(self) -> str:
+        return f"features={self.features}, window={self.window}"
