@@ -205,7 +205,7 @@ def run_seed(name: str, seed: int, recipes: list[str], settings: dict[str, Any],
     the trainer override the recipes'); ``figures``: where to draw the first attention recipe's
     heads (:func:`benchmarks.long_range_figures.plot_attention`)."""
     base = TrainConfig(data=name, seed=seed, device="cpu", **settings)
-    result: dict[str, Any] = references(base)
+    result: dict[str, Any] = {"seed": seed, **references(base)}
     gap = result["ar"] - result["floor"]
     result["models"] = {}
     for recipe in recipes:
@@ -347,7 +347,7 @@ def main() -> None:
             saved = json.loads(path.read_text())
             print(f"{path}: {saved.get('command', 'command not recorded')}")
             for name, runs in saved["results"].items():
-                results.setdefault(name, []).extend(runs)
+                merge_runs(results.setdefault(name, []), runs)
         report(results, args.markdown, args.figures)
         return
     settings = {"epochs": args.epochs, "max_train": args.max_train, "max_eval": args.max_eval}
@@ -367,6 +367,20 @@ def main() -> None:
                      "settings": settings, "results": results}, indent=1))
     print(f"\nsettings: {json.dumps(settings)}, seeds {args.seeds}\n")
     report(results, args.markdown, None if args.references_only else args.figures)
+
+
+def merge_runs(runs: list[dict[str, Any]], more: list[dict[str, Any]]) -> None:
+    """Add the per-seed results ``more`` to ``runs``: a seed already there gains the models it
+    lacks (a later file's row of the same model replaces the earlier one), a new seed is
+    appended."""
+    by_seed = {run["seed"]: run for run in runs}
+    for position, run in enumerate(more):
+        run.setdefault("seed", position)  # files without seeds list them in order from 0
+        if run["seed"] in by_seed:
+            by_seed[run["seed"]]["models"].update(run["models"])
+        else:
+            runs.append(run)
+            by_seed[run["seed"]] = run
 
 
 def report(results: dict[str, list[dict[str, Any]]], markdown: Path | None,

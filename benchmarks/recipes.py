@@ -15,7 +15,9 @@ Run from the repository root::
     python -m benchmarks.recipes --quick              # smoke run, about a minute
     python -m benchmarks.recipes --markdown docs/recipes.md
 
-Writes ``benchmarks/out/recipes.json`` and, with ``--markdown``, the table as a page.
+Writes ``--out`` (default ``benchmarks/out/recipes.json``) and, with ``--markdown``, the table as
+a page; ``--merge`` adds the rows of an earlier ``--out`` of the same settings (e.g. recipes run
+side by side in two processes).
 """
 
 from __future__ import annotations
@@ -129,6 +131,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=None, help="epoch budget of every run")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
+    parser.add_argument("--out", type=Path, default=OUT / "recipes.json",
+                        help="JSON of the results (default: %(default)s)")
+    parser.add_argument("--merge", type=Path, default=None, metavar="JSON",
+                        help="an earlier --out with the same settings: its rows join this run's "
+                             "(this run's replace those of the same recipe)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     settings = dict(QUICK) if args.quick else {}
@@ -146,9 +153,14 @@ def main() -> None:
                 results[dataset][recipe] = row
                 print(f"{dataset:16s} {recipe:48s} val {row['val_nll']:9.4f}  "
                       f"test {row['test_nll']:9.4f}  {row['train_seconds']:6.0f} s", flush=True)
-    OUT.mkdir(exist_ok=True)
-    (OUT / "recipes.json").write_text(json.dumps({"settings": settings, "results": results},
-                                                 indent=2))
+    if args.merge is not None:
+        earlier = json.loads(args.merge.read_text())
+        if earlier["settings"] != settings:
+            parser.error(f"--merge {args.merge} was run with {earlier['settings']}, not {settings}")
+        for dataset, rows in earlier["results"].items():
+            results[dataset] = {**rows, **results.get(dataset, {})}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"settings": settings, "results": results}, indent=2))
     if args.markdown is not None:
         args.markdown.write_text(markdown(results, settings) + "\n")
         print(f"wrote {args.markdown}")

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.long_range import DEFAULT_RECIPES, GRU_MAF, references, report, run_seed, table
+from benchmarks.long_range import (
+    DEFAULT_RECIPES,
+    GRU_MAF,
+    merge_runs,
+    references,
+    report,
+    run_seed,
+    table,
+)
 from iresflow.nn.attention import ContractiveL2MultiheadAttention
 from iresflow.train.config import TrainConfig
 
@@ -61,3 +69,10 @@ def test_constant_sequence_jacobian_is_the_value_path() -> None:
     expected = torch.kron(torch.full((n, n), 1.0 / n, dtype=torch.float64), value.T.contiguous())
     expected = expected * 0.9 / branch.raw_bound(n)
     torch.testing.assert_close(jac.reshape(n * 4, n * 4), expected)
+
+
+def test_results_of_the_same_seed_are_merged_by_model() -> None:
+    runs = [{"seed": 0, "floor": 0.0, "models": {"a": 1, "b": 2}}]
+    merge_runs(runs, [{"seed": 0, "models": {"b": 3, "c": 4}}, {"seed": 1, "models": {"a": 5}}])
+    assert runs[0]["models"] == {"a": 1, "b": 3, "c": 4}
+    assert [r["seed"] for r in runs] == [0, 1]
