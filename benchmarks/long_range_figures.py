@@ -90,8 +90,7 @@ def plot_attention(run_dir: Path, path: Path,
     grid = figure.add_gridspec(2, heads, height_ratios=(1, 3))
     top = figure.add_subplot(grid[0, :])
     top.plot(sequence[0].numpy())
-    top.set_title(f"a test sequence (period {period}); below, the weights of the first "
-                  "attention branch (dotted: one or more periods away)", fontsize=9)
+    top.set_title(f"a test sequence (period {period})", fontsize=9)
     top.set_xlim(0, n - 1)
     for h in range(heads):
         ax = figure.add_subplot(grid[1, h])
