@@ -8,7 +8,7 @@ import torch
 from iresflow.models.config import ModelConfig
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
-from iresflow.nn.relative import RelativeMixingBranch
+from iresflow.nn.relative import SCORE_SCALE, RelativeMixingBranch
 
 F64 = torch.float64
 
@@ -38,7 +38,7 @@ def test_output_is_the_mlp_of_the_weighted_average_over_real_keys() -> None:
     mask = torch.tensor([[True] * 7, [True, False, True, True, True, False, False]])
     out = branch(x, mask)
     for b in range(2):
-        weights = _direct_weights(branch.scores.detach(), mask[b].tolist(), 3)
+        weights = _direct_weights(SCORE_SCALE * branch.scores.detach(), mask[b].tolist(), 3)
         torch.testing.assert_close(branch.mixing_weights(7, mask)[b], weights)
         expected = branch.mlp(weights @ x[b : b + 1]) * mask[b, :, None]
         torch.testing.assert_close(out[b : b + 1], expected, rtol=1e-12, atol=1e-12)
@@ -70,7 +70,7 @@ def test_a_sharp_offset_copies_the_frame_that_far_back() -> None:
     # With all weight on offset -2, the MLP reads x_{i-2} (clipped at the start: nearest offset).
     branch = _branch(window=3, scale=0.0)
     with torch.no_grad():
-        branch.scores[1] = 60.0  # offset -2
+        branch.scores[1] = 60.0 / SCORE_SCALE  # offset -2
     x = torch.randn(1, 6, 2, dtype=F64)
     out = branch(x)
     torch.testing.assert_close(out[:, 2:], branch.mlp(x[:, :-2]), rtol=1e-10, atol=1e-12)

@@ -23,7 +23,13 @@ from iresflow.nn._heads import relative_scores
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.mlp import LipschitzMLP
 
-__all__ = ["RelativeMixingBranch"]
+__all__ = ["SCORE_SCALE", "RelativeMixingBranch"]
+
+#: Scores are ``SCORE_SCALE`` times their parameters. Adam moves a parameter by about the
+#: learning rate per step whatever its gradient's size, so unscaled scores would move by some
+#: 0.2 in the first few hundred steps, far too little to single out an offset; scaled by 10 they
+#: pick the lag of a seasonal process within a few epochs (docs/math.md#relative-mixing).
+SCORE_SCALE = 10.0
 
 
 class RelativeMixingBranch(LipschitzBranch):
@@ -53,7 +59,8 @@ class RelativeMixingBranch(LipschitzBranch):
         self.window = check_int(window, "window", 1)
         self.mlp = LipschitzMLP((features, hidden, hidden, features), coeff=coeff ** (1 / 3),
                                 norm="inf")
-        #: Scores of the offsets -W..W (zero: the plain average of the real frames).
+        #: Parameters of the scores of the offsets -W..W, which are ``SCORE_SCALE`` times these
+        #: (zero: the plain average of the real frames).
         self.scores = nn.Parameter(torch.zeros(2 * window + 1))
 
     def mixing_weights(self, seq_len: int, mask: Tensor | None = None) -> Tensor:
@@ -66,7 +73,7 @@ class RelativeMixingBranch(LipschitzBranch):
         Returns:
             ``(N, N)`` without a mask, ``(B, N, N)`` with one; rows sum to one over real keys.
         """
-        logits = relative_scores(self.scores[None], seq_len)[0]  # (N, N)
+        logits = SCORE_SCALE * relative_scores(self.scores[None], seq_len)[0]  # (N, N)
         if mask is None:
             return torch.softmax(logits, dim=-1)
         return torch.softmax(logits.masked_fill(~mask[:, None, :], -torch.inf), dim=-1)
