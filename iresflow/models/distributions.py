@@ -123,9 +123,7 @@ class StandardNormalSequence(SequenceBase):
         """See :meth:`SequenceBase.log_prob`; ``context`` is ignored."""
         z = check_sequence(z, "z", features=self.features, allow_2d=False)
         per_frame = -0.5 * z.square().sum(-1) - 0.5 * z.shape[-1] * math.log(2 * math.pi)
-        if mask is not None:
-            per_frame = torch.where(mask, per_frame, 0.0)
-        return per_frame.sum(-1)
+        return _sum_real_frames(per_frame, mask)
 
     def sample(
         self,
@@ -222,9 +220,7 @@ class StudentTSequence(SequenceBase):
                      - 0.5 * k * torch.log(math.pi * nu)
                      - 0.5 * (nu + k) * torch.log1p(square / nu))
         per_frame = per_group.sum(-1)
-        if mask is not None:
-            per_frame = torch.where(mask, per_frame, 0.0)
-        return per_frame.sum(-1)
+        return _sum_real_frames(per_frame, mask)
 
     def sample(
         self,
@@ -263,6 +259,13 @@ class StudentTSequence(SequenceBase):
 
     def extra_repr(self) -> str:
         return f"features={self.features}, joint={self.joint}"
+
+
+def _sum_real_frames(per_frame: Tensor, mask: Tensor | None) -> Tensor:
+    """Sum a per-frame log-density ``(B, N)`` over the real frames of ``mask`` ``(B, N)``."""
+    if mask is not None:
+        per_frame = torch.where(mask, per_frame, 0.0)
+    return per_frame.sum(-1)
 
 
 def _check_draw(
