@@ -213,7 +213,8 @@ def run_seed(name: str, seed: int, recipes: list[str], settings: dict[str, Any],
                              **{**RECIPES[recipe], **settings})
         row = run_recipe(config, folder / "run")
         row["gap_closed"] = (result["ar"] - row["test_nll"]) / gap
-        row["history"] = _history(folder / "run")
+        metrics = (folder / "run" / "metrics.jsonl").read_text().splitlines()
+        row["history"] = _curve([json.loads(line) for line in metrics])
         row["attention_use_full_length"] = (
             None if row["attention_usage"] is None
             else attention_use(folder / "run", result["max_len"]))
@@ -255,14 +256,14 @@ def run_gru_maf(base: TrainConfig, seconds: float) -> dict[str, Any]:
     row = train_recurrent_flow(config, load_data(config))
     return {"test_nll": row["test_nll"], "train_seconds": row["train_seconds"],
             "best_epoch": row["best_epoch"], "attention_usage": None,
-            "attention_use_full_length": None, "history": row["history"]}
+            "attention_use_full_length": None, "history": _curve(row["history"])}
 
 
-def _history(run_dir: Path) -> list[tuple[float, float]]:
-    """``(optimisation seconds so far, validation NLL)`` per epoch of a trained run."""
+def _curve(history: list[dict[str, float]]) -> list[tuple[float, float]]:
+    """``(optimisation seconds so far, validation NLL)`` of every epoch of a training history
+    (one metrics dict per epoch, as in ``metrics.jsonl``)."""
     elapsed, curve = 0.0, []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
+    for row in history:
         elapsed += row["train_seconds"]
         curve.append((elapsed, row["val_nll"]))
     return curve
