@@ -88,3 +88,7 @@ def test_model_setting_builds_relative_layers() -> None:
             if isinstance(getattr(s, "branch", None), RelativeMixingBranch)] == [3] * 3
     with pytest.raises(ValueError, match="window"):
         RelativeMixingBranch(features=2, hidden=4, window=0)
+    with pytest.raises(ValueError, match="hidden"):
+        RelativeMixingBranch(features=2, hidden=0, window=2)
+    with pytest.raises(ValueError, match="coeff"):
+        RelativeMixingBranch(features=2, hidden=4, window=2, coeff=-0.5)

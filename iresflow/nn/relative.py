@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from iresflow._validation import check_int, check_mask, check_sequence
 from iresflow.nn._heads import relative_scores
 from iresflow.nn.base import LipschitzBranch
+from iresflow.nn.linear import check_coefficient
 from iresflow.nn.mlp import LipschitzMLP
 
 __all__ = ["SCORE_SCALE", "RelativeMixingBranch"]
@@ -57,6 +58,8 @@ class RelativeMixingBranch(LipschitzBranch):
         super().__init__()
         self.features = check_int(features, "features", 1)
         self.window = check_int(window, "window", 1)
+        hidden = check_int(hidden, "hidden", 1)
+        coeff = check_coefficient(coeff, strict=True)
         self.mlp = LipschitzMLP((features, hidden, hidden, features), coeff=coeff ** (1 / 3),
                                 norm="inf")
         #: Parameters of the scores of the offsets -W..W, which are ``SCORE_SCALE`` times these
