@@ -269,7 +269,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS,
                         metavar="NAME", help=f"datasets (default: all of {', '.join(DATASETS)})")
-    parser.add_argument("--seeds", type=int, default=1, help="seeds 0..S-1 (default: 1)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="number of seeds: FIRST..FIRST+S-1 (default: 1)")
+    parser.add_argument("--first-seed", type=int, default=0, metavar="FIRST",
+                        help="first seed (default: 0), to run seeds in separate processes")
     parser.add_argument("--budget", type=float, default=60.0,
                         help="optimisation seconds of the GRU + MAF (0: skip it; default: 60)")
     parser.add_argument("--epochs", type=int, default=None,
@@ -280,8 +283,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--table-from", type=Path, nargs="+", default=None, metavar="JSON",
                         help="run nothing: print (and --doc) the table of earlier --out files")
     args = parser.parse_args(argv)
-    if args.seeds < 1 or args.budget < 0 or (args.epochs is not None and args.epochs < 1):
-        parser.error("--seeds and --epochs must be positive and --budget >= 0")
+    if (args.seeds < 1 or args.first_seed < 0 or args.budget < 0
+            or (args.epochs is not None and args.epochs < 1)):
+        parser.error("--seeds and --epochs must be positive, --first-seed and --budget >= 0")
     return args
 
 
@@ -295,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = []
     with tempfile.TemporaryDirectory() as work:
         for name in args.datasets:
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 record = run_dataset(name, seed, args.budget, args.epochs, Path(work))
                 records.append(record)
                 print(f"{name} seed {seed}: flow {record['flow']['test_nll']:.3f}, "
