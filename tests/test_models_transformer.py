@@ -326,6 +326,7 @@ def test_config_and_defaults(device, dtype):
         "n_power_iterations": 1, "spectral_norm": "exact", "ar_order": 0,
         "layers": ("attention", "mlp"), "kernel_size": 3, "base": "normal",
         "context_features": 0, "num_classes": 0, "relative_window": None,
+        "position_norm": "auto",
     }
     assert type(model.base) is StandardNormalSequence
     heavy = ResidualFlowTransformer(model.config, base="multivariate-t").base

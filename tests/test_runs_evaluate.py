@@ -29,8 +29,9 @@ def test_load_run_rebuilds_the_stored_model_with_averaged_weights(tmp_path: Path
     config = TrainConfig(**TINY).replace(ema=0.5)
     train(config, tmp_path / "run", progress=False)
     state = load_checkpoint(RunPaths(tmp_path / "run").best)
-    # Stored once, with the automatic val_fraction the split used.
-    recorded = config.replace(val_fraction=0.1).to_dict()
+    # Stored once, with the automatic val_fraction the split used and what position_norm's
+    # auto decided.
+    recorded = config.replace(val_fraction=0.1, position_norm="off").to_dict()
     assert state["config"] == recorded and "model_config" not in state
     run = load_run(tmp_path / "run", device="cpu")
     assert run.model_config == resolve_model_config(config, load_data(config))

@@ -66,6 +66,13 @@ class ModelConfig:
     ar_order: int = setting(
         3, "order p of the autoregressive linear layer over frames at the data end (0: none)"
     )
+    position_norm: str = setting(
+        "auto", "a shift and scale of their own for every position at the data end, for data "
+        "whose law depends on the position (daily profiles, image rows); auto: on when it "
+        "improves the closed-form AR(p) Gaussian on the validation split by two standard "
+        "errors (decided when training starts; a model built without data: off)",
+        ("auto", "on", "off"),
+    )
     n_blocks: int = setting(3, "number of blocks")
     layers: tuple[str, ...] = setting(
         ("conv", "mlp"),

@@ -49,6 +49,7 @@ from iresflow.transforms.actnorm import ActNorm
 from iresflow.transforms.base import SequenceCompositeTransform
 from iresflow.transforms.conditional import ConditionalAffine
 from iresflow.transforms.mixing import FeatureMixing
+from iresflow.transforms.positionwise import PositionwiseAffine
 from iresflow.transforms.residual import ResidualTransform
 from iresflow.transforms.temporal import AutoregressiveLinear
 
@@ -62,8 +63,12 @@ class ResidualFlowTransformer(SequenceFlow):
     r"""Residual flow for (variable-length) sequences, built from a block recipe.
 
     An ``ActNorm`` and an autoregressive linear layer of order ``ar_order`` at the data end
-    (none with ``ar_order = 0``), then ``n_blocks`` blocks whose layers are ``config.layers`` in
-    order (module docstring): ``"conv"``, ``"attention"`` and ``"mlp"`` are residual steps
+    (none with ``ar_order = 0``; with ``position_norm = "on"`` a
+    :class:`~iresflow.transforms.positionwise.PositionwiseAffine` comes first, in the
+    ``ActNorm``'s place; ``"auto"``, which
+    :func:`~iresflow.train.factories.resolve_model_config` decides from the data, builds as
+    ``"off"``), then ``n_blocks`` blocks whose layers are ``config.layers`` in order (module
+    docstring): ``"conv"``, ``"attention"`` and ``"mlp"`` are residual steps
     ``ActNorm -> x + g(x)``, ``"mix"`` an LU feature mixing; the base over the real frames is
     the standard normal, or a Student-t with learned degrees of freedom (``base``,
     :func:`~iresflow.models.distributions.make_base`). The default recipe (``ar_order = 3``,
@@ -152,10 +157,16 @@ class ResidualFlowTransformer(SequenceFlow):
             encoding = make_positional_encoding(config.positional, features, config.max_len)
         steps: list[nn.Module] = []
         names: list[str] = []
+        if config.position_norm == "on":
+            steps.append(PositionwiseAffine(features, config.max_len))
+            names.append("input.positionwise")
         if config.ar_order > 0:
-            steps += [ActNorm(features), AutoregressiveLinear(
-                features, config.ar_order, context_features=config.resolved_context_features)]
-            names += ["input.actnorm", "input.autoregressive"]
+            if config.position_norm != "on":
+                steps.append(ActNorm(features))
+                names.append("input.actnorm")
+            steps.append(AutoregressiveLinear(
+                features, config.ar_order, context_features=config.resolved_context_features))
+            names.append("input.autoregressive")
         for i in range(config.n_blocks):
             for j, kind in enumerate(config.layers):
                 repeated = config.layers.count(kind) > 1

@@ -55,8 +55,9 @@ RESUMABLE_FIELDS = frozenset(
 MODEL_SETTINGS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "features")
 
 #: Settings added after runs were first written, with the value that reproduces such a run: the
-#: noise density was standard normal before ``base`` existed.
-SETTINGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"base": "normal"}
+#: noise density was standard normal before ``base`` existed, and no layer was per position
+#: before ``position_norm``.
+SETTINGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"base": "normal", "position_norm": "off"}
 
 #: Endings of ``data`` (and ``test_data``) that name a user file rather than a dataset.
 USER_FILE_SUFFIXES = (".npz", ".ts", ".ts.gz")

@@ -18,6 +18,7 @@ from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
 from iresflow.data.store import StoredSplit
 from iresflow.models.config import ModelConfig
 from iresflow.models.flow import SequenceFlow
+from iresflow.models.reference import positionwise_evidence
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.config import DEVICE_PATTERN, ConfigError, TrainConfig
 from iresflow.train.distributed import current_world
@@ -101,7 +102,9 @@ def resolve_model_config(config: TrainConfig, dataset: SequenceDataset) -> Model
     """The run's model settings completed from the data: the model a checkpoint stores.
 
     ``features`` is the dataset's, ``max_len`` the dataset's longest sequence unless set, and
-    an automatic ``heads`` is fixed to its value for these features. The ``condition`` of the
+    an automatic ``heads`` is fixed to its value for these features, an ``"auto"``
+    ``position_norm`` to ``"on"`` or ``"off"`` by the validation evidence of the data
+    (:func:`~iresflow.models.reference.positionwise_evidence`). The ``condition`` of the
     run sets the context: with ``"label"`` ``num_classes`` is the number of the dataset's
     classes, with ``"covariates"`` ``context_features`` is the width ``C`` of its covariates.
 
@@ -131,7 +134,23 @@ def resolve_model_config(config: TrainConfig, dataset: SequenceDataset) -> Model
         )
     except ConfigError as error:
         raise ConfigError(f"incompatible model settings for {dataset.name}: {error}") from None
-    return model.replace(heads=model.resolved_heads)
+    return model.replace(heads=model.resolved_heads,
+                         position_norm=_position_norm(model.position_norm, dataset))
+
+
+def _position_norm(setting: str, dataset: SequenceDataset) -> str:
+    """``position_norm``, an ``"auto"`` one decided by the validation evidence of the data.
+
+    ``"on"`` when :func:`~iresflow.models.reference.positionwise_evidence` of the training and
+    validation splits favours it; ``"off"`` without such evidence or without a validation split
+    held in memory (a sequence-store folder).
+    """
+    if setting != "auto":
+        return setting
+    train, val = dataset.train, dataset.val
+    if isinstance(train, StoredSplit) or isinstance(val, StoredSplit) or not bool(val.mask.any()):
+        return "off"
+    return "on" if positionwise_evidence(train, val).favours else "off"
 
 
 def _context_settings(config: TrainConfig, dataset: SequenceDataset) -> dict[str, int]:

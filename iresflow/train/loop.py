@@ -29,7 +29,7 @@ from iresflow.train.checkpoint import CheckpointError, load_checkpoint, save_che
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.distributed import broadcast_object, current_world, launch, process_count
 from iresflow.train.epoch import TrainingSession
-from iresflow.train.factories import build_model, load_data, resolve_device
+from iresflow.train.factories import build_model, load_data, resolve_device, resolve_model_config
 from iresflow.train.fit import run_epochs, seeded_training
 from iresflow.train.metrics import tensorboard_writer, write_metrics
 from iresflow.train.paths import RunPaths, check_run_folder, prepare_run_folder
@@ -179,6 +179,9 @@ def _fit(
     dataset = load_data(config)
     if config.val_fraction is None:  # the run records the automatic fraction its split used
         config = config.replace(val_fraction=dataset.val_fraction)
+    if config.model.position_norm == "auto":  # and what the data decided
+        config = config.replace(
+            position_norm=resolve_model_config(config, dataset).position_norm)
     # The run owns torch's global generators while it trains; the caller's are restored after.
     with seeded_training(config.seed, device):
         model = build_model(config, dataset).to(device)  # settings checked before any deletion

@@ -3,6 +3,7 @@
 from iresflow.transforms.actnorm import ActNorm, DataInitializedTransform
 from iresflow.transforms.base import SequenceCompositeTransform, SequenceTransform
 from iresflow.transforms.mixing import FeatureMixing
+from iresflow.transforms.positionwise import PositionwiseAffine
 from iresflow.transforms.residual import ResidualTransform
 from iresflow.transforms.temporal import AutoregressiveLinear
 
@@ -11,6 +12,7 @@ __all__ = [
     "AutoregressiveLinear",
     "DataInitializedTransform",
     "FeatureMixing",
+    "PositionwiseAffine",
     "ResidualTransform",
     "SequenceCompositeTransform",
     "SequenceTransform",
