@@ -330,12 +330,12 @@ def test_config_and_defaults(device, dtype):
     }
     assert type(model.base) is StandardNormalSequence
     heavy = ResidualFlowTransformer(model.config, base="multivariate-t").base
-    assert isinstance(heavy, StudentTSequence) and heavy.joint
+    assert isinstance(heavy, StudentTSequence) and heavy.group == "frame"
     assert model.config.resolved_heads == 4
     assert model.config == ModelConfig(features=12, n_blocks=4, max_len=512,
                                        layers=("attention", "mlp"), ar_order=0, base="normal")
     default = ResidualFlowTransformer(features=12, max_len=8).base
-    assert isinstance(default, StudentTSequence) and default.joint
+    assert isinstance(default, StudentTSequence) and default.group == "sequence"
     assert ResidualFlowTransformer(**model.config.to_dict()).config == model.config
     assert ResidualFlowTransformer(model.config, hidden=8).config == model.config.replace(hidden=8)
     assert [default_heads(d) for d in (1, 2, 3, 4, 5, 6, 12)] == [1, 2, 3, 4, 1, 3, 4]

@@ -159,7 +159,7 @@ def test_a_run_written_before_the_base_setting_loads_with_a_normal_base(tmp_path
     paths = RunPaths(folder)
     paths.config.write_text("\n".join(line for line in paths.config.read_text().splitlines()
                                       if not line.startswith("base =")))
-    assert TrainConfig().base == "multivariate-t"
+    assert TrainConfig().base == "sequence-t"
     assert type(load_run(folder, device="cpu").model.base) is StandardNormalSequence
     train(TrainConfig.from_toml(paths.config, stored=True).replace(epochs=2), folder,
           resume=True, progress=False)

@@ -106,7 +106,7 @@ def test_the_run_records_the_automatic_val_fraction(tmp_path: Path) -> None:
         train(config.replace(val_fraction=0.1), tmp_path / "explicit", progress=False)
     assert len(resumed.history) == 2
     assert TrainConfig.from_toml(RunPaths(tmp_path / "run").config) == config.replace(
-        val_fraction=0.25, epochs=2)
+        val_fraction=0.25, epochs=2, position_norm="off")
     assert TrainConfig.from_toml(RunPaths(tmp_path / "explicit").config).val_fraction == 0.1
     with pytest.raises(ConfigError, match="cannot resume .*val_fraction"):
         train(config.replace(epochs=3, val_fraction=0.1), tmp_path / "run", resume=True,

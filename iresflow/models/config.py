@@ -105,9 +105,10 @@ class ModelConfig:
         "exact", "spectral norm of the MLP layers in training", ("exact", "power")
     )
     base: str = setting(
-        "multivariate-t", "density of the noise: standard normal, Student-t per feature with "
-        "learned degrees of freedom, or one multivariate t per frame (heavy tails: a sequence "
-        "a little outside the training range is not punished quadratically)", BASES
+        "sequence-t", "density of the noise: standard normal, Student-t per feature with "
+        "learned degrees of freedom, one multivariate t per frame, or one multivariate t over "
+        "the real frames of a sequence (heavy tails; sequence-t: every sequence a Gaussian with "
+        "a random scale of its own, so quiet and loud recordings are both likely)", BASES
     )
     context_features: int = setting(
         0, "size C of the per-sequence context vector: covariates, or the class-label embedding "

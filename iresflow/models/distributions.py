@@ -24,13 +24,18 @@ __all__ = [
     "SequenceBase",
     "StandardNormalSequence",
     "StudentTSequence",
+    "T_GROUPS",
     "make_base",
     "sample_mask",
 ]
 
 #: Names of the base densities (the model setting ``base``): the standard normal, independent
-#: Student-t features, or a multivariate t per frame (:func:`make_base`).
-BASES = ("normal", "student-t", "multivariate-t")
+#: Student-t features, a multivariate t per frame, or one multivariate t over the real frames
+#: of a sequence (:func:`make_base`).
+BASES = ("normal", "student-t", "multivariate-t", "sequence-t")
+#: Groups of coordinates sharing one chi-square scale in :class:`StudentTSequence`, by the
+#: ``base`` name that selects them.
+T_GROUPS = {"student-t": "feature", "multivariate-t": "frame", "sequence-t": "sequence"}
 #: Lower bound of the degrees of freedom of :class:`StudentTSequence`: the variance
 #: :math:`\nu / (\nu - 2)` of the noise stays finite.
 NU_MIN = 2.0
@@ -159,25 +164,27 @@ class StudentTSequence(SequenceBase):
     r"""Student-t density of the real frames, with learned degrees of freedom
     (docs/math.md#student-t-base).
 
-    With ``joint=False`` every feature of every frame is an independent Student-t with unit scale
-    and its own degrees of freedom :math:`\nu_d`; with ``joint=True`` every frame is a
-    :math:`D`-variate t with identity scale and one :math:`\nu` (the features of a frame share
-    one chi-square scale, so a frame far out in one feature tends to be far out in others). For
-    a group of :math:`k` coordinates (:math:`k = 1` per feature, :math:`k = D` per frame) with
-    squared norm :math:`q`,
+    The coordinates of the real frames are cut into groups that share one chi-square scale:
+    ``group="feature"``: every feature of every frame is an independent Student-t with unit
+    scale and its own degrees of freedom :math:`\nu_d`; ``group="frame"``: every frame is a
+    :math:`D`-variate t with identity scale and one :math:`\nu` (a frame far out in one feature
+    tends to be far out in others); ``group="sequence"``: all real frames of a sequence form one
+    :math:`nD`-variate t (:math:`n` real frames), one :math:`\nu` (a sequence is a Gaussian
+    scaled by one random factor of its own, so a quiet and a loud recording are both likely).
+    For a group of :math:`k` coordinates with squared norm :math:`q`,
 
     .. math::
         \log p = \log\Gamma\big(\tfrac{\nu + k}{2}\big) - \log\Gamma\big(\tfrac{\nu}{2}\big)
         - \tfrac{k}{2}\log(\pi\nu) - \tfrac{\nu + k}{2}\log\big(1 + \tfrac{q}{\nu}\big),
 
-    summed over the groups of the real frames. :math:`\nu = \nu_{\min} + e^{\eta}` with the
-    parameter :attr:`log_excess` :math:`\eta` (an optimiser step changes :math:`\nu - 2` by
-    a fraction of itself) and :data:`NU_MIN` :math:`= 2`, so the variance exists. The context of a
-    conditional flow is ignored (its last layer shifts and scales the noise per context).
+    summed over the groups. :math:`\nu = \nu_{\min} + e^{\eta}` with the parameter
+    :attr:`log_excess` :math:`\eta` (an optimiser step changes :math:`\nu - 2` by a fraction of
+    itself) and :data:`NU_MIN` :math:`= 2`, so the variance exists. The context of a conditional
+    flow is ignored (its last layer shifts and scales the noise per context).
 
     Args:
         features: Feature size ``D``.
-        joint: One multivariate t per frame instead of independent features.
+        group: ``"feature"``, ``"frame"`` or ``"sequence"`` (:data:`T_GROUPS`).
         nu_init: Initial degrees of freedom, ``> NU_MIN`` (default :data:`NU_INIT`, nearly
             Gaussian).
 
@@ -191,21 +198,25 @@ class StudentTSequence(SequenceBase):
         [5.0, 5.0]
     """
 
-    def __init__(self, features: int, *, joint: bool = False, nu_init: float = NU_INIT) -> None:
+    def __init__(
+        self, features: int, *, group: str = "feature", nu_init: float = NU_INIT
+    ) -> None:
         super().__init__()
         self.features = check_int(features, "features", 1)
-        if not isinstance(joint, bool):
-            raise TypeError(f"joint must be a bool, got {type(joint).__name__}")
-        self.joint = joint
+        if group not in T_GROUPS.values():
+            raise ValueError(
+                f"group must be one of {', '.join(T_GROUPS.values())}, got {group!r}")
+        self.group = group
         nu_init = check_float(nu_init, "nu_init", NU_MIN)
-        #: :math:`\eta = \log(\nu - \nu_{\min})`, one per feature or one per frame ``(G,)``.
+        #: :math:`\eta = \log(\nu - \nu_{\min})`, one per feature, or one ``(G,)``.
         self.log_excess = nn.Parameter(
-            torch.full((1 if joint else self.features,), math.log(nu_init - NU_MIN))
+            torch.full((self.features if group == "feature" else 1,),
+                       math.log(nu_init - NU_MIN))
         )
 
     @property
     def nu(self) -> Tensor:
-        """Degrees of freedom ``(G,)``: one per feature (``G = D``), or one (``joint``)."""
+        """Degrees of freedom ``(G,)``: one per feature (``G = D``), or one."""
         return NU_MIN + self.log_excess.exp()
 
     def log_prob(
@@ -214,12 +225,16 @@ class StudentTSequence(SequenceBase):
         """See :meth:`SequenceBase.log_prob`; ``context`` is ignored."""
         z = check_sequence(z, "z", features=self.features, allow_2d=False)
         nu = self.nu
-        square = z.square().sum(-1, keepdim=True) if self.joint else z.square()
-        k = z.shape[-1] if self.joint else 1
-        per_group = (torch.lgamma((nu + k) / 2) - torch.lgamma(nu / 2)
-                     - 0.5 * k * torch.log(math.pi * nu)
-                     - 0.5 * (nu + k) * torch.log1p(square / nu))
-        per_frame = per_group.sum(-1)
+        if self.group == "sequence":
+            real = (torch.ones(z.shape[:2], dtype=torch.bool, device=z.device)
+                    if mask is None else mask)
+            square = torch.where(real, z.square().sum(-1), 0.0).sum(-1)
+            k = real.sum(-1).to(z.dtype) * self.features
+            return _t_log_density(square, k, nu)
+        if self.group == "frame":
+            per_frame = _t_log_density(z.square().sum(-1), float(self.features), nu)
+        else:
+            per_frame = _t_log_density(z.square(), 1.0, nu).sum(-1)
         return _sum_real_frames(per_frame, mask)
 
     def sample(
@@ -234,7 +249,7 @@ class StudentTSequence(SequenceBase):
         r"""Draw :math:`T\,t` on the real frames, zeros at padding.
 
         :math:`t = g \sqrt{\nu / w}` with :math:`g \sim \mathcal N(0, I)` and a chi-square
-        :math:`w \sim \chi^2_\nu` per feature (or per frame with ``joint``), drawn from the
+        :math:`w \sim \chi^2_\nu` per group (feature, frame or sequence), drawn from the
         generator; the draw is not differentiable in :math:`\nu`.
 
         Args:
@@ -251,14 +266,21 @@ class StudentTSequence(SequenceBase):
         g = torch.randn(*mask.shape, self.features, generator=generator, device=mask.device,
                         dtype=dtype)
         nu = self.nu.detach().to(device=mask.device, dtype=g.dtype)
-        half_nu = (nu / 2).expand(*mask.shape, nu.numel())
+        groups = {"feature": (*mask.shape, self.features), "frame": (*mask.shape, 1),
+                  "sequence": (mask.shape[0], 1, 1)}[self.group]
         # torch.distributions' Gamma and Chi2 take no generator; their sampler does.
-        chi_square = 2 * torch._standard_gamma(half_nu, generator=generator)
+        chi_square = 2 * torch._standard_gamma((nu / 2).expand(groups), generator=generator)
         z = g * torch.sqrt(nu / chi_square) * temperature
         return torch.where(mask.unsqueeze(-1), z, 0.0)
 
     def extra_repr(self) -> str:
-        return f"features={self.features}, joint={self.joint}"
+        return f"features={self.features}, group={self.group}"
+
+
+def _t_log_density(square: Tensor, k: Tensor | float, nu: Tensor) -> Tensor:
+    """Log-density of a ``k``-variate t with identity scale at squared norm ``square``."""
+    return (torch.lgamma((nu + k) / 2) - torch.lgamma(nu / 2) - 0.5 * k * torch.log(math.pi * nu)
+            - 0.5 * (nu + k) * torch.log1p(square / nu))
 
 
 def _sum_real_frames(per_frame: Tensor, mask: Tensor | None) -> Tensor:
@@ -283,7 +305,8 @@ def make_base(kind: str, features: int) -> SequenceBase:
 
     Args:
         kind: ``"normal"`` (:class:`StandardNormalSequence`), ``"student-t"`` (independent
-            Student-t features) or ``"multivariate-t"`` (one multivariate t per frame), see
+            Student-t features), ``"multivariate-t"`` (one multivariate t per frame) or
+            ``"sequence-t"`` (one multivariate t over the real frames of a sequence), see
             :data:`BASES`.
         features: Feature size ``D``.
 
@@ -299,8 +322,8 @@ def make_base(kind: str, features: int) -> SequenceBase:
     """
     if kind == "normal":
         return StandardNormalSequence(features)
-    if kind in ("student-t", "multivariate-t"):
-        return StudentTSequence(features, joint=kind == "multivariate-t")
+    if kind in T_GROUPS:
+        return StudentTSequence(features, group=T_GROUPS[kind])
     raise ValueError(f"base must be one of {', '.join(BASES)}, got {kind!r}")
 
 
