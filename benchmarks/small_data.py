@@ -61,6 +61,8 @@ ARCHIVE = ("BasicMotions", "CardanoSentiment", "ItalyPowerDemand", "GunPoint", "
 SHIPPED = ("japanese_vowels", "digits_rows", "co2_windows")
 DATASETS = ARCHIVE + SHIPPED
 MAX_AR_ORDER = 3
+#: The trained models of a record (the closed-form references are in every record).
+MODELS = ("flow", "gru_maf")
 START, END = "<!-- small-data:start -->", "<!-- small-data:end -->"
 
 
@@ -126,15 +128,24 @@ def distribution(nll: torch.Tensor) -> dict[str, Any]:
     return summarize_sequence_nll(nll).to_dict()
 
 
-def run_flow(name: str, seed: int, run_dir: Path, epochs: int | None) -> dict[str, Any]:
-    """The default flow through the product path: ``train``, then ``evaluate_run``'s scores."""
+def run_flow(name: str, seed: int, run_dir: Path,
+             settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The default flow through the product path: ``train``, then ``evaluate_run``'s scores.
+
+    Args:
+        name: Dataset of :data:`DATASETS`.
+        seed: Seed of the run (split and training).
+        run_dir: Run folder (overwritten).
+        settings: Settings of ``iresflow train`` that differ from the defaults (an ablation);
+            recorded in the result.
+    """
     from iresflow.runs.evaluate import evaluate_run
     from iresflow.runs.load import load_run
     from iresflow.train.config import TrainConfig
     from iresflow.train.loop import train
 
-    extra = {} if epochs is None else {"epochs": epochs}
-    config = TrainConfig(**data_settings(name), seed=seed, **extra)
+    settings = dict(settings or {})
+    config = TrainConfig(**data_settings(name), seed=seed, **settings)
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -149,6 +160,7 @@ def run_flow(name: str, seed: int, run_dir: Path, epochs: int | None) -> dict[st
             "epochs": result.epochs, "best_epoch": result.best_epoch,
             "stopped_early": result.stopped_early, "seconds": time.perf_counter() - start,
             "params": sum(p.numel() for p in run.model.parameters()),
+            "position_norm": run.config.model.position_norm, "settings": settings,
             "sequences": distribution(per_sequence)}
 
 
@@ -185,19 +197,44 @@ def run_gru_maf(name: str, ds: SequenceDataset, seed: int, budget: float) -> dic
     return {key: row[key] for key in ("test_nll", "epochs", "stopped")}
 
 
-def run_dataset(name: str, seed: int, budget: float, epochs: int | None,
-                work: Path) -> dict[str, Any]:
-    """Every model of the suite on one dataset and seed."""
+def run_dataset(name: str, seed: int, budget: float, settings: dict[str, Any] | None,
+                work: Path, flow: bool = True) -> dict[str, Any]:
+    """Every model of the suite on one dataset and seed (the flow unless ``flow=False``, with
+    the :func:`run_flow` ``settings``)."""
     ds = load(name, seed)
     record: dict[str, Any] = {
         "dataset": name, "seed": seed, "features": ds.features, "max_len": ds.max_len,
         "sizes": [len(ds.train), len(ds.val), len(ds.test)], "unit": ds.unit,
         "variable_length": not bool(ds.train.mask.all() and ds.test.mask.all())}
     record.update(run_references(ds))
-    record["flow"] = run_flow(name, seed, work / f"{name}-seed{seed}", epochs)
+    if flow:
+        record["flow"] = run_flow(name, seed, work / f"{name}-seed{seed}", settings)
     if budget > 0:
         record["gru_maf"] = run_gru_maf(name, ds, seed, budget)
     return record
+
+
+def merge_records(files: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Records of several runs, one per dataset and seed: the first file that ran a model
+    gives its entry (``flow``, ``gru_maf``), so a flow-only and a baseline-only run combine.
+
+    Args:
+        files: The ``records`` of every ``--out`` file, in order of precedence.
+
+    Returns:
+        One record per (dataset, seed), in the order they first appear.
+    """
+    merged: dict[tuple[str, int], dict[str, Any]] = {}
+    for records in files:
+        for record in records:
+            key = (record["dataset"], record["seed"])
+            if key not in merged:
+                merged[key] = dict(record)
+                continue
+            for model in MODELS:
+                if model in record and model not in merged[key]:
+                    merged[key][model] = record[model]
+    return list(merged.values())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -214,14 +251,15 @@ def _mean(values: Sequence[float]) -> str:
 
 
 def _worst(summaries: Sequence[dict[str, Any]]) -> str:
-    """``median / worst / far-above count`` of the first seed (the count summed over seeds)."""
+    """``median / worst / far-above count``: the median averaged over seeds, the worst sequence
+    of all seeds and the far-above counts summed over seeds."""
     if not summaries:
         return "—"
-    first = summaries[0]
+    median = statistics.fmean(s["median"] for s in summaries)
     far = sum(s["far_above"] for s in summaries)
-    worst = first["worst"]
+    worst = max(s["worst"] for s in summaries)
     worst_text = f"{worst:.2f}" if abs(worst) < 100 else f"{worst:.0f}"
-    return f"{first['median']:.2f} / {worst_text} / {far}"
+    return f"{median:.2f} / {worst_text} / {far}"
 
 
 def markdown_table(records: Sequence[dict[str, Any]]) -> str:
@@ -231,7 +269,8 @@ def markdown_table(records: Sequence[dict[str, Any]]) -> str:
         records: :func:`run_dataset` records (several seeds of a dataset are averaged).
 
     Returns:
-        A markdown table; the best NLL of every row is in bold.
+        A markdown table; the best NLL of every row is in bold, and † marks a GRU + MAF that
+        reached its time budget (rather than early stopping) on at least one seed.
     """
     names = list(dict.fromkeys(r["dataset"] for r in records))
     lines = [
@@ -244,7 +283,7 @@ def markdown_table(records: Sequence[dict[str, Any]]) -> str:
         rows = [r for r in records if r["dataset"] == name]
         first = rows[0]
         columns = {
-            "flow": [r["flow"]["test_nll"] for r in rows],
+            "flow": [r["flow"]["test_nll"] for r in rows if "flow" in r],
             "ar": [r["ar"]["test_nll"] for r in rows],
             "sequence_gaussian": [r["sequence_gaussian"]["test_nll"] for r in rows
                                   if "test_nll" in r["sequence_gaussian"]],
@@ -254,13 +293,16 @@ def markdown_table(records: Sequence[dict[str, Any]]) -> str:
         best = min(means.values())
         cells = {k: (f"**{_mean(v)}**" if v and means[k] == best else _mean(v))
                  for k, v in columns.items()}
+        if any(r.get("gru_maf", {}).get("stopped") == "time" for r in rows):
+            cells["gru_maf"] += " †"
+        flow_sequences = [r["flow"]["sequences"] for r in rows if "flow" in r]
         orders = "/".join(str(r["ar"]["order"]) for r in rows)
         sizes = "/".join(str(s) for s in first["sizes"])
         length = f"≤ {first['max_len']}" if first["variable_length"] else str(first["max_len"])
         lines.append(
             f"| {name} | {sizes} | {first['features']} | {length} | {first['unit']} | "
             f"{cells['flow']} | {cells['ar']} ({orders}) | {cells['sequence_gaussian']} | "
-            f"{cells['gru_maf']} | {_worst([r['flow']['sequences'] for r in rows])} | "
+            f"{cells['gru_maf']} | {_worst(flow_sequences)} | "
             f"{_worst([r['ar']['sequences'] for r in rows])} |")
     return "\n".join(lines)
 
@@ -275,17 +317,34 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="first seed (default: 0), to run seeds in separate processes")
     parser.add_argument("--budget", type=float, default=60.0,
                         help="optimisation seconds of the GRU + MAF (0: skip it; default: 60)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="settings of iresflow train for the flow that differ from the "
+                        "defaults, e.g. position_norm=off base=multivariate-t (values read as "
+                        "JSON where they parse, else as text)")
+    parser.add_argument("--no-flow", action="store_true",
+                        help="skip the flow: only the references and the GRU + MAF")
     parser.add_argument("--epochs", type=int, default=None,
                         help="epochs of the flow (default: iresflow train's)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/small_data.json"))
     parser.add_argument("--doc", type=Path, default=None,
                         help="also write the table into this page between its markers")
     parser.add_argument("--table-from", type=Path, nargs="+", default=None, metavar="JSON",
-                        help="run nothing: print (and --doc) the table of earlier --out files")
+                        help="run nothing: print (and --doc) the table of earlier --out "
+                        "files, merged by dataset and seed (the first file with a model's "
+                        "entry gives it)")
     args = parser.parse_args(argv)
     if (args.seeds < 1 or args.first_seed < 0 or args.budget < 0
             or (args.epochs is not None and args.epochs < 1)):
         parser.error("--seeds and --epochs must be positive, --first-seed and --budget >= 0")
+    args.settings = {} if args.epochs is None else {"epochs": args.epochs}
+    for item in args.set:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--set takes KEY=VALUE, got {item!r}")
+        try:
+            args.settings[key] = json.loads(text)
+        except json.JSONDecodeError:
+            args.settings[key] = text
     return args
 
 
@@ -293,18 +352,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the suite, print the table, write the JSON (and the page)."""
     args = _parse(argv)
     if args.table_from is not None:
-        records = [r for path in args.table_from
-                   for r in json.loads(path.read_text())["records"]]
+        records = merge_records([json.loads(path.read_text())["records"]
+                                 for path in args.table_from])
         return _report(records, args.doc)
     records = []
     with tempfile.TemporaryDirectory() as work:
         for name in args.datasets:
             for seed in range(args.first_seed, args.first_seed + args.seeds):
-                record = run_dataset(name, seed, args.budget, args.epochs, Path(work))
+                record = run_dataset(name, seed, args.budget, args.settings, Path(work),
+                                     flow=not args.no_flow)
                 records.append(record)
-                print(f"{name} seed {seed}: flow {record['flow']['test_nll']:.3f}, "
-                      f"AR({record['ar']['order']}) {record['ar']['test_nll']:.3f} "
-                      f"({record['flow']['seconds']:.0f} s)", file=sys.stderr, flush=True)
+                scores = {model: f"{record[model]['test_nll']:.3f}" for model in MODELS
+                          if model in record}
+                print(f"{name} seed {seed}: AR({record['ar']['order']}) "
+                      f"{record['ar']['test_nll']:.3f}, {scores}", file=sys.stderr, flush=True)
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps({"command": " ".join(sys.argv),
                                                 "records": records}, indent=1) + "\n")
@@ -317,7 +378,7 @@ def _report(records: list[dict[str, Any]], doc: Path | None) -> int:
     print(table)
     if doc is not None:
         doc.write_text(replace_between_markers(doc.read_text(), table, str(doc), START, END))
-    return 0 if all(math.isfinite(r["flow"]["test_nll"]) for r in records) else 1
+    return 0 if all(math.isfinite(r["flow"]["test_nll"]) for r in records if "flow" in r) else 1
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ import torch
 
 from benchmarks.small_data import (
     ARCHIVE,
+    _parse,
     archive_files,
     load,
     markdown_table,
+    merge_records,
     run_references,
     sequence_gaussian_applies,
 )
@@ -57,9 +59,34 @@ def test_table_averages_seeds_and_bolds_the_best() -> None:
     assert row_a[:5] == ["a", "8/1/5", "2", "10", "nats/frame"]
     assert row_a[5] == "**2.000 ± 1.414**" and row_a[6] == "**2.000 ± 0.000** (1/1)"  # tie
     assert row_a[7] == "—" and row_a[8] == "3.000 ± 0.000"
-    assert row_a[9] == "1.00 / 2.50 / 3"  # the first seed's median and worst, far summed
+    assert row_a[9] == "1.00 / 3.50 / 3"  # mean median, worst of all seeds, far summed
     row_b = [cell.strip() for cell in lines[3].split("|")[1:-1]]
     assert row_b[5] == "1234.5" and row_b[6] == "**-0.500** (1)" and row_b[8] == "—"
+
+
+def test_flow_only_and_baseline_only_runs_merge_by_dataset_and_seed() -> None:
+    flow_only = [_record("a", 0, 1.0, 2.0, None), _record("a", 1, 1.5, 2.0, None)]
+    baseline = [_record("a", 1, 9.0, 2.0, 3.0), _record("b", 0, 9.0, 2.0, 4.0)]
+    for r in baseline:
+        r["gru_maf"]["stopped"] = "time"
+    baseline[0]["gru_maf"]["stopped"] = "patience"
+    merged = merge_records([flow_only, baseline])
+    assert [(r["dataset"], r["seed"]) for r in merged] == [("a", 0), ("a", 1), ("b", 0)]
+    assert [r["flow"]["test_nll"] for r in merged] == [1.0, 1.5, 9.0]  # the first file wins
+    assert "gru_maf" not in merged[0] and merged[1]["gru_maf"]["test_nll"] == 3.0
+    rows = markdown_table(merged).splitlines()[2:]
+    assert rows[0].split("|")[9].strip() == "3.000"  # a's GRU + MAF stopped by patience
+    assert rows[1].split("|")[9].strip() == "4.000 †"  # b's reached its time budget
+    del merged[2]["flow"]  # a baseline-only record leaves the flow columns empty
+    assert markdown_table(merged[2:]).splitlines()[2].split("|")[6].strip() == "—"
+
+
+def test_set_gives_the_flow_settings_of_an_ablation() -> None:
+    args = _parse(["--set", "position_norm=off", "ar_order=12", "--epochs", "5"])
+    assert args.settings == {"epochs": 5, "position_norm": "off", "ar_order": 12}
+    assert _parse([]).settings == {}
+    with pytest.raises(SystemExit):
+        _parse(["--set", "position_norm"])
 
 
 def test_sequence_gaussian_needs_fixed_length_and_enough_sequences(tmp_path: Path) -> None:
