@@ -15,14 +15,14 @@ from iresflow.runs import evaluate
 from iresflow.runs.evaluate import evaluate_run
 from iresflow.runs.load import full_history, load_run
 from iresflow.train.averaging import load_average, moving_average
-from iresflow.train.checkpoint import load_checkpoint, save_checkpoint
+from iresflow.train.checkpoint import load_checkpoint
 from iresflow.train.config import TrainConfig
 from iresflow.train.epoch import TrainingSession
 from iresflow.train.factories import load_data, resolve_model_config
 from iresflow.train.likelihood import log_prob_cost
 from iresflow.train.loop import train
 from iresflow.train.paths import RunPaths
-from tests.tiny_runs import TINY
+from tests.tiny_runs import TINY, forget_setting
 
 
 def test_load_run_rebuilds_the_stored_model_with_averaged_weights(tmp_path: Path) -> None:
@@ -152,13 +152,7 @@ def test_a_run_written_before_the_base_setting_loads_with_a_normal_base(tmp_path
     # density, not today's default, and must load (and resume) as they were trained.
     folder = tmp_path / "run"
     train(TrainConfig(**TINY).replace(epochs=1, base="normal"), folder, progress=False)
-    for path in folder.glob("checkpoints/*.pt"):
-        state = load_checkpoint(path)
-        del state["config"]["base"]
-        save_checkpoint(state, path)
-    paths = RunPaths(folder)
-    paths.config.write_text("\n".join(line for line in paths.config.read_text().splitlines()
-                                      if not line.startswith("base =")))
+    paths = forget_setting(folder, "base")
     assert TrainConfig().base == "sequence-t"
     assert type(load_run(folder, device="cpu").model.base) is StandardNormalSequence
     train(TrainConfig.from_toml(paths.config, stored=True).replace(epochs=2), folder,
