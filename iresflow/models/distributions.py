@@ -226,11 +226,9 @@ class StudentTSequence(SequenceBase):
         z = check_sequence(z, "z", features=self.features, allow_2d=False)
         nu = self.nu
         if self.group == "sequence":
-            real = (torch.ones(z.shape[:2], dtype=torch.bool, device=z.device)
-                    if mask is None else mask)
-            square = torch.where(real, z.square().sum(-1), 0.0).sum(-1)
-            k = real.sum(-1).to(z.dtype) * self.features
-            return _t_log_density(square, k, nu)
+            frames = z.shape[1] if mask is None else mask.sum(-1).to(z.dtype)
+            square = _sum_real_frames(z.square().sum(-1), mask)
+            return _t_log_density(square, frames * self.features, nu)
         if self.group == "frame":
             per_frame = _t_log_density(z.square().sum(-1), float(self.features), nu)
         else:

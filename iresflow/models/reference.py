@@ -392,15 +392,15 @@ def positionwise_evidence(
         x = (split.x.double() - mean) / scale
         return _Sequences(torch.where(split.mask.unsqueeze(-1), x, 0.0), split.mask)
 
-    plain = AutoregressiveGaussian(features, length)
-    plain.fit_selected_order(_Sequences(train.x.double(), train.mask),
-                             _Sequences(val.x.double(), val.mask), max_order, refit=False)
+    plain = AutoregressiveGaussian(features, length)  # fits and scores in float64
+    plain.fit_selected_order(train, val, max_order, refit=False)
+    val_standardised = standardised(val)
     per_position = AutoregressiveGaussian(features, length)
-    per_position.fit_selected_order(standardised(train), standardised(val), max_order,
+    per_position.fit_selected_order(standardised(train), val_standardised, max_order,
                                     refit=False)
     jacobian = torch.where(val.mask, -scale.log().sum(-1), 0.0).sum(-1)
-    diff = (per_position.log_prob(*standardised(val)) + jacobian
-            - plain.log_prob(val.x.double(), val.mask))
+    diff = (per_position.log_prob(*val_standardised) + jacobian
+            - plain.log_prob(val.x, val.mask))
     count = diff.shape[0]
     stderr = float(diff.std() / math.sqrt(count)) if count > 1 else math.inf
     return PositionwiseEvidence(float(diff.mean()), stderr, count)

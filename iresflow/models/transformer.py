@@ -160,10 +160,10 @@ class ResidualFlowTransformer(SequenceFlow):
         if config.position_norm == "on":
             steps.append(PositionwiseAffine(features, config.max_len))
             names.append("input.positionwise")
+        elif config.ar_order > 0:
+            steps.append(ActNorm(features))
+            names.append("input.actnorm")
         if config.ar_order > 0:
-            if config.position_norm != "on":
-                steps.append(ActNorm(features))
-                names.append("input.actnorm")
             steps.append(AutoregressiveLinear(
                 features, config.ar_order, context_features=config.resolved_context_features))
             names.append("input.autoregressive")
