@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 
 import iresflow
+from iresflow._settings import check_device
 from iresflow.cli import parse_train_config
 from iresflow.models.config import ModelConfig
+from iresflow.runs.settings import RunSettings
 from iresflow.train.config import MODEL_SETTINGS, ConfigError, TrainConfig
+from iresflow.train.factories import resolve_device
 
 
 def test_config_toml_round_trip(tmp_path: Path) -> None:
@@ -233,3 +236,15 @@ def test_the_cli_docs_table_states_every_default() -> None:
             assert float(table[name]) == value, name
         else:
             assert table[name] == text, name
+
+
+@pytest.mark.parametrize("name", ["tpu", "cuda:x", "CPU", "cuda:"])
+def test_every_device_setting_has_the_one_device_check(name: str) -> None:
+    """TrainConfig, RunSettings and the device resolver refuse a device name alike."""
+    with pytest.raises(ConfigError) as expected:
+        check_device(name)
+    for refuse in (lambda: TrainConfig(device=name), lambda: RunSettings(device=name),
+                   lambda: resolve_device(name)):
+        with pytest.raises(ConfigError) as error:
+            refuse()
+        assert str(error.value) == str(expected.value)
