@@ -80,14 +80,15 @@ def train_configs(args: argparse.Namespace) -> dict[str, TrainConfig]:
         ``{"unconditional": ..., "conditional": ...}``; they differ only in ``condition`` and
         the size of the label embedding.
     """
-    base = TrainConfig(
+    base = TrainConfig.from_dict(dict(
         data="japanese_vowels", seed=args.seed, device="cpu", epochs=args.epochs,
         max_seconds=args.max_seconds, n_blocks=args.n_blocks, hidden=args.hidden,
         ar_order=args.ar_order,
-    )
+    ))
+    conditional = base.model.replace(context_features=args.context_features)
     return {
         "unconditional": base,
-        "conditional": base.replace(condition="label", context_features=args.context_features),
+        "conditional": base.replace(condition="label", model=conditional),
     }
 
 

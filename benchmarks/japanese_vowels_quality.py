@@ -56,7 +56,7 @@ from iresflow.train.loop import train
 
 #: Settings of ours: the library defaults, trained for the full schedule (no early stop).
 RECOMMENDED = {
-    key: getattr(TrainConfig(), key)
+    key: TrainConfig().to_dict()[key]
     for key in ("n_blocks", "hidden", "lr", "batch_size", "epochs", "scheduler", "eval_method")
 } | {"patience": 0}
 #: Smoke-run settings of ``--quick``.
@@ -73,9 +73,9 @@ def matched_iid_config(config: TrainConfig, features: int, max_len: int) -> Trai
     """The frame-wise peer (MLP layers only, no autoregressive layer) with the smallest MLP width
     reaching ours in parameters."""
     target = parameter_count(config, features, max_len)
-    peer = config.replace(layers=("mlp",), ar_order=0)
+    peer = config.replace(model=config.model.replace(layers=("mlp",), ar_order=0))
     while parameter_count(peer, features, max_len) < target:
-        peer = peer.replace(hidden=peer.hidden + 1)
+        peer = peer.replace(model=peer.model.replace(hidden=peer.model.hidden + 1))
     return peer
 
 
@@ -138,7 +138,8 @@ def main() -> None:
 
     settings = RECOMMENDED | (QUICK if args.quick else {})
     settings |= {k: v for k in RECOMMENDED if (v := getattr(args, k)) is not None}
-    ours = TrainConfig(data="japanese_vowels", seed=args.seed, device="cpu", **settings)
+    ours = TrainConfig.from_dict(
+        {"data": "japanese_vowels", "seed": args.seed, "device": "cpu", **settings})
     dataset = load_data(ours)  # the splits both flows see (test cut to max_eval with --quick)
     peer = matched_iid_config(ours, dataset.features, dataset.max_len)
     print(f"settings: {settings}")
@@ -147,7 +148,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         root = args.out if args.out is not None else Path(scratch)
         results = {"ours (L2 attention)": train_and_test(ours, root / "ours")}
-        results[f"i.i.d.-frame flow (hidden {peer.hidden})"] = train_and_test(peer, root / "iid")
+        results[f"i.i.d.-frame flow (hidden {peer.model.hidden})"] = train_and_test(
+            peer, root / "iid")
     torch.manual_seed(args.seed)
     maf, width = matched_maf(results["ours (L2 attention)"]["parameters"], dataset.features,
                              dataset.max_len)

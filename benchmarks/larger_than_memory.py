@@ -92,11 +92,11 @@ def train_and_measure(store: str, cap: int, run: str) -> dict[str, float]:
     resident pages, sampled every :data:`SAMPLE_SECONDS` by a thread.
     """
     torch.set_num_threads(1)
-    config = TrainConfig(
+    config = TrainConfig.from_dict(dict(
         data=store, memory_cap=cap, bucket=8, batch_size=256, epochs=1, n_blocks=1, hidden=8,
         max_eval=256, eval_method="roulette", eval_n_samples=1, device="cpu",
         scheduler="none", seed=0,
-    )
+    ))
     values = (Path(store) / "values.npy").resolve()
     mapped = [0.0]
     done = threading.Event()

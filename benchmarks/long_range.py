@@ -204,13 +204,13 @@ def run_seed(name: str, seed: int, recipes: list[str], settings: dict[str, Any],
     """References, trained recipes and the GRU + MAF of one dataset and seed (``settings`` of
     the trainer override the recipes'); ``figures``: where to draw the first attention recipe's
     heads (:func:`benchmarks.long_range_figures.plot_attention`)."""
-    base = TrainConfig(data=name, seed=seed, device="cpu", **settings)
+    base = TrainConfig.from_dict({"data": name, "seed": seed, "device": "cpu", **settings})
     result: dict[str, Any] = {"seed": seed, **references(base)}
     gap = result["ar"] - result["floor"]
     result["models"] = {}
     for recipe in recipes:
-        config = TrainConfig(data=name, seed=seed, device="cpu",
-                             **{**RECIPES[recipe], **settings})
+        config = TrainConfig.from_dict({"data": name, "seed": seed, "device": "cpu",
+                                        **RECIPES[recipe], **settings})
         row = run_recipe(config, folder / "run")
         row["gap_closed"] = (result["ar"] - row["test_nll"]) / gap
         metrics = (folder / "run" / "metrics.jsonl").read_text().splitlines()

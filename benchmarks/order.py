@@ -204,9 +204,9 @@ def _flow(name: str, args: argparse.Namespace) -> tuple[Any, SequenceDataset, st
     else:
         run_dir = args.out / "runs" / name
         settings = {"n_blocks": args.n_blocks, "hidden": args.hidden, "epochs": args.epochs}
-        config = TrainConfig(data=name, max_train=args.max_train, max_eval=args.max_eval,
-                             seed=args.seed, device="cpu",
-                             **{k: v for k, v in settings.items() if v is not None})
+        config = TrainConfig.from_dict(dict(
+            data=name, max_train=args.max_train, max_eval=args.max_eval, seed=args.seed,
+            device="cpu", **{k: v for k, v in settings.items() if v is not None}))
         train(config, run_dir, overwrite=True, progress=False)
     run = load_run(run_dir, device="cpu")
     if run.dataset.name != name:

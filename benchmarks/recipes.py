@@ -160,7 +160,8 @@ def main() -> None:
         for dataset in args.datasets:
             results[dataset] = {}
             for recipe in chosen:
-                config = TrainConfig(data=dataset, device="cpu", **RECIPES[recipe], **settings)
+                config = TrainConfig.from_dict(
+                    {"data": dataset, "device": "cpu", **RECIPES[recipe], **settings})
                 row = run_recipe(config, Path(tmp) / "run")
                 results[dataset][recipe] = row
                 print(f"{dataset:16s} {recipe:48s} val {row['val_nll']:9.4f}  "

@@ -95,7 +95,8 @@ def _always(ds: SequenceDataset) -> str | None:
 
 def _iresflow(recipe: str) -> Callable[[SequenceDataset, int], nn.Module]:
     def build(ds: SequenceDataset, width: int) -> nn.Module:
-        return build_model(TrainConfig(data=ds.name, **IRESFLOW_RECIPES[recipe]), ds)
+        return build_model(TrainConfig.from_dict({"data": ds.name, **IRESFLOW_RECIPES[recipe]}),
+                           ds)
     return build
 
 
@@ -273,12 +274,12 @@ def train_config(spec: ModelSpec, name: str, lr: float, seed: int, budget: Budge
 
     Example:
         >>> config = train_config(SPECS["iresflow"], "co2_windows", 3e-3, 1, FULL)
-        >>> config.lr, config.seed, config.scheduler, config.max_seconds, config.layers
+        >>> config.lr, config.seed, config.scheduler, config.max_seconds, config.model.layers
         (0.003, 1, 'none', 30.0, ('conv', 'mlp'))
     """
     recipe = IRESFLOW_RECIPES[spec.recipe] if spec.recipe is not None else {}
-    return TrainConfig(
+    return TrainConfig.from_dict(dict(
         data=name, seed=seed, device="cpu", lr=lr, batch_size=budget.batch_size,
         epochs=budget.max_epochs, max_seconds=budget.max_seconds, patience=budget.patience,
         scheduler="none", warmup=0, clip=GRAD_CLIP, **recipe,
-    )
+    ))

@@ -122,9 +122,10 @@ def main() -> None:
             path = Path(folder) / f"ar_d{features}.npz"
             np.savez(path, x=x, lengths=lengths)
             datasets[f"synthetic D={features}"] = str(path)
-        base = TrainConfig(
-            max_train=args.max_train, max_eval=args.max_eval, epochs=args.epochs, seed=args.seed
-        ).replace(**overrides)
+        base = TrainConfig.from_dict(dict(
+            max_train=args.max_train, max_eval=args.max_eval, epochs=args.epochs, seed=args.seed,
+            **overrides,
+        ))
         print(f"settings: TrainConfig defaults with max_train={args.max_train}, max_eval="
               f"{args.max_eval}, epochs={args.epochs}" + (f", {overrides}" if overrides else ""))
         print(f"warmup={base.warmup}, clip={base.clip}, lr={base.lr}, scheduler={base.scheduler}, "

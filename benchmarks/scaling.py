@@ -105,10 +105,10 @@ def main() -> None:
     max_length = 256 if args.quick else 1024
     max_step = args.max_step if args.max_step is not None else (1.0 if args.quick else 5.0)
 
-    config = TrainConfig(
+    config = TrainConfig.from_dict(dict(
         n_blocks=1, hidden=16, max_train=32 if args.quick else 128, max_eval=4,
         batch_size=16, epochs=2, device="cpu", logdet="roulette",
-    )
+    ))
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as folder:
         all_threads = throughput(1, config, Path(folder))
@@ -118,7 +118,7 @@ def main() -> None:
         torch.set_num_threads(1)
         one_thread = throughput(1, config, Path(folder))
     print(f"data-parallel training on the CPU (global batch {config.batch_size}, "
-          f"{config.max_train} sequences, logdet {config.logdet}, {cores} cores):")
+          f"{config.max_train} sequences, logdet {config.model.logdet}, {cores} cores):")
     print(f"  1 process,  1 thread  : {one_thread:8.1f} sequences/s")
     print(f"  1 process, {cores} threads : {all_threads:8.1f} sequences/s")
     print(f"  2 processes           : {double:8.1f} sequences/s  (ratio to 1 process: "

@@ -146,7 +146,7 @@ def run_flow(name: str, seed: int, run_dir: Path,
     from iresflow.train.loop import train
 
     settings = dict(settings or {})
-    config = TrainConfig(**data_settings(name), seed=seed, **settings)
+    config = TrainConfig.from_dict({**data_settings(name), "seed": seed, **settings})
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)

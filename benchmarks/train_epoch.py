@@ -87,7 +87,7 @@ def _session(model_settings: dict[str, Any], dtype: Any = None) -> Any:
     from iresflow.train.epoch import TrainingSession
     from iresflow.train.factories import build_model, load_data
 
-    config = TrainConfig(device="cpu", batch_size=BATCH_SIZE, **model_settings)
+    config = TrainConfig.from_dict({"device": "cpu", "batch_size": BATCH_SIZE, **model_settings})
     dataset = load_data(config)
     torch.manual_seed(config.seed)
     model = build_model(config, dataset)

@@ -1,15 +1,18 @@
-"""Typed, validated settings records: the field helper and the checks shared by every config.
+"""Typed, validated settings records: one base, the field helper and the shared checks.
 
-A settings record is a frozen dataclass whose fields are declared with :func:`setting`, which
-stores the help text, the admissible values and the meaning of ``None`` next to the default.
-:func:`validate_fields` coerces and checks every field against its type hint and choices, so
-the command line, TOML files and the Python API all go through the same checks.
+Every settings record (the model's, the training run's, those of evaluating, sampling and
+inspecting a run) is a frozen dataclass subclassing :class:`SettingsRecord`, whose fields are
+declared with :func:`setting`, which stores the help text, the admissible values and the meaning
+of ``None`` next to the default. :func:`validate_fields` coerces and checks every field against
+its type hint and choices, :func:`check_device` is the one check of a device name, so the
+command line, TOML files and the Python API all go through the same checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Iterable
@@ -19,6 +22,7 @@ from typing import Any
 __all__ = [
     "ConfigError",
     "SettingsRecord",
+    "check_device",
     "check_keys",
     "check_minimum",
     "check_range",
@@ -65,18 +69,19 @@ def validate_fields(record: Any) -> None:
             raise ConfigError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
 
 
-def check_keys(cls: type, values: dict[str, Any], extra: Iterable[str] = ()) -> None:
-    """Reject keys that are neither fields of the dataclass ``cls`` nor in ``extra``.
-
-    Args:
-        cls: The settings record.
-        values: Settings by name.
-        extra: Further accepted names (settings a record takes on behalf of an embedded one).
+def check_keys(known: Iterable[str], values: dict[str, Any]) -> None:
+    """Reject keys of ``values`` that are not ``known`` names of settings.
 
     Raises:
         ConfigError: naming the first unknown key and the known ones.
+
+    Example:
+        >>> check_keys(("lr", "epochs"), {"colour": 1})
+        Traceback (most recent call last):
+        ...
+        iresflow._settings.ConfigError: unknown option 'colour' (known: epochs, lr)
     """
-    known = {f.name for f in dataclasses.fields(cls)} | set(extra)
+    known = set(known)
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown option {unknown[0]!r} (known: {', '.join(sorted(known))})")
@@ -90,6 +95,27 @@ def check_range(name: str, value: float, low: float, high: float) -> None:
     """
     if not low < value < high:
         raise ConfigError(f"{name} must lie in ({low:g}, {high:g}), got {value}")
+
+
+#: Accepted spellings of a device setting.
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def check_device(value: str) -> None:
+    """Require a device name that :func:`~iresflow.train.factories.resolve_device` accepts.
+
+    Raises:
+        ConfigError: anything but ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Example:
+        >>> check_device("cuda:1")
+        >>> check_device("tpu")
+        Traceback (most recent call last):
+        ...
+        iresflow._settings.ConfigError: device must be cpu, cuda, cuda:N or auto, got 'tpu'
+    """
+    if not _DEVICE.match(value):
+        raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {value!r}")
 
 
 def _coerce(name: str, value: Any, hint: Any) -> Any:
@@ -118,14 +144,17 @@ class SettingsRecord:
 
     Subclasses declare their fields with :func:`setting` and add their own checks in
     :meth:`check`; :meth:`settings` lists the fields with their type hints, from which the
-    command line derives one flag per setting.
+    command line derives one flag per setting and ``docs/cli.md`` its tables
+    (:mod:`iresflow.settings_docs`). :meth:`to_dict` and :meth:`from_dict` are the plain-dict
+    form (a record that embeds another one, like
+    :class:`~iresflow.train.config.TrainConfig`, keeps that form flat).
 
     Example:
         >>> @dataclasses.dataclass(frozen=True)
         ... class Draw(SettingsRecord):
         ...     num: int = setting(16, "sequences")
-        >>> Draw().replace(num=3).num
-        3
+        >>> Draw().replace(num=3).num, Draw.from_dict({"num": 3}) == Draw(3)
+        (3, True)
         >>> Draw(num="3")
         Traceback (most recent call last):
         ...
@@ -141,18 +170,32 @@ class SettingsRecord:
 
     @classmethod
     def settings(cls) -> list[tuple[dataclasses.Field, Any]]:
-        """Every field with its type hint, in declaration order."""
+        """Every setting with its type hint, in the order of :meth:`to_dict`."""
         hints = typing.get_type_hints(cls)
         return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
 
     def replace(self, **changes: Any) -> Any:
-        """A validated copy with ``changes`` applied.
+        """A validated copy with ``changes`` (fields of this record) applied.
 
         Raises:
             ConfigError: an unknown setting or an invalid value.
         """
-        check_keys(type(self), changes)
+        check_keys((f.name for f in dataclasses.fields(self)), changes)
         return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every setting by name, as plain values (``None`` for automatic ones)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Any:
+        """A record from a (possibly partial) dict of settings; the others keep their defaults.
+
+        Raises:
+            ConfigError: an unknown key or an invalid value.
+        """
+        check_keys((f.name for f, _ in cls.settings()), values)
+        return cls(**values)
 
 
 def check_minimum(record: Any, names: Iterable[str], low: int) -> None:

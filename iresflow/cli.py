@@ -299,7 +299,7 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
             if value is not None and (value.lower().endswith(USER_FILE_SUFFIXES)
                                       or is_store(value)):
                 overrides[name] = str(Path(value).expanduser().resolve())
-    return base.replace(**overrides)
+    return TrainConfig.from_dict({**base.to_dict(), **overrides})
 
 
 def _train(args: argparse.Namespace) -> int:

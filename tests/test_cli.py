@@ -72,7 +72,7 @@ def test_module_help_runs_as_a_subprocess() -> None:
 
 def test_train_writes_the_run_folder_with_flags_over_file(run: Path) -> None:
     config = TrainConfig.from_toml(run / "config.toml")
-    settings = (config.epochs, config.lr, config.attention, config.hidden)
+    settings = (config.epochs, config.lr, config.model.attention, config.model.hidden)
     assert settings == (1, 0.01, "lipschitznorm", 8)
     for name in ("checkpoints/last.pt", "checkpoints/best.pt", "metrics.jsonl", "metrics.csv",
                  "evaluation.json", "plots/learning_curves.png", "plots/samples.png",
@@ -269,12 +269,12 @@ def test_relative_window_trains_and_round_trips_through_a_checkpoint(
             "2"]
     assert main(argv + TINY) == 0
     state = load_checkpoint(out / "checkpoints" / "best.pt")
-    assert TrainConfig.from_dict(state["config"]).relative_window == 2
+    assert TrainConfig.from_dict(state["config"]).model.relative_window == 2
     tables = {k: v for k, v in state["model"].items() if k.endswith("attention.relative_bias")}
     assert tables and all(v.shape == (4, 5) for v in tables.values())  # 4 heads, offsets -2..2
     assert all(bool(v.abs().sum() > 0) for v in tables.values())  # trained away from zero
     loaded = load_run(out, device="cpu")
-    assert loaded.config.relative_window == 2
+    assert loaded.config.model.relative_window == 2
     for name, value in tables.items():
         assert torch.equal(loaded.model.state_dict()[name], value)
     assert main(["info", str(out), "--seq-len", "6"]) == 0
@@ -326,7 +326,7 @@ def test_a_student_t_run_trains_evaluates_samples_and_reloads(tmp_path: Path) ->
     out = tmp_path / "run"
     assert main(["train", "--base", "student-t", "--epochs", "1", "--out", str(out),
                  "--device", "cpu", *TINY]) == 0
-    assert TrainConfig.from_toml(out / "config.toml").base == "student-t"
+    assert TrainConfig.from_toml(out / "config.toml").model.base == "student-t"
     run = load_run(out)
     assert run.model_config.base == "student-t"
     assert isinstance(run.model.base, StudentTSequence) and run.model.base.nu.shape == (12,)

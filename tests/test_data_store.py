@@ -17,6 +17,7 @@ from iresflow.data.batching import epoch_batches
 from iresflow.data.datasets import load_dataset
 from iresflow.data.preprocessing import Standardization
 from iresflow.data.store import SequenceStore, StoredSplit, is_store, write_store
+from iresflow.models.config import ModelConfig
 from iresflow.runs.load import load_run
 from iresflow.train.checkpoint import load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
@@ -168,8 +169,8 @@ def test_store_dataset_equals_the_npz_dataset(tmp_path: Path) -> None:
 def test_training_on_a_store_equals_training_in_memory(tmp_path: Path) -> None:
     store, npz = _store_and_npz(tmp_path)
     config = TrainConfig(
-        n_blocks=1, hidden=8, batch_size=8, epochs=2, device="cpu", logdet="exact",
-        eval_method="exact", scheduler="plateau", bucket=2,
+        model=ModelConfig(n_blocks=1, hidden=8, logdet="exact"), batch_size=8, epochs=2,
+        device="cpu", eval_method="exact", scheduler="plateau", bucket=2,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from iresflow.models.config import ModelConfig
 from iresflow.train.checkpoint import load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.distributed import World, launch, lead_process, process_count, shard
@@ -16,8 +17,8 @@ from tests.oracles import assert_close_runs
 
 # 13 sequences in batches of 6: the last global batch has one sequence, so rank 1 sits it out.
 TINY = TrainConfig(
-    n_blocks=1, hidden=8, max_train=13, max_eval=6, batch_size=6, epochs=2, device="cpu",
-    logdet="exact", eval_method="exact", scheduler="plateau",
+    model=ModelConfig(n_blocks=1, hidden=8, logdet="exact"), max_train=13, max_eval=6,
+    batch_size=6, epochs=2, device="cpu", eval_method="exact", scheduler="plateau",
 )
 
 
@@ -88,7 +89,7 @@ def test_ddp_resume_matches_one_process_and_reports_errors(tmp_path: Path) -> No
 @pytest.mark.slow
 def test_roulette_training_resumes_exactly_under_ddp(tmp_path: Path) -> None:
     # Per-rank estimator streams (seed + 1 + rank) are saved and restored for every rank.
-    config = TINY.replace(logdet="roulette", nproc=2, seed=4)
+    config = TINY.replace(model=TINY.model.replace(logdet="roulette"), nproc=2, seed=4)
     train(config, tmp_path / "straight", progress=False)
     train(config.replace(epochs=1), tmp_path / "resumed", progress=False)
     train(config, tmp_path / "resumed", resume=True, progress=False)

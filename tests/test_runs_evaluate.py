@@ -26,12 +26,13 @@ from tests.tiny_runs import TINY, forget_setting
 
 
 def test_load_run_rebuilds_the_stored_model_with_averaged_weights(tmp_path: Path) -> None:
-    config = TrainConfig(**TINY).replace(ema=0.5)
+    config = TINY.replace(ema=0.5)
     train(config, tmp_path / "run", progress=False)
     state = load_checkpoint(RunPaths(tmp_path / "run").best)
     # Stored once, with the automatic val_fraction the split used and what position_norm's
     # auto decided.
-    recorded = config.replace(val_fraction=0.1, position_norm="off").to_dict()
+    recorded = config.replace(
+        val_fraction=0.1, model=config.model.replace(position_norm="off")).to_dict()
     assert state["config"] == recorded and "model_config" not in state
     run = load_run(tmp_path / "run", device="cpu")
     assert run.model_config == resolve_model_config(config, load_data(config))
@@ -52,7 +53,7 @@ def test_load_run_rebuilds_the_stored_model_with_averaged_weights(tmp_path: Path
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("evaluate") / "run"
-    train(TrainConfig(**TINY).replace(epochs=3, patience=0), folder, progress=False)
+    train(TINY.replace(epochs=3, patience=0), folder, progress=False)
     return folder
 
 
@@ -138,7 +139,7 @@ def test_full_history_shows_epochs_after_the_best(
                 "inverse_residual": 0.0, "reconstruction_error": 0.0}
 
     monkeypatch.setattr(TrainingSession, "validate", validate)
-    train(TrainConfig(**TINY).replace(epochs=4, patience=0), tmp_path / "run", progress=False)
+    train(TINY.replace(epochs=4, patience=0), tmp_path / "run", progress=False)
     run = load_run(tmp_path / "run", device="cpu")
     assert (run.checkpoint, run.epoch, len(run.history)) == ("best", 2, 2)
     history, best = full_history(run)
@@ -151,9 +152,10 @@ def test_a_run_written_before_the_base_setting_loads_with_a_normal_base(tmp_path
     # Runs written before `base` existed record no base: they had a standard normal noise
     # density, not today's default, and must load (and resume) as they were trained.
     folder = tmp_path / "run"
-    train(TrainConfig(**TINY).replace(epochs=1, base="normal"), folder, progress=False)
+    train(TINY.replace(epochs=1, model=TINY.model.replace(base="normal")), folder,
+          progress=False)
     paths = forget_setting(folder, "base")
-    assert TrainConfig().base == "sequence-t"
+    assert TrainConfig().model.base == "sequence-t"
     assert type(load_run(folder, device="cpu").model.base) is StandardNormalSequence
     train(TrainConfig.from_toml(paths.config, stored=True).replace(epochs=2), folder,
           resume=True, progress=False)

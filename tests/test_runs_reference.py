@@ -13,6 +13,7 @@ import torch
 from iresflow.cli import main
 from iresflow.data.datasets import load_dataset
 from iresflow.data.store import write_store
+from iresflow.models.config import ModelConfig
 from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.models.worst_cases import summarize_sequence_nll
 from iresflow.runs import reference as reference_module
@@ -24,8 +25,8 @@ from iresflow.train.config import TrainConfig
 from iresflow.train.factories import load_data
 from iresflow.train.loop import train
 
-TINY = dict(n_blocks=1, hidden=8, batch_size=8, epochs=1, device="cpu", eval_method="exact",
-            layers=("mlp",), ar_order=0)
+TINY = TrainConfig(model=ModelConfig(n_blocks=1, hidden=8, layers=("mlp",), ar_order=0),
+                   batch_size=8, epochs=1, device="cpu", eval_method="exact")
 pytestmark = pytest.mark.filterwarnings("ignore:.*split has only:UserWarning")
 KEYS = {"model", "order", "max_order", "parameters", "nll", "val_nll", "per_sequence",
         "flow_condition"}
@@ -74,7 +75,7 @@ def ar_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("reference")
     data = _ar_file(folder / "train.npz", 60, 12, 2, seed=0)
     test = _ar_file(folder / "test.npz", 15, 12, 2, seed=1)
-    config = TrainConfig(**TINY, data=str(data), test_data=str(test))
+    config = TINY.replace(data=str(data), test_data=str(test))
     train(config, folder / "run", progress=False)
     return folder / "run"
 
@@ -132,7 +133,7 @@ def test_no_warning_when_the_flow_is_better(tmp_path: Path) -> None:
     (a residual covariance of rank < 8 plus a small ridge), the flow is not."""
     x = torch.randn(30, 2, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     np.savez(tmp_path / "iid.npz", x=x.numpy())
-    config = TrainConfig(**TINY, data=str(tmp_path / "iid.npz"), max_train=2)
+    config = TINY.replace(data=str(tmp_path / "iid.npz"), max_train=2)
     train(config, tmp_path / "run", progress=False)
     run = load_run(tmp_path / "run")
     with warnings.catch_warnings():

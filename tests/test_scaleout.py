@@ -19,6 +19,7 @@ import torch
 
 from iresflow.cli import main
 from iresflow.data.datasets import SequenceSplit
+from iresflow.models.config import ModelConfig
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.runs.evaluate import evaluate_run
 from iresflow.runs.load import load_run
@@ -94,8 +95,9 @@ def test_torchrun_pins_each_rank_to_its_gpu(tmp_path: Path) -> None:
 def test_a_run_killed_before_its_first_checkpoint_resumes_from_its_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = TrainConfig(n_blocks=1, hidden=8, max_train=8, max_eval=4, batch_size=4, epochs=1,
-                         device="cpu", eval_method="exact", scheduler="plateau", seed=2)
+    config = TrainConfig(model=ModelConfig(n_blocks=1, hidden=8), max_train=8, max_eval=4,
+                         batch_size=4, epochs=1, device="cpu", eval_method="exact",
+                         scheduler="plateau", seed=2)
     reference = train(config, tmp_path / "reference", progress=False)
     out = tmp_path / "killed"
     out.mkdir()
@@ -142,8 +144,9 @@ def test_sharded_log_prob_on_cuda_matches_the_cpu() -> None:
 def test_evaluation_on_two_processes_equals_one(tmp_path: Path) -> None:
     # Per-batch seeds: the roulette scores of 2 processes are those of 1, not just close.
     run = tmp_path / "run"
-    config = TrainConfig(n_blocks=1, hidden=8, max_train=8, max_eval=11, batch_size=3,
-                         epochs=1, device="cpu", eval_method="exact", scheduler="plateau")
+    config = TrainConfig(model=ModelConfig(n_blocks=1, hidden=8), max_train=8, max_eval=11,
+                         batch_size=3, epochs=1, device="cpu", eval_method="exact",
+                         scheduler="plateau")
     train(config, run, progress=False)
     loaded = load_run(run)
     launchers = {  # --nproc for one method, torchrun for the other

@@ -11,15 +11,18 @@ from pathlib import Path
 import pytest
 
 import iresflow
+from iresflow._settings import check_device
 from iresflow.cli import parse_train_config
 from iresflow.models.config import ModelConfig
+from iresflow.runs.settings import RunSettings
 from iresflow.train.config import MODEL_SETTINGS, ConfigError, TrainConfig
+from iresflow.train.factories import resolve_device
 
 
 def test_config_toml_round_trip(tmp_path: Path) -> None:
     config = TrainConfig(
-        data='odd "name" é.npz', heads=3, max_train=7, lr=1e-5, ema=0.99, clip=0.0,
-        tensorboard=True, scheduler="cosine", coeff=0.5,
+        data='odd "name" é.npz', model=ModelConfig(heads=3, coeff=0.5), max_train=7, lr=1e-5,
+        ema=0.99, clip=0.0, tensorboard=True, scheduler="cosine",
     )
     path = tmp_path / "run.toml"
     config.save(path)
@@ -31,10 +34,10 @@ def test_config_replace_overrides_file_and_validates(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_text('epochs = 3\nhidden = 8\nlr = 1\n', encoding="utf-8")
     config = TrainConfig.from_toml(path).replace(epochs=1)
-    assert (config.epochs, config.hidden, config.lr) == (1, 8, 1.0)
+    assert (config.epochs, config.model.hidden, config.lr) == (1, 8, 1.0)
     assert isinstance(config.lr, float)  # integers are accepted for float settings
     with pytest.raises(ConfigError, match="coeff"):
-        config.replace(coeff=1.0)
+        config.replace(model=config.model.replace(coeff=1.0))
     with pytest.raises(ConfigError, match="unknown option 'colour'"):
         config.replace(colour="red")
 
@@ -66,7 +69,8 @@ def test_config_missing_file_and_incompatible_fields(tmp_path: Path) -> None:
         TrainConfig.from_toml(tmp_path / "missing.toml")
     config = TrainConfig()
     assert config.incompatible_fields(config.replace(epochs=99, patience=0)) == []
-    assert config.incompatible_fields(config.replace(hidden=9, lr=0.1)) == ["hidden", "lr"]
+    changed = config.replace(model=config.model.replace(hidden=9), lr=0.1)
+    assert config.incompatible_fields(changed) == ["hidden", "lr"]
 
 
 # -- one source of model settings -----------------------------------------------------------
@@ -105,7 +109,7 @@ def test_model_settings_agree_from_toml_cli_and_python(tmp_path: Path) -> None:
     from_file_and_flags = parse_train_config(["--config", str(path)])
     assert from_toml.model == from_flags.model == from_file_and_flags.model == MODEL_PYTHON
     assert from_toml == from_flags == TrainConfig(model=MODEL_PYTHON, lr=0.01)
-    assert from_toml.n_blocks == 2 and from_toml.logdet == "exact"  # flat reads
+    assert from_toml.model.n_blocks == 2 and from_toml.model.logdet == "exact"
     # Untouched settings are ModelConfig's defaults everywhere.
     defaults = (TrainConfig(), TrainConfig.from_toml_string(""), parse_train_config([]))
     assert all(config.model == ModelConfig() for config in defaults)
@@ -128,7 +132,8 @@ def test_relative_window_from_toml_flags_and_python(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="relative_window must be >= 1"):
         ModelConfig(relative_window=0)
     with pytest.raises(ConfigError, match="relative_window needs attention = l2"):
-        TrainConfig(relative_window=2, attention="lipschitznorm", layers=("attention", "mlp"))
+        TrainConfig.from_dict({"relative_window": 2, "attention": "lipschitznorm",
+                               "layers": ("attention", "mlp")})
 
 
 def test_flat_settings_round_trip_through_dicts_and_pickles() -> None:
@@ -142,25 +147,32 @@ def test_flat_settings_round_trip_through_dicts_and_pickles() -> None:
     assert TrainConfig.from_dict(flat) == config
     assert pickle.loads(pickle.dumps(config)) == config  # data-parallel runs pickle it
     assert [f.name for f, _ in TrainConfig.settings()] == list(flat)
-    assert config.replace(hidden=4).model == MODEL_PYTHON.replace(hidden=4)
+    assert config.replace(model=config.model.replace(hidden=4)).model == MODEL_PYTHON.replace(
+        hidden=4)
     assert config.replace(model=ModelConfig()).model == ModelConfig()
+    flat_override = TrainConfig.from_dict({**flat, "hidden": 4, "lr": 0.5})
+    assert flat_override == config.replace(model=config.model.replace(hidden=4), lr=0.5)
 
 
 def test_model_settings_are_validated_by_model_config() -> None:
     with pytest.raises(ConfigError, match="unknown option 'hiden' .*hidden"):
-        TrainConfig(hiden=8)
-    with pytest.raises(ConfigError, match="features"):
-        TrainConfig(features=12)
+        TrainConfig.from_dict({"hiden": 8})
+    with pytest.raises(ConfigError, match="unknown option 'features'"):
+        TrainConfig.from_dict({"features": 12})
+    with pytest.raises(ConfigError, match="unknown option 'model'"):  # the flat form is flat
+        TrainConfig.from_dict({"model": ModelConfig()})
     with pytest.raises(ConfigError, match="comes from the data"):
         TrainConfig(model=ModelConfig(features=12))
-    with pytest.raises(ConfigError, match="model must be a ModelConfig"):
+    with pytest.raises(ConfigError, match="model must be of type ModelConfig"):
         TrainConfig(model={"hidden": 8})  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="n_blocks must be >= 1"):
-        TrainConfig(n_blocks=0)
+        TrainConfig.from_dict({"n_blocks": 0})
     with pytest.raises(ConfigError, match="logdet must be one of"):
         TrainConfig.from_toml_string('logdet = "fast"')
-    with pytest.raises(AttributeError, match="colour"):
-        _ = TrainConfig().colour  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="unknown option 'hidden'"):  # replace: own fields
+        TrainConfig().replace(hidden=8)
+    with pytest.raises(AttributeError, match="hidden"):  # no flat reads: config.model.hidden
+        _ = TrainConfig().hidden  # type: ignore[attr-defined]
 
 
 def test_every_model_default_is_defined_once() -> None:
@@ -208,11 +220,13 @@ def _setting_definitions(path: Path) -> dict[str, list[int]]:
 def test_the_cli_docs_table_states_every_default() -> None:
     """docs/cli.md lists every setting with its default; automatic settings as words."""
     table = {}
-    for line in (Path(__file__).parents[1] / "docs" / "cli.md").read_text().splitlines():
-        match = re.match(r"^\| `([a-z_]+)`(?:, `([a-z_]+)`)? \| ([^|]+) \|", line)
+    page = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    train_table = page.split("<!-- settings: TrainConfig -->")[1].split("<!-- /settings -->")[0]
+    for line in train_table.splitlines():
+        match = re.match(r"^\| `([a-z_]+)` \(`--[a-z-]+`(?:, `--no-[a-z-]+`)?\) \| ([^|]+) \|",
+                         line)
         if match:
-            for name in filter(None, match.group(1, 2)):
-                table[name] = match.group(3).strip().strip("`")
+            table[match.group(1)] = match.group(2).strip().strip("`")
     for name, value in TrainConfig().to_dict().items():
         assert name in table, f"docs/cli.md does not list {name}"
         if value is None or isinstance(value, bool):
@@ -222,3 +236,15 @@ def test_the_cli_docs_table_states_every_default() -> None:
             assert float(table[name]) == value, name
         else:
             assert table[name] == text, name
+
+
+@pytest.mark.parametrize("name", ["tpu", "cuda:x", "CPU", "cuda:"])
+def test_every_device_setting_has_the_one_device_check(name: str) -> None:
+    """TrainConfig, RunSettings and the device resolver refuse a device name alike."""
+    with pytest.raises(ConfigError) as expected:
+        check_device(name)
+    for refuse in (lambda: TrainConfig(device=name), lambda: RunSettings(device=name),
+                   lambda: resolve_device(name)):
+        with pytest.raises(ConfigError) as error:
+            refuse()
+        assert str(error.value) == str(expected.value)

@@ -11,7 +11,7 @@ import torch
 
 from iresflow.data.datasets import load_dataset
 from iresflow.data.store import write_store
-from iresflow.models.config import default_heads
+from iresflow.models.config import ModelConfig, default_heads
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.factories import (
@@ -23,7 +23,7 @@ from tests.tiny_runs import TINY
 
 
 def test_load_data_limits_and_model_settings() -> None:
-    config = TrainConfig(**TINY)
+    config = TINY
     dataset = load_data(config)
     full = load_dataset("japanese_vowels", seed=0)
     assert (len(dataset.train), len(dataset.val), len(dataset.test)) == (12, 6, 6)
@@ -37,22 +37,23 @@ def test_load_data_limits_and_model_settings() -> None:
     assert torch.equal(load_data(config).train.x, dataset.train.x)  # seeded
     assert not torch.equal(load_data(config.replace(seed=1)).train.x, dataset.train.x)
     with pytest.raises(ConfigError, match="heads must divide"):
-        build_model(config.replace(heads=5), dataset)
+        build_model(config.replace(model=config.model.replace(heads=5)), dataset)
     with pytest.raises(ConfigError, match="max_len"):
-        build_model(config.replace(max_len=10), dataset)
+        build_model(config.replace(model=config.model.replace(max_len=10)), dataset)
     with pytest.raises(ConfigError, match="unknown dataset"):
         load_data(config.replace(data="no_such_data"))
 
 
 def test_resolve_model_config_completes_settings_from_the_data() -> None:
-    config = TrainConfig(**TINY)
+    config = TINY
     dataset = load_data(config)
     resolved = resolve_model_config(config, dataset)
     assert resolved == config.model.replace(
         features=dataset.features, max_len=dataset.max_len, heads=default_heads(dataset.features),
         position_norm="off",  # auto: twelve vowel recordings give no evidence for it
     )
-    assert resolve_model_config(config.replace(max_len=40, heads=2), dataset).max_len == 40
+    wider = config.replace(model=config.model.replace(max_len=40, heads=2))
+    assert resolve_model_config(wider, dataset).max_len == 40
     reference = ResidualFlowTransformer(**resolved.to_dict())
     assert build_model(config, dataset).state_dict().keys() == reference.state_dict().keys()
     with pytest.raises(ConfigError, match="features must be set"):
@@ -62,26 +63,26 @@ def test_resolve_model_config_completes_settings_from_the_data() -> None:
 def test_a_conditional_model_needs_a_condition() -> None:
     for settings in ({"num_classes": 3}, {"context_features": 2}):
         with pytest.raises(ConfigError, match="--condition"):
-            TrainConfig(**settings)
+            TrainConfig(model=ModelConfig(**settings))
     with pytest.raises(ConfigError, match="condition = covariates takes no num_classes"):
-        TrainConfig(condition="covariates", num_classes=3)
+        TrainConfig(condition="covariates", model=ModelConfig(num_classes=3))
     with pytest.raises(ConfigError, match="condition must be one of none, label, covariates"):
         TrainConfig(condition="labels")
 
 
 def test_condition_label_takes_the_classes_of_the_data() -> None:
-    config = TrainConfig(**TINY, condition="label", layers=("conv", "mlp"))
+    config = TINY.replace(condition="label", model=TINY.model.replace(layers=("conv", "mlp")))
     dataset = load_data(config)
     resolved = resolve_model_config(config, dataset)
     assert resolved.num_classes == len(dataset.classes) == 9
     assert resolved.resolved_context_features == 8  # the automatic embedding size
-    assert resolve_model_config(config.replace(num_classes=9, context_features=4),
-                                dataset).context_features == 4
+    given = config.replace(model=config.model.replace(num_classes=9, context_features=4))
+    assert resolve_model_config(given, dataset).context_features == 4
     with pytest.raises(ConfigError, match="num_classes = 5 does not match the 9 classes"):
-        resolve_model_config(config.replace(num_classes=5), dataset)
+        resolve_model_config(config.replace(model=config.model.replace(num_classes=5)), dataset)
     with pytest.raises(ConfigError, match="covariates .* japanese_vowels have none"):
         resolve_model_config(config.replace(condition="covariates"), dataset)
-    unlabelled = TrainConfig(**{**TINY, "data": "co2_windows"}, condition="label")
+    unlabelled = TINY.replace(data="co2_windows", condition="label")
     with pytest.raises(ConfigError, match="class labels .* of co2_windows have none"):
         resolve_model_config(unlabelled, load_data(unlabelled))
     assert not resolve_model_config(config.replace(condition="none"), dataset).conditional
@@ -92,15 +93,17 @@ def test_condition_covariates_takes_their_width(tmp_path: Path) -> None:
     path = tmp_path / "c.npz"
     np.savez(path, x=torch.randn(40, 5, 2, generator=generator).numpy(),
              c=torch.randn(40, 3, generator=generator).numpy())
-    config = TrainConfig(**{**TINY, "data": str(path)}, condition="covariates")
+    config = TINY.replace(data=str(path), condition="covariates")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # small splits
         dataset = load_data(config)
     resolved = resolve_model_config(config, dataset)
     assert (resolved.context_features, resolved.num_classes) == (3, 0)
-    assert resolve_model_config(config.replace(context_features=3), dataset) == resolved
+    given = config.replace(model=config.model.replace(context_features=3))
+    assert resolve_model_config(given, dataset) == resolved
     with pytest.raises(ConfigError, match="context_features = 2 does not match the 3 covariates"):
-        resolve_model_config(config.replace(context_features=2), dataset)
+        resolve_model_config(config.replace(model=config.model.replace(context_features=2)),
+                             dataset)
     with pytest.raises(ConfigError, match="class labels"):
         resolve_model_config(config.replace(condition="label"), dataset)
 
@@ -108,7 +111,7 @@ def test_condition_covariates_takes_their_width(tmp_path: Path) -> None:
 def test_a_sequence_store_cannot_be_conditioned(tmp_path: Path) -> None:
     lengths = torch.tensor([3, 2] * 20)
     write_store(tmp_path / "store", lengths, [torch.randn(int(n), 2) for n in lengths])
-    config = TrainConfig(**{**TINY, "data": str(tmp_path / "store")}, condition="label")
+    config = TINY.replace(data=str(tmp_path / "store"), condition="label")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dataset = load_data(config)

@@ -7,7 +7,6 @@ import torch
 
 from iresflow.data.splits import SequenceSplit
 from iresflow.models.transformer import ResidualFlowTransformer
-from iresflow.train.config import TrainConfig
 from iresflow.train.factories import build_model, load_data
 from iresflow.train.likelihood import (
     batch_context,
@@ -19,7 +18,7 @@ from tests.tiny_runs import TINY
 
 
 def test_split_log_prob_matches_full_padded_batch() -> None:
-    config = TrainConfig(**TINY)
+    config = TINY
     dataset = load_data(config)
     torch.manual_seed(0)
     model = build_model(config, dataset)

@@ -22,13 +22,14 @@ from tests.tiny_runs import TINY
 def test_train_writes_run_folder_and_restores_global_state(
     tmp_path: Path, device: torch.device
 ) -> None:
-    config = TrainConfig(**TINY).replace(epochs=2, device=str(device))
+    config = TINY.replace(epochs=2, device=str(device))
     before, rng = torch.are_deterministic_algorithms_enabled(), torch.get_rng_state()
     result = train(config, tmp_path / "run", progress=False)
     assert torch.are_deterministic_algorithms_enabled() == before
     assert torch.equal(torch.get_rng_state(), rng)
     paths = RunPaths(tmp_path / "run")
-    recorded = config.replace(val_fraction=0.1, position_norm="off")  # what auto resolved to
+    # what auto resolved to
+    recorded = config.replace(val_fraction=0.1, model=config.model.replace(position_norm="off"))
     assert TrainConfig.from_toml(paths.config) == recorded
     rows = [json.loads(line) for line in paths.metrics_jsonl.read_text().splitlines()]
     assert rows == result.history and [r["epoch"] for r in rows] == [1, 2]
@@ -43,7 +44,8 @@ def test_train_writes_run_folder_and_restores_global_state(
     with pytest.raises(ConfigError, match="not empty"):
         train(config, paths.root, progress=False)
     with pytest.raises(ConfigError, match="heads must divide"):  # checked before deleting
-        train(config.replace(heads=5), paths.root, overwrite=True, progress=False)
+        train(config.replace(model=config.model.replace(heads=5)), paths.root, overwrite=True,
+              progress=False)
     assert load_checkpoint(paths.last)["epoch"] == 2
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("keep me")
@@ -54,7 +56,7 @@ def test_train_writes_run_folder_and_restores_global_state(
 
 def test_resume_continues_exactly(tmp_path: Path, device: torch.device) -> None:
     # Every piece of state: roulette training, moving average, clipping, plateau schedule.
-    config = TrainConfig(**TINY).replace(
+    config = TINY.replace(
         ema=0.9, clip=1.0, seed=3, max_train=8, batch_size=4, device=str(device)
     )
     train(config, tmp_path / "a", progress=False)
@@ -80,11 +82,12 @@ def test_resume_continues_exactly(tmp_path: Path, device: torch.device) -> None:
 
 
 def test_resume_refuses_changed_model_settings(tmp_path: Path) -> None:
-    config = TrainConfig(**TINY).replace(tensorboard=True)
+    config = TINY.replace(tensorboard=True)
     train(config, tmp_path / "run", progress=False)
     assert any(RunPaths(tmp_path / "run").tensorboard.glob("events.out.tfevents.*"))
     with pytest.raises(ConfigError, match="cannot resume .*hidden"):
-        train(config.replace(hidden=16, epochs=2), tmp_path / "run", resume=True, progress=False)
+        train(config.replace(model=config.model.replace(hidden=16), epochs=2), tmp_path / "run",
+              resume=True, progress=False)
     with pytest.raises(CheckpointError, match="not found"):
         train(config, tmp_path / "empty", resume=True, progress=False)
 
@@ -95,7 +98,7 @@ def test_the_run_records_the_automatic_val_fraction(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "train.npz", x=rng.standard_normal((40, 6, 2)))
     np.savez(tmp_path / "test.npz", x=rng.standard_normal((8, 6, 2)))
-    config = TrainConfig(**TINY).replace(
+    config = TINY.replace(
         data=str(tmp_path / "train.npz"), test_data=str(tmp_path / "test.npz"), max_train=None,
         max_eval=None, batch_size=16,
     )
@@ -106,7 +109,7 @@ def test_the_run_records_the_automatic_val_fraction(tmp_path: Path) -> None:
         train(config.replace(val_fraction=0.1), tmp_path / "explicit", progress=False)
     assert len(resumed.history) == 2
     assert TrainConfig.from_toml(RunPaths(tmp_path / "run").config) == config.replace(
-        val_fraction=0.25, epochs=2, position_norm="off")
+        val_fraction=0.25, epochs=2, model=config.model.replace(position_norm="off"))
     assert TrainConfig.from_toml(RunPaths(tmp_path / "explicit").config).val_fraction == 0.1
     with pytest.raises(ConfigError, match="cannot resume .*val_fraction"):
         train(config.replace(epochs=3, val_fraction=0.1), tmp_path / "run", resume=True,
@@ -133,7 +136,7 @@ def test_nan_loss_skips_the_step_with_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _inject_nan(monkeypatch, training=True, call=2)  # 2 steps per epoch: the last of epoch 1
-    config = TrainConfig(**TINY).replace(on_nan="skip", epochs=2)
+    config = TINY.replace(on_nan="skip", epochs=2)
     result = train(config, tmp_path / "run", progress=False)
     assert "warning: non-finite loss or gradient at epoch 1, step 2; skipped" in (
         capsys.readouterr().err
@@ -151,7 +154,7 @@ def test_nan_loss_skips_the_step_with_a_warning(
 def test_nan_loss_stops_and_keeps_the_last_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = TrainConfig(**TINY)
+    config = TINY
     train(config, tmp_path / "run", progress=False)
     before = load_checkpoint(RunPaths(tmp_path / "run").last)
     _inject_nan(monkeypatch, training=True, call=1)
@@ -167,7 +170,7 @@ def test_nan_validation_is_never_the_best_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _inject_nan(monkeypatch, training=False, call=2)  # one validation batch per epoch: epoch 2
-    config = TrainConfig(**TINY).replace(epochs=2, on_nan="skip")
+    config = TINY.replace(epochs=2, on_nan="skip")
     result = train(config, tmp_path / "run", progress=False)
     assert "non-finite validation NLL at epoch 2" in capsys.readouterr().err
     assert math.isnan(result.history[1]["val_nll"])

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from iresflow.train.config import ConfigError, TrainConfig
+from iresflow.train.distributed import World
 from iresflow.train.epoch import COSINE_FLOOR, PATIENCE_LR_FRACTION, TrainingSession
+from iresflow.train.factories import load_data
 from iresflow.train.loop import train
 from tests.tiny_runs import TINY
 
@@ -33,7 +35,7 @@ def test_warmup_is_linear_per_step_then_cosine(
     seen = _record_step_lrs(monkeypatch)
     lr = 0.01
     # 12 sequences in batches of 6: 2 steps per epoch, so 2 warm-up epochs are 4 steps
-    config = TrainConfig(**TINY).replace(
+    config = TINY.replace(
         epochs=5, warmup=2, lr=lr, scheduler="cosine", patience=0
     )
     result = train(config, tmp_path / "run", progress=False)
@@ -48,8 +50,28 @@ def test_warmup_is_linear_per_step_then_cosine(
     )
 
 
+def test_the_warmup_help_states_the_learning_rate_of_every_warmup_step() -> None:
+    """The help of ``warmup`` (the flag's, and docs/cli.md's table) names the schedule's rates."""
+    (help_text,) = [f.metadata["help"] for f, _ in TrainConfig.settings() if f.name == "warmup"]
+    assert ("with W optimiser steps in these epochs, step k runs at k lr / (W + 1), the first at "
+            "lr / (W + 1), the step after them at lr") in help_text
+    lr = 0.01
+    config = TINY.replace(warmup=2, lr=lr, scheduler="none")
+    session = TrainingSession(config, load_data(config), torch.nn.Linear(1, 1),
+                              torch.device("cpu"), World(0, 1))
+    steps = config.warmup * math.ceil(config.max_train / config.batch_size)  # W = 2 * 2
+    assert session.warmup_steps == steps
+    rates = []
+    for _ in range(steps + 1):  # the optimiser's rate at step k = 1 .. W + 1
+        rates.append(session.optimizer.param_groups[0]["lr"])
+        session.optimizer.step()  # no gradients: a step that changes nothing
+        session.warmup.step()
+    assert rates[0] == pytest.approx(lr / (steps + 1), rel=1e-12)
+    assert rates == pytest.approx([k * lr / (steps + 1) for k in range(1, steps + 2)], rel=1e-12)
+
+
 def test_warmup_resumes_exactly(tmp_path: Path) -> None:
-    config = TrainConfig(**TINY).replace(warmup=3, scheduler="cosine", patience=0, epochs=1)
+    config = TINY.replace(warmup=3, scheduler="cosine", patience=0, epochs=1)
     train(config, tmp_path / "a", progress=False)  # stops in the middle of the warm-up
     resumed = train(config.replace(epochs=4), tmp_path / "a", resume=True, progress=False)
     whole = train(config.replace(epochs=4), tmp_path / "b", progress=False)
@@ -78,7 +100,7 @@ def test_patience_counts_after_warmup_and_once_cosine_lr_is_half(
     patience: int,
 ) -> None:
     _worsening_validation(monkeypatch)
-    config = TrainConfig(**TINY).replace(
+    config = TINY.replace(
         scheduler=scheduler, warmup=warmup, epochs=epochs, patience=patience, lr=0.01
     )
     result = train(config, tmp_path / "run", progress=False)

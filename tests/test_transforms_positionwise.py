@@ -171,9 +171,9 @@ def _npz(tmp_path: Path, split: SequenceSplit) -> str:
 
 def test_auto_decides_from_the_data_and_the_run_records_the_decision(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(3)
-    profiles = TrainConfig(**{**TINY, "max_train": None, "max_eval": None},
-                           data=_npz(tmp_path, _profile_split(120, 8, g)))
-    assert profiles.position_norm == "auto"
+    profiles = TINY.replace(max_train=None, max_eval=None,
+                            data=_npz(tmp_path, _profile_split(120, 8, g)))
+    assert profiles.model.position_norm == "auto"
     model = resolve_model_config(profiles, load_data(profiles))
     assert model.position_norm == "on"
     names = [name for name, _ in ResidualFlowTransformer(model).transform.named_steps()]
@@ -187,17 +187,17 @@ def test_auto_decides_from_the_data_and_the_run_records_the_decision(tmp_path: P
     assert 'position_norm = "on"' in RunPaths(tmp_path / "run").config.read_text()
     run = load_run(tmp_path / "run", device="cpu")
     assert isinstance(next(run.model.transform.named_steps())[1], PositionwiseAffine)
-    vowels = TrainConfig(**TINY)
+    vowels = TINY
     assert resolve_model_config(vowels, load_data(vowels)).position_norm == "off"
     with pytest.raises(ConfigError, match="position_norm"):
-        TrainConfig(position_norm="yes")
+        TrainConfig.from_dict({"position_norm": "yes"})
 
 
 def test_a_sequence_store_is_never_standardised_per_position(tmp_path: Path) -> None:
     lengths = torch.tensor([6] * 40)
     write_store(tmp_path / "store", lengths, [torch.randn(6, 1) + torch.arange(6.0).view(6, 1)
                                               for _ in lengths])
-    config = TrainConfig(**{**TINY, "data": str(tmp_path / "store")})
+    config = TINY.replace(data=str(tmp_path / "store"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dataset = load_data(config)
@@ -206,8 +206,8 @@ def test_a_sequence_store_is_never_standardised_per_position(tmp_path: Path) -> 
 
 def test_a_run_written_before_position_norm_loads_without_the_layer(tmp_path: Path) -> None:
     folder = tmp_path / "run"
-    train(TrainConfig(**TINY).replace(position_norm="off"), folder, progress=False)
+    train(TINY.replace(model=TINY.model.replace(position_norm="off")), folder, progress=False)
     paths = forget_setting(folder, "position_norm")
-    assert TrainConfig.from_toml(paths.config, stored=True).position_norm == "off"
+    assert TrainConfig.from_toml(paths.config, stored=True).model.position_norm == "off"
     run = load_run(folder, device="cpu")
     assert not any(isinstance(m, PositionwiseAffine) for m in run.model.modules())

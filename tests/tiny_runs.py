@@ -3,13 +3,15 @@ run look as if it was written before a setting existed."""
 
 from pathlib import Path
 
+from iresflow.models.config import ModelConfig
 from iresflow.train.checkpoint import load_checkpoint, save_checkpoint
+from iresflow.train.config import TrainConfig
 from iresflow.train.paths import RunPaths
 
 #: One block of width 8 on a dozen sequences, one epoch on the CPU.
-TINY = dict(
-    n_blocks=1, hidden=8, max_train=12, max_eval=6, batch_size=6, epochs=1, device="cpu",
-    scheduler="plateau", eval_method="exact",
+TINY = TrainConfig(
+    model=ModelConfig(n_blocks=1, hidden=8), max_train=12, max_eval=6, batch_size=6, epochs=1,
+    device="cpu", scheduler="plateau", eval_method="exact",
 )
 
 

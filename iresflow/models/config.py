@@ -1,18 +1,16 @@
 """The model's settings: one record, the single source of every model default.
 
 :class:`ModelConfig` is what :class:`~iresflow.models.transformer.ResidualFlowTransformer` is
-built from, what the training configuration embeds (its model fields *are* these fields), what
-the command line turns into flags and what a checkpoint stores. Every check of a model setting
-lives in :meth:`ModelConfig.__post_init__`.
+built from, what the training configuration embeds (as its field ``model``), what the command
+line turns into flags and what a checkpoint stores. Every check of a model setting lives in
+:meth:`ModelConfig.check`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
-from iresflow._settings import ConfigError, check_keys, check_range, setting, validate_fields
+from iresflow._settings import ConfigError, SettingsRecord, check_minimum, check_range, setting
 from iresflow.models.distributions import BASES
 
 __all__ = ["LAYER_KINDS", "ModelConfig", "default_heads"]
@@ -43,7 +41,7 @@ def default_heads(features: int) -> int:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(SettingsRecord):
     """Every setting of a residual-flow Transformer, validated on construction.
 
     ``features`` and ``max_len`` describe the data; they may be left ``None`` while the data is
@@ -64,7 +62,8 @@ class ModelConfig:
         None, "longest sequence the model accepts", unset="the data's longest sequence"
     )
     ar_order: int = setting(
-        3, "order p of the autoregressive linear layer over frames at the data end (0: none)"
+        3, "order p of the autoregressive linear layer over frames at the data end, fitted by "
+        "least squares at initialisation (0: none)"
     )
     position_norm: str = setting(
         "auto", "a shift and scale of their own for every position at the data end, for data "
@@ -88,7 +87,10 @@ class ModelConfig:
         unset="the largest of 4, 3, 2, 1 that divides it",
     )
     coeff: float = setting(0.9, "Lipschitz coefficient of every residual branch, in (0, 1)")
-    attention: str = setting("l2", "kind of the attention layers", ("l2", "lipschitznorm"))
+    attention: str = setting(
+        "l2", "kind of the attention layers: l2 (contractive L2 attention) or lipschitznorm",
+        ("l2", "lipschitznorm"),
+    )
     positional: str = setting("sinusoidal", "positional encoding", ("sinusoidal", "learned"))
     relative_window: int | None = setting(
         None, "window W of a learned relative-position bias in the scores of l2 attention "
@@ -96,13 +98,17 @@ class ModelConfig:
         unset="no bias; relative layers: the longest sequence minus one",
     )
     logdet: str = setting(
-        "roulette", "log-determinant used for training", ("exact", "roulette", "series")
+        "roulette", "log-determinant used for training: roulette (unbiased, with the Neumann "
+        "gradient), exact, or series (truncated power series, biased)",
+        ("exact", "roulette", "series"),
     )
     n_power_iterations: int = setting(
         1, "power iterations per step for spectral normalisation (with spectral_norm power)"
     )
     spectral_norm: str = setting(
-        "exact", "spectral norm of the MLP layers in training", ("exact", "power")
+        "exact", "spectral norm of the MLP layers in training: exact (one SVD per weight "
+        "update; the certificate holds in every forward) or power (power iteration, cheaper for "
+        "wide layers, but it can lag the weights)", ("exact", "power")
     )
     base: str = setting(
         "sequence-t", "density of the noise: standard normal, Student-t per feature with "
@@ -119,14 +125,10 @@ class ModelConfig:
         "context_features > 0)"
     )
 
-    def __post_init__(self) -> None:
-        validate_fields(self)
+    def check(self) -> None:
         check_range("coeff", self.coeff, 0.0, 1.0)
-        for name in ("features", "max_len", "n_blocks", "hidden", "heads", "n_power_iterations",
-                     "kernel_size", "relative_window"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}")
+        check_minimum(self, ("features", "max_len", "n_blocks", "hidden", "heads",
+                             "n_power_iterations", "kernel_size", "relative_window"), 1)
         for name in ("context_features", "num_classes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0: none), got {getattr(self, name)}")
@@ -166,26 +168,3 @@ class ModelConfig:
         if self.context_features == 0 and self.num_classes > 0:
             return 8
         return self.context_features
-
-    def replace(self, **changes: Any) -> ModelConfig:
-        """Return a validated copy with ``changes`` applied.
-
-        Raises:
-            ConfigError: an unknown key or an invalid value.
-        """
-        check_keys(type(self), changes)
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """All settings as a plain, JSON-serialisable dict (``None`` for automatic values)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
-        """Build a configuration from a (possibly partial) dict of settings.
-
-        Raises:
-            ConfigError: an unknown key or an invalid value.
-        """
-        check_keys(cls, values)
-        return cls(**values)

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from iresflow._settings import ConfigError, SettingsRecord, check_minimum, setting
-from iresflow.train.config import DEVICE_PATTERN
+from iresflow._settings import ConfigError, SettingsRecord, check_device, check_minimum, setting
 from iresflow.train.metrics import SCORE_SUFFIXES
 
 __all__ = ["EvaluateSettings", "InfoSettings", "RunSettings", "SampleSettings"]
@@ -35,11 +34,13 @@ class RunSettings(SettingsRecord):
         "best", "which checkpoint to use (best: lowest validation NLL; last: latest epoch)",
         ("best", "last"),
     )
-    device: str | None = setting(None, "cpu, cuda, cuda:N or auto", unset="the run's")
+    device: str | None = setting(
+        None, "device for the model: cpu, cuda, cuda:N or auto", unset="the run's"
+    )
 
     def check(self) -> None:
-        if self.device is not None and not DEVICE_PATTERN.match(self.device):
-            raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+        if self.device is not None:
+            check_device(self.device)
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,19 @@
 """Training configuration: one typed record, read from and written to flat TOML.
 
 A run is fully described by a :class:`TrainConfig`. Its model settings are a
-:class:`~iresflow.models.config.ModelConfig` (the single definition of every model default); the
-data, optimisation and evaluation settings are its own fields. Both kinds are spelled alike
-everywhere: flat ``key = value`` pairs in TOML (``n_blocks = 8``, ``lr = 0.006``), flat keywords in
-Python (``TrainConfig(n_blocks=2, lr=1e-3)``, ``config.hidden``) and flags on the command line
-(``--n-blocks 2``). ``features`` is not a setting of a run: it comes from the data.
+:class:`~iresflow.models.config.ModelConfig` (the single definition of every model default), the
+field :attr:`TrainConfig.model`; the data, optimisation and evaluation settings are its own
+fields. In Python the nesting is explicit: ``TrainConfig(model=ModelConfig(n_blocks=2),
+lr=1e-3)``, ``config.model.hidden``, ``config.replace(model=config.model.replace(hidden=8))``.
+Serialised, both kinds are spelled alike: flat ``key = value`` pairs in TOML (``n_blocks = 8``,
+``lr = 0.005``), a flat dict (:meth:`TrainConfig.to_dict`, :meth:`TrainConfig.from_dict`, the
+form a checkpoint stores) and flags on the command line (``--n-blocks 2``). ``features`` is not a
+setting of a run: it comes from the data.
 
 The ``iresflow train`` command builds the configuration from an optional TOML file and then
-applies its command-line flags, which take precedence. The configuration is written back into the
-run folder as ``config.toml`` and stored inside every checkpoint.
+applies its command-line flags, which take precedence: flat settings change a configuration
+through its flat form, ``TrainConfig.from_dict({**config.to_dict(), **flat})``. The configuration
+is written back into the run folder as ``config.toml`` and stored inside every checkpoint.
 
 Options that mean "off" or "automatic" use ``0`` (``ema``, ``clip``, ``warmup``, ``patience``) or
 are simply omitted from the file (``val_fraction``, ``test_data``, ``heads``, ``max_len``,
@@ -23,19 +27,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from iresflow._settings import ConfigError, check_keys, check_range, setting, validate_fields
+from iresflow._settings import (
+    ConfigError,
+    SettingsRecord,
+    check_device,
+    check_keys,
+    check_minimum,
+    check_range,
+    setting,
+)
 from iresflow.data.splits import MAX_VAL_FRACTION, MIN_VAL_SEQUENCES, VAL_FRACTION
 from iresflow.models.config import ModelConfig
 
 __all__ = [
-    "DEVICE_PATTERN",
     "MODEL_SETTINGS",
     "RESUMABLE_FIELDS",
     "USER_FILE_SUFFIXES",
@@ -62,40 +72,36 @@ SETTINGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"base": "normal", "position_norm
 #: Endings of ``data`` (and ``test_data``) that name a user file rather than a dataset.
 USER_FILE_SUFFIXES = (".npz", ".ts", ".ts.gz")
 
-#: Accepted spellings of the ``device`` setting.
-DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
-
-@dataclass(frozen=True, init=False)
-class TrainConfig:
+@dataclass(frozen=True)
+class TrainConfig(SettingsRecord):
     """Every setting of a training run: data, model, optimisation, evaluation.
 
     Instances are immutable and validated on construction; :meth:`replace` returns a validated
-    copy with some settings changed (this is how command-line flags override a file). The model
-    settings (:data:`MODEL_SETTINGS`) are given, read and written as flat keys like the others;
-    they live in :attr:`model`.
-
-    Args:
-        model: Model settings to start from (default: ``ModelConfig()``); its ``features`` must
-            be ``None``.
-        **settings: Any field below and any of :data:`MODEL_SETTINGS` (applied over ``model``).
+    copy with some fields changed. The model settings are the field ``model``, a
+    :class:`~iresflow.models.config.ModelConfig` whose ``features`` is left ``None`` (it comes
+    from the data). The flat form (:meth:`to_dict`, :meth:`from_dict`, TOML, the flags) spells
+    the model settings (:data:`MODEL_SETTINGS`) as keys of their own, beside the others.
 
     Raises:
         ConfigError: an unknown setting, or a value of the wrong type or outside its range.
 
     Example:
-        >>> config = TrainConfig(epochs=2, hidden=8)
-        >>> config.hidden, config.model == ModelConfig(hidden=8)
-        (8, True)
+        >>> config = TrainConfig(model=ModelConfig(hidden=8), epochs=2)
+        >>> config.model.hidden, config.to_dict()["hidden"]
+        (8, 8)
         >>> TrainConfig.from_toml_string(config.to_toml()) == config
         True
-        >>> config.replace(lr=1e-2).lr
-        0.01
+        >>> config.replace(model=config.model.replace(n_blocks=1)).model.n_blocks
+        1
+        >>> TrainConfig.from_dict({**config.to_dict(), "hidden": 16, "lr": 1e-2}).model.hidden
+        16
     """
 
     # data
     data: str = setting(
-        "japanese_vowels", "dataset name, path to a .npz/.ts file, or a sequence-store folder"
+        "japanese_vowels", "dataset name (docs/datasets.md), path to a .npz/.ts file, or a "
+        "sequence-store folder"
     )
     val_fraction: float | None = setting(
         None, "fraction of the training sequences held out for validation",
@@ -130,19 +136,25 @@ class TrainConfig:
         "checked after every step; the epoch cut short is validated as usual (0: no limit)"
     )
     scheduler: str = setting(
-        "cosine", "learning-rate schedule (plateau: halve on a stalled val NLL)",
+        "cosine", "learning-rate schedule after the warm-up (plateau: halve lr on a stalled val "
+        "NLL; cosine: anneal it to a floor over the remaining epochs; none: keep it)",
         ("plateau", "cosine", "none"),
     )
     warmup: int = setting(
         2,
-        "epochs of linear learning-rate warm-up from 0 to lr, step by step (0: off)",
+        "epochs of linear learning-rate warm-up, step by step: with W optimiser steps in these "
+        "epochs, step k runs at k lr / (W + 1), the first at lr / (W + 1), the step after them at "
+        "lr (0: off)",
     )
     patience: int = setting(
         10,
         "stop after this many counted epochs without a better val NLL (0: never); epochs are "
         "counted after the warm-up, and with the cosine schedule once lr has annealed to half",
     )
-    ema: float = setting(0.0, "decay of an exponential moving average of the weights (0: off)")
+    ema: float = setting(
+        0.0, "decay of an exponential moving average of the weights, used for validation, test "
+        "and sampling (0: off)"
+    )
     clip: float = setting(10.0, "clip the gradient norm to this value (0: off)")
     on_nan: str = setting(
         "stop",
@@ -154,10 +166,11 @@ class TrainConfig:
         1, "processes for data-parallel training (DDP: gloo on the CPU, nccl with one GPU each)"
     )
     seed: int = setting(0, "seed of the data split, the initialisation and every random stream")
-    device: str = setting("auto", "cpu, cuda, cuda:N or auto")
+    device: str = setting("auto", "cpu, cuda, cuda:N or auto (CUDA when available)")
     # evaluation
     eval_method: str = setting(
-        "roulette", "log-determinant of the validation NLL", ("exact", "roulette")
+        "roulette", "log-determinant of the validation NLL after every epoch",
+        ("exact", "roulette"),
     )
     eval_n_samples: int = setting(
         4,
@@ -168,28 +181,15 @@ class TrainConfig:
     # data larger than memory (docs/scaling.md)
     bucket: int = setting(
         0, "sort the sequences by length within windows of this many batches, so batches hold "
-        "similar lengths and little padding (0: plain shuffle)"
+        "similar lengths and little padding (0: plain shuffle; docs/scaling.md)"
     )
     memory_cap: int = setting(
         0, "with a sequence-store folder as data: megabytes its memory map may keep resident "
-        "before it is re-opened, bounding the memory the data occupy (0: no cap)"
+        "before it is re-opened, bounding the memory the data occupy (0: no cap; "
+        "docs/scaling.md)"
     )
 
-    def __init__(self, model: ModelConfig | None = None, **settings: Any) -> None:
-        check_keys(type(self), settings, extra=MODEL_SETTINGS)
-        model_settings = {k: settings.pop(k) for k in MODEL_SETTINGS if k in settings}
-        if model is None:
-            model = ModelConfig()
-        elif not isinstance(model, ModelConfig):
-            raise ConfigError(f"model must be a ModelConfig, got {type(model).__name__}")
-        object.__setattr__(self, "model", model.replace(**model_settings))
-        for f in dataclasses.fields(self):
-            if f.name != "model":
-                object.__setattr__(self, f.name, settings.get(f.name, f.default))
-        self._validate()
-
-    def _validate(self) -> None:
-        validate_fields(self)
+    def check(self) -> None:
         if self.model.features is not None:
             raise ConfigError(
                 f"model.features must be left unset (it comes from the data), got "
@@ -206,16 +206,14 @@ class TrainConfig:
         for name in ("bucket", "memory_cap"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
-        for name in ("batch_size", "epochs", "eval_n_samples", "max_train", "max_eval", "nproc"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}")
+        check_minimum(
+            self, ("batch_size", "epochs", "eval_n_samples", "max_train", "max_eval", "nproc"), 1
+        )
         if self.warmup < 0:
             raise ConfigError(f"warmup must be >= 0 epochs (0: off), got {self.warmup}")
         if self.patience < 0:
             raise ConfigError(f"patience must be >= 0 (0: never stop early), got {self.patience}")
-        if not DEVICE_PATTERN.match(self.device):
-            raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+        check_device(self.device)
         if not self.data:
             raise ConfigError("data must name a dataset or a file")
         self._validate_condition()
@@ -243,15 +241,10 @@ class TrainConfig:
                 "condition = label for class labels)"
             )
 
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names that are not attributes: the model settings read like the others.
-        if name in MODEL_SETTINGS:
-            return getattr(self.model, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     @classmethod
     def settings(cls) -> list[tuple[dataclasses.Field, Any]]:
-        """Every flat setting with its type hint, in the order of :meth:`to_dict`.
+        """Every flat setting with its type hint, in the order of :meth:`to_dict`: the model's
+        in place of the field ``model``.
 
         The model settings are the fields of :class:`~iresflow.models.config.ModelConfig`
         themselves (default, help text, choices), so the command line derives its flags from
@@ -262,10 +255,8 @@ class TrainConfig:
             >>> tuple(names[4:7])
             ('max_eval', 'condition', 'max_len')
         """
-        model_hints = typing.get_type_hints(ModelConfig)
         model_fields = [
-            (f, model_hints[f.name]) for f in dataclasses.fields(ModelConfig)
-            if f.name in MODEL_SETTINGS
+            (f, hint) for f, hint in ModelConfig.settings() if f.name in MODEL_SETTINGS
         ]
         hints = typing.get_type_hints(cls)
         result: list[tuple[dataclasses.Field, Any]] = []
@@ -273,31 +264,19 @@ class TrainConfig:
             result.extend(model_fields if f.name == "model" else [(f, hints[f.name])])
         return result
 
-    def replace(self, **changes: Any) -> TrainConfig:
-        """Return a validated copy with ``changes`` (flat settings, or ``model``) applied.
-
-        Raises:
-            ConfigError: an unknown key or an invalid value.
-        """
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return type(self)(**{**values, **changes})
-
     def to_dict(self) -> dict[str, Any]:
         """All settings as a flat, plain dict (``None`` for automatic values)."""
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            if f.name == "model":
-                values.update({k: getattr(self.model, k) for k in MODEL_SETTINGS})
-            else:
-                values[f.name] = getattr(self, f.name)
-        return values
+        model = self.model.to_dict()
+        return {f.name: model[f.name] if f.name in MODEL_SETTINGS else getattr(self, f.name)
+                for f, _ in self.settings()}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], *, stored: bool = False) -> TrainConfig:
         """Build a configuration from a (possibly partial) flat dict of settings.
 
         Args:
-            values: Settings by name; the others keep their defaults.
+            values: Settings by name, the model's (:data:`MODEL_SETTINGS`) among them; the
+                others keep their defaults.
             stored: The settings of an existing run (its ``config.toml`` or checkpoint): a
                 setting it lacks was added after the run was written, and takes the value
                 that reproduces the run (:data:`SETTINGS_BEFORE_THEY_EXISTED`), not today's
@@ -306,7 +285,12 @@ class TrainConfig:
         Raises:
             ConfigError: an unknown key or an invalid value.
         """
-        return cls(**({**SETTINGS_BEFORE_THEY_EXISTED, **values} if stored else values))
+        if stored:
+            values = {**SETTINGS_BEFORE_THEY_EXISTED, **values}
+        check_keys((f.name for f, _ in cls.settings()), values)
+        own = {name: value for name, value in values.items() if name not in MODEL_SETTINGS}
+        model = {name: value for name, value in values.items() if name in MODEL_SETTINGS}
+        return cls(**own, model=ModelConfig(**model))
 
     def to_toml(self) -> str:
         """Serialise to a flat TOML document; automatic (``None``) settings are omitted."""

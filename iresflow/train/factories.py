@@ -14,13 +14,14 @@ import dataclasses
 
 import torch
 
+from iresflow._settings import check_device
 from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
 from iresflow.data.store import StoredSplit
 from iresflow.models.config import ModelConfig
 from iresflow.models.flow import SequenceFlow
 from iresflow.models.reference import positionwise_evidence
 from iresflow.models.transformer import ResidualFlowTransformer
-from iresflow.train.config import DEVICE_PATTERN, ConfigError, TrainConfig
+from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.distributed import current_world
 
 __all__ = [
@@ -44,8 +45,7 @@ def resolve_device(name: str) -> torch.device:
         >>> resolve_device("cpu")
         device(type='cpu')
     """
-    if not DEVICE_PATTERN.match(name):
-        raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {name!r}")
+    check_device(name)
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
     )
@@ -115,7 +115,7 @@ def resolve_model_config(config: TrainConfig, dataset: SequenceDataset) -> Model
             or ``num_classes`` / ``context_features`` set to other values than the data's.
 
     Example:
-        >>> config = TrainConfig(n_blocks=1, hidden=8)
+        >>> config = TrainConfig(model=ModelConfig(n_blocks=1, hidden=8))
         >>> resolved = resolve_model_config(config, load_data(config))
         >>> resolved.features, resolved.max_len, resolved.heads, resolved.hidden
         (12, 29, 4, 8)
@@ -194,7 +194,7 @@ def build_model(config: TrainConfig, dataset: SequenceDataset) -> SequenceFlow:
         ConfigError: settings the data rule out (:func:`resolve_model_config`).
 
     Example:
-        >>> config = TrainConfig(n_blocks=1, hidden=8)
+        >>> config = TrainConfig(model=ModelConfig(n_blocks=1, hidden=8))
         >>> build_model(config, load_data(config)).max_len
         29
     """

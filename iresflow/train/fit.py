@@ -145,9 +145,10 @@ def fit(
             :func:`~iresflow.train.loop.train` and ``nproc``).
 
     Example:
+        >>> from iresflow.models.config import ModelConfig
         >>> from iresflow.train.factories import load_data
-        >>> config = TrainConfig(max_train=8, max_eval=4, n_blocks=1, hidden=8, epochs=1,
-        ...                      device="cpu")
+        >>> config = TrainConfig(model=ModelConfig(n_blocks=1, hidden=8), max_train=8,
+        ...                      max_eval=4, epochs=1, device="cpu")
         >>> result = fit(config, load_data(config))
         >>> result.best_epoch, result.stopped, result.model.training
         (1, 'epochs', False)

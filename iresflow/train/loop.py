@@ -180,8 +180,8 @@ def _fit(
     if config.val_fraction is None:  # the run records the automatic fraction its split used
         config = config.replace(val_fraction=dataset.val_fraction)
     if config.model.position_norm == "auto":  # and what the data decided
-        config = config.replace(
-            position_norm=resolve_model_config(config, dataset).position_norm)
+        decided = resolve_model_config(config, dataset).position_norm
+        config = config.replace(model=config.model.replace(position_norm=decided))
     # The run owns torch's global generators while it trains; the caller's are restored after.
     with seeded_training(config.seed, device):
         model = build_model(config, dataset).to(device)  # settings checked before any deletion

@@ -168,7 +168,8 @@ def prepare_run_folder(
         if saved.val_fraction is None:  # automatic: what the same data resolve to (config's)
             saved = saved.replace(val_fraction=config.val_fraction)
         if saved.model.position_norm == "auto":  # likewise decided by the same data
-            saved = saved.replace(position_norm=config.model.position_norm)
+            saved = saved.replace(
+                model=saved.model.replace(position_norm=config.model.position_norm))
         changed = saved.incompatible_fields(config)
         if changed:
             raise ConfigError(
