@@ -57,9 +57,12 @@ class ResidualFlowTransformer(SequenceFlow):
     ``ActNorm``'s place; ``"auto"``, which
     :func:`~iresflow.train.factories.resolve_model_config` decides from the data, builds as
     ``"off"``), then ``n_blocks`` blocks whose layers are ``config.layers`` in order (module
-    docstring): ``"conv"``, ``"attention"`` and ``"mlp"`` are residual steps
+    docstring): every kind of :data:`~iresflow.models.registry.BRANCH_KINDS` (built in:
+    ``"conv"``, ``"attention"``, ``"relative"`` and ``"mlp"``, :mod:`iresflow.models.branches`;
+    more with :func:`~iresflow.models.registry.register_branch`) is a residual step
     ``ActNorm -> x + g(x)``, ``"mix"`` an LU feature mixing; the base over the real frames is
-    the standard normal, or a Student-t with learned degrees of freedom (``base``,
+    the standard normal, or a Student-t with learned degrees of freedom, or any density of
+    :data:`~iresflow.models.distributions.BASES` (``base``,
     :func:`~iresflow.models.distributions.make_base`). The default recipe (``ar_order = 3``,
     blocks of ``conv`` and ``mlp``) contains the AR(3) Gaussian as a special case and starts
     from it. ``layers=("attention", "mlp")`` with ``ar_order=0`` is the residual-flow
