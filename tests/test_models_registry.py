@@ -3,7 +3,11 @@ package is one class and one registration (docs/math.md#change-of-variables for 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -161,6 +165,18 @@ def test_the_built_in_kinds_are_registered_entries():
             ] == ["feature", "frame", "sequence"]
     with pytest.raises(KeyError, match="unknown branch kind 'mix'"):
         BRANCH_KINDS["mix"]  # a fixed name of the setting, not an entry
+
+
+def test_the_built_in_kinds_are_there_whichever_module_is_imported_first():
+    # The built-in branch kinds register when iresflow.models.branches is imported, which the
+    # package does before any of its modules can be used.
+    code = ("from iresflow.models.config import ModelConfig, LAYER_KINDS; "
+            "ModelConfig(layers=('attention', 'relative', 'conv', 'mlp', 'mix')); "
+            "print(','.join(LAYER_KINDS))")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.stdout.strip() == "attention,relative,conv,mlp,mix"
 
 
 @pytest.mark.parametrize(
