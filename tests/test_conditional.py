@@ -460,6 +460,22 @@ def test_lipschitz_report_of_conditional_model(device):
     assert all(r["estimate"] <= r["certified"] + 1e-9 for r in report)
 
 
+def test_lipschitz_report_names_and_bounds_the_wrapped_branch(device):
+    # A conditional row reads like the unconditional one: the wrapped kind, and the raw bound of
+    # attention (a ConditionalBranch around a PositionalBranch around the attention).
+    settings = {"layers": ("attention", "conv", "mlp"), "relative_window": 2}
+    plain = _model(device, **settings).lipschitz_report(seq_len=4, n_inputs=1)
+    model = _model(device, num_classes=3, **settings)
+    report = model.lipschitz_report(seq_len=4, n_inputs=1)
+    assert [r["type"] for r in report] == [r["type"] for r in plain] == [
+        "ContractiveL2MultiheadAttention", "TemporalConvBranch", "LipschitzMLP"]
+    attention = dict(model.residual_steps())["block0.attention"].branch
+    assert isinstance(attention, ConditionalBranch)
+    expected = float(attention.branch.branch.raw_bound(4).detach())
+    assert report[0]["raw_bound"] == pytest.approx(expected, rel=1e-12) and expected > 0
+    assert [r["raw_bound"] is None for r in report] == [r["raw_bound"] is None for r in plain]
+
+
 def test_conditional_affine(device):
     layer = ConditionalAffine(3, 2, max_log_scale=2.0).to(device=device, dtype=F64)
     _randomize_context_nets(layer)

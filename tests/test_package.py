@@ -241,6 +241,54 @@ def test_no_module_reads_private_attributes_of_other_objects() -> None:
     assert {path: lines for path, lines in found.items() if lines} == {}
 
 
+#: The package's only uses of torch's private names: PyTorch has no public way to ask whether a
+#: ``torch.func`` transform is active, or whether a tensor is one of its wrappers.
+PRIVATE_TORCH_ALLOWED = {
+    "iresflow/_validation.py": {"torch._C._functorch.peek_interpreter_stack",
+                                "torch._C._functorch.is_functorch_wrapped_tensor"},
+}
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """``a.b.c`` for a chain of attributes on a name, else ``None``."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and (base := _dotted(node.value)) is not None:
+        return f"{base}.{node.attr}"
+    return None
+
+
+def private_torch_names(source: str) -> set[str]:
+    """Dotted names rooted at ``torch`` with a private component (``torch._standard_gamma``,
+    ``torch.nn._x``), in attribute chains and imports of a module's ``source``; of nested
+    chains only the longest."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and (name := _dotted(node)) is not None:
+            names.add(name)
+        elif isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    private = {name for name in names if name.split(".")[0] == "torch"
+               and any(_private(part) for part in name.split(".")[1:])}
+    return {name for name in private if not any(other.startswith(name + ".") for other in private)}
+
+
+def test_private_torch_finder() -> None:
+    source = ("import torch\nimport torch._dynamo\nfrom torch.nn import _reduction\n"
+              "x = torch._standard_gamma(a)\ny = torch.nn.functional.relu(a)._values()\n")
+    assert private_torch_names(source) == {
+        "torch._dynamo", "torch.nn._reduction", "torch._standard_gamma"}
+
+
+def test_no_private_torch_names_in_the_package() -> None:
+    found = {str(path.relative_to(PACKAGE.parent)): private_torch_names(path.read_text())
+             for path in sorted(PACKAGE.rglob("*.py"))}
+    found = {path: names for path, names in found.items() if names}
+    assert found == PRIVATE_TORCH_ALLOWED
+
+
 def test_docs_and_docstrings_cite_only_pages_the_repo_ships() -> None:
     """Every mathematical reference points into docs/ (no external specification)."""
     root = Path(__file__).resolve().parents[1]

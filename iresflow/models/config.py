@@ -12,13 +12,15 @@ from dataclasses import dataclass
 
 from iresflow._settings import ConfigError, SettingsRecord, check_minimum, check_range, setting
 from iresflow.models.distributions import BASES
+from iresflow.models.registry import BRANCH_KINDS
 
 __all__ = ["LAYER_KINDS", "ModelConfig", "default_heads"]
 
-#: Layer kinds of a block recipe (:attr:`ModelConfig.layers`): residual steps with a contractive
-#: attention, relative-mixing, temporal-convolution or position-wise MLP branch, or an LU feature
-#: mixing.
-LAYER_KINDS = ("attention", "relative", "conv", "mlp", "mix")
+#: Layer kinds of a block recipe (:attr:`ModelConfig.layers`), read from the registry at every use:
+#: residual steps of a registered branch kind (built in: contractive attention, relative mixing,
+#: temporal convolution, position-wise MLP; :mod:`iresflow.models.branches`), or ``"mix"``, an LU
+#: feature mixing.
+LAYER_KINDS = BRANCH_KINDS.choices
 
 
 def default_heads(features: int) -> int:
@@ -114,7 +116,7 @@ class ModelConfig(SettingsRecord):
         "sequence-t", "density of the noise: standard normal, Student-t per feature with "
         "learned degrees of freedom, one multivariate t per frame, or one multivariate t over "
         "the real frames of a sequence (heavy tails; sequence-t: every sequence a Gaussian with "
-        "a random scale of its own, so quiet and loud recordings are both likely)", BASES
+        "a random scale of its own, so quiet and loud recordings are both likely)", BASES.choices
     )
     context_features: int = setting(
         0, "size C of the per-sequence context vector: covariates, or the class-label embedding "

@@ -3,22 +3,29 @@ r"""Base distributions of sequence flows and the padding masks of samples.
 :class:`SequenceBase` is the contract of the density of a flow's noise over the real frames
 (docs/math.md#masks); :class:`StandardNormalSequence` is the default one,
 :class:`StudentTSequence` a heavy-tailed one with learned degrees of freedom
-(docs/math.md#student-t-base), and :func:`make_base` builds either by the name of the model
-setting ``base``. :func:`sample_mask` builds the padding mask of sequences to sample.
+(docs/math.md#student-t-base). :data:`BASES` is the registry of the densities the model setting
+``base`` names (:func:`register_base` adds one) and :func:`make_base` builds one by its name.
+:func:`sample_mask` builds the padding mask of sequences to sample.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 
 from iresflow._validation import check_float, check_generator, check_int, check_sequence
+from iresflow.models.gamma import sample_gamma
+from iresflow.models.registry import Registry
 
 __all__ = [
     "BASES",
+    "BaseKind",
     "NU_INIT",
     "NU_MIN",
     "SequenceBase",
@@ -26,16 +33,12 @@ __all__ = [
     "StudentTSequence",
     "T_GROUPS",
     "make_base",
+    "register_base",
     "sample_mask",
 ]
 
-#: Names of the base densities (the model setting ``base``): the standard normal, independent
-#: Student-t features, a multivariate t per frame, or one multivariate t over the real frames
-#: of a sequence (:func:`make_base`).
-BASES = ("normal", "student-t", "multivariate-t", "sequence-t")
-#: Groups of coordinates sharing one chi-square scale in :class:`StudentTSequence`, by the
-#: ``base`` name that selects them.
-T_GROUPS = {"student-t": "feature", "multivariate-t": "frame", "sequence-t": "sequence"}
+#: Groups of coordinates that share one chi-square scale in :class:`StudentTSequence`.
+T_GROUPS = ("feature", "frame", "sequence")
 #: Lower bound of the degrees of freedom of :class:`StudentTSequence`: the variance
 #: :math:`\nu / (\nu - 2)` of the noise stays finite.
 NU_MIN = 2.0
@@ -184,7 +187,8 @@ class StudentTSequence(SequenceBase):
 
     Args:
         features: Feature size ``D``.
-        group: ``"feature"``, ``"frame"`` or ``"sequence"`` (:data:`T_GROUPS`).
+        group: ``"feature"``, ``"frame"`` or ``"sequence"`` (:data:`T_GROUPS`; the bases
+            ``student-t``, ``multivariate-t`` and ``sequence-t`` of :data:`BASES`).
         nu_init: Initial degrees of freedom, ``> NU_MIN`` (default :data:`NU_INIT`, nearly
             Gaussian).
 
@@ -203,9 +207,8 @@ class StudentTSequence(SequenceBase):
     ) -> None:
         super().__init__()
         self.features = check_int(features, "features", 1)
-        if group not in T_GROUPS.values():
-            raise ValueError(
-                f"group must be one of {', '.join(T_GROUPS.values())}, got {group!r}")
+        if group not in T_GROUPS:
+            raise ValueError(f"group must be one of {', '.join(T_GROUPS)}, got {group!r}")
         self.group = group
         nu_init = check_float(nu_init, "nu_init", NU_MIN)
         #: :math:`\eta = \log(\nu - \nu_{\min})`, one per feature, or one ``(G,)``.
@@ -247,8 +250,9 @@ class StudentTSequence(SequenceBase):
         r"""Draw :math:`T\,t` on the real frames, zeros at padding.
 
         :math:`t = g \sqrt{\nu / w}` with :math:`g \sim \mathcal N(0, I)` and a chi-square
-        :math:`w \sim \chi^2_\nu` per group (feature, frame or sequence), drawn from the
-        generator; the draw is not differentiable in :math:`\nu`.
+        :math:`w = 2\gamma \sim \chi^2_\nu`, :math:`\gamma \sim \mathrm{Gamma}(\nu/2, 1)` per
+        group (feature, frame or sequence; :func:`~iresflow.models.gamma.sample_gamma`), all
+        drawn from the generator; the draw is not differentiable in :math:`\nu`.
 
         Args:
             mask: Boolean padding mask ``(B, N)``; the noise is drawn on its device.
@@ -266,8 +270,7 @@ class StudentTSequence(SequenceBase):
         nu = self.nu.detach().to(device=mask.device, dtype=g.dtype)
         groups = {"feature": (*mask.shape, self.features), "frame": (*mask.shape, 1),
                   "sequence": (mask.shape[0], 1, 1)}[self.group]
-        # torch.distributions' Gamma and Chi2 take no generator; their sampler does.
-        chi_square = 2 * torch._standard_gamma((nu / 2).expand(groups), generator=generator)
+        chi_square = 2 * sample_gamma((nu / 2).expand(groups), generator)
         z = g * torch.sqrt(nu / chi_square) * temperature
         return torch.where(mask.unsqueeze(-1), z, 0.0)
 
@@ -298,18 +301,63 @@ def _check_draw(
     return check_generator(generator), check_float(temperature, "temperature", 0.0)
 
 
+@dataclass(frozen=True)
+class BaseKind:
+    """A base density of the model setting ``base``: how to build it, and what it is.
+
+    Attributes:
+        build: ``build(features) -> SequenceBase``, the density for feature size ``D``.
+        help: One line saying what the density is.
+    """
+
+    build: Callable[[int], SequenceBase]
+    help: str
+
+
+#: The base densities of the model setting ``base``, by name (:func:`register_base`).
+BASES: Registry[BaseKind] = Registry("base")
+
+
+def register_base(name: str, build: Callable[[int], SequenceBase], help: str) -> None:
+    """Register a base density, usable in the model setting ``base``.
+
+    Args:
+        name: Its name: lower-case letters, digits, ``-`` and ``_``, starting with a letter,
+            not yet a base.
+        build: ``build(features) -> SequenceBase`` for feature size ``D``.
+        help: One line saying what the density is.
+
+    Raises:
+        TypeError: ``name`` or ``help`` is not a string, or ``build`` is not callable.
+        ValueError: ``name`` is malformed or already a base, or ``help`` is empty.
+
+    Example:
+        >>> register_base("t-per-frame", partial(StudentTSequence, group="frame"), "a t per frame")
+        >>> make_base("t-per-frame", 3).group
+        'frame'
+        >>> BASES.unregister("t-per-frame")
+    """
+    if not callable(build):
+        raise TypeError(f"build must be callable, got {type(build).__name__}")
+    if not isinstance(help, str):
+        raise TypeError(f"help must be a str, got {type(help).__name__}")
+    if not help.strip():
+        raise ValueError("help must say what the density is, got an empty string")
+    BASES.register(name, BaseKind(build, help))
+
+
 def make_base(kind: str, features: int) -> SequenceBase:
     """Build the base density of a flow by the name of the model setting ``base``.
 
     Args:
-        kind: ``"normal"`` (:class:`StandardNormalSequence`), ``"student-t"`` (independent
-            Student-t features), ``"multivariate-t"`` (one multivariate t per frame) or
-            ``"sequence-t"`` (one multivariate t over the real frames of a sequence), see
-            :data:`BASES`.
+        kind: A name of :data:`BASES`: built in, ``"normal"`` (:class:`StandardNormalSequence`),
+            ``"student-t"`` (independent Student-t features), ``"multivariate-t"`` (one
+            multivariate t per frame) or ``"sequence-t"`` (one multivariate t over the real
+            frames of a sequence).
         features: Feature size ``D``.
 
     Returns:
-        The base, with :data:`NU_INIT` degrees of freedom for a t.
+        The base, with :data:`NU_INIT` degrees of freedom for a built-in t.
 
     Raises:
         ValueError: an unknown ``kind``.
@@ -318,11 +366,18 @@ def make_base(kind: str, features: int) -> SequenceBase:
         >>> make_base("multivariate-t", 3).nu.shape
         torch.Size([1])
     """
-    if kind == "normal":
-        return StandardNormalSequence(features)
-    if kind in T_GROUPS:
-        return StudentTSequence(features, group=T_GROUPS[kind])
-    raise ValueError(f"base must be one of {', '.join(BASES)}, got {kind!r}")
+    if kind not in BASES:
+        raise ValueError(f"base must be one of {', '.join(BASES)}, got {kind!r}")
+    return BASES[kind].build(features)
+
+
+register_base("normal", StandardNormalSequence, "the standard normal")
+register_base("student-t", partial(StudentTSequence, group="feature"),
+              "a Student-t per feature, with learned degrees of freedom")
+register_base("multivariate-t", partial(StudentTSequence, group="frame"),
+              "one multivariate t per frame")
+register_base("sequence-t", partial(StudentTSequence, group="sequence"),
+              "one multivariate t over the real frames of a sequence")
 
 
 def sample_mask(

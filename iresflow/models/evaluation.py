@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from iresflow.nn.base import BranchWrapper
 from iresflow.nn.diagnostics import jacobian_norm
-from iresflow.nn.positional import PositionalBranch
 from iresflow.transforms.residual import ResidualTransform
 
 __all__ = [
@@ -170,9 +170,12 @@ def lipschitz_report(
       normalisation by it (docs/math.md#l2-bounds, docs/math.md#lipschitznorm), at the probe
       length, which measures how expansive the learned weights are; ``None`` otherwise.
 
-    Conditional branches are probed at the zero context (their certificate holds for every
-    context). The branches are evaluated in their current mode; call it on an ``eval()`` model
-    for the exact spectral norms (docs/math.md#spectral-norm).
+    A row names and bounds the innermost branch, seen through its wrappers (the positional shift
+    of attention, the context shift of a conditional model, which keep its certificate), so the
+    rows of a conditional model read like those of an unconditional one. Conditional branches
+    are probed at the zero context (their certificate holds for every context). The branches
+    are evaluated in their current mode; call it on an ``eval()`` model for the exact spectral
+    norms (docs/math.md#spectral-norm).
 
     Args:
         steps: ``(name, block)`` pairs.
@@ -180,13 +183,15 @@ def lipschitz_report(
 
     Returns:
         One dict per block, in order: ``name``, ``type`` (branch class), ``norm``, ``seq_len``,
-        ``certified``, ``estimate`` and ``raw_bound``.
+        ``certified``, ``estimate`` and ``raw_bound``; ``type`` is the class of the innermost
+        branch (e.g. ``ContractiveL2MultiheadAttention``, not its ``ConditionalBranch``).
     """
     seq_len = x.shape[1]
     report = []
     for name, step in steps:
-        branch = step.branch
-        inner = branch.branch if isinstance(branch, PositionalBranch) else branch
+        branch = inner = step.branch
+        while isinstance(inner, BranchWrapper):
+            inner = inner.branch
         raw = getattr(inner, "raw_bound", None)
         if step.context_features is None:
             def probe(t: Tensor, g: Any = branch) -> Tensor:

@@ -32,19 +32,12 @@ from typing import Any
 from torch import nn
 
 from iresflow._settings import ConfigError
+from iresflow.models.branches import build_branch, needs_positional_encoding
 from iresflow.models.config import ModelConfig
 from iresflow.models.distributions import make_base
 from iresflow.models.flow import SequenceFlow
-from iresflow.nn.attention import (
-    ContractiveL2MultiheadAttention,
-    ContractiveLipschitzNormAttention,
-)
-from iresflow.nn.base import LipschitzBranch
-from iresflow.nn.conditional import ConditionalBranch, ContextEncoder
-from iresflow.nn.conv import TemporalConvBranch
-from iresflow.nn.mlp import LipschitzMLP
-from iresflow.nn.positional import PositionalBranch, make_positional_encoding
-from iresflow.nn.relative import RelativeMixingBranch
+from iresflow.nn.conditional import ContextEncoder
+from iresflow.nn.positional import make_positional_encoding
 from iresflow.transforms.actnorm import ActNorm
 from iresflow.transforms.base import SequenceCompositeTransform
 from iresflow.transforms.conditional import ConditionalAffine
@@ -55,10 +48,6 @@ from iresflow.transforms.temporal import AutoregressiveLinear
 
 __all__ = ["ResidualFlowTransformer"]
 
-#: Linear layers of the position-wise MLP branch (dims ``(D, hidden, hidden, D)``).
-MLP_LAYERS = 3
-
-
 class ResidualFlowTransformer(SequenceFlow):
     r"""Residual flow for (variable-length) sequences, built from a block recipe.
 
@@ -68,9 +57,12 @@ class ResidualFlowTransformer(SequenceFlow):
     ``ActNorm``'s place; ``"auto"``, which
     :func:`~iresflow.train.factories.resolve_model_config` decides from the data, builds as
     ``"off"``), then ``n_blocks`` blocks whose layers are ``config.layers`` in order (module
-    docstring): ``"conv"``, ``"attention"`` and ``"mlp"`` are residual steps
+    docstring): every kind of :data:`~iresflow.models.registry.BRANCH_KINDS` (built in:
+    ``"conv"``, ``"attention"``, ``"relative"`` and ``"mlp"``, :mod:`iresflow.models.branches`;
+    more with :func:`~iresflow.models.registry.register_branch`) is a residual step
     ``ActNorm -> x + g(x)``, ``"mix"`` an LU feature mixing; the base over the real frames is
-    the standard normal, or a Student-t with learned degrees of freedom (``base``,
+    the standard normal, or a Student-t with learned degrees of freedom, or any density of
+    :data:`~iresflow.models.distributions.BASES` (``base``,
     :func:`~iresflow.models.distributions.make_base`). The default recipe (``ar_order = 3``,
     blocks of ``conv`` and ``mlp``) contains the AR(3) Gaussian as a special case and starts
     from it. ``layers=("attention", "mlp")`` with ``ar_order=0`` is the residual-flow
@@ -153,7 +145,7 @@ class ResidualFlowTransformer(SequenceFlow):
                 raise ConfigError(f"{name} must be set to build a model")
         features = config.features
         encoding = None
-        if "attention" in config.layers:
+        if needs_positional_encoding(config.layers):
             encoding = make_positional_encoding(config.positional, features, config.max_len)
         steps: list[nn.Module] = []
         names: list[str] = []
@@ -175,7 +167,7 @@ class ResidualFlowTransformer(SequenceFlow):
                     steps.append(FeatureMixing(features))
                     names.append(name)
                     continue
-                branch = _branch(kind, config, encoding)
+                branch = build_branch(kind, config, encoding)
                 steps += [ActNorm(features), ResidualTransform(branch, logdet=config.logdet)]
                 names += [f"{name}.actnorm", name]
         encoder = None
@@ -186,36 +178,3 @@ class ResidualFlowTransformer(SequenceFlow):
         super().__init__(SequenceCompositeTransform(steps, names), make_base(config.base, features),
                          features=features, max_len=config.max_len, context_encoder=encoder)
         self.config = config
-
-
-def _branch(kind: str, config: ModelConfig, encoding: nn.Module | None) -> LipschitzBranch:
-    """The contractive branch of a residual step of kind ``attention``, ``relative``, ``conv`` or
-    ``mlp``, conditional on the context in a conditional model."""
-    features, hidden, coeff = config.features, config.hidden, config.coeff
-    branch: LipschitzBranch
-    if kind == "attention":
-        attention = _attention_branch(config, features, coeff)
-        branch = PositionalBranch(attention, encoding)
-    elif kind == "relative":
-        window = config.relative_window or max(config.max_len - 1, 1)
-        branch = RelativeMixingBranch(features, hidden, window, coeff)
-    elif kind == "conv":
-        branch = TemporalConvBranch(features, hidden, config.kernel_size, coeff,
-                                    max_len=config.max_len)
-    else:
-        branch = LipschitzMLP((features, hidden, hidden, features),
-                              coeff=coeff ** (1.0 / MLP_LAYERS),
-                              n_power_iterations=config.n_power_iterations,
-                              sigma=config.spectral_norm)
-    if config.conditional:
-        return ConditionalBranch(branch, config.resolved_context_features)
-    return branch
-
-
-def _attention_branch(config: ModelConfig, features: int, coeff: float) -> LipschitzBranch:
-    heads = config.resolved_heads
-    if config.attention == "l2":
-        return ContractiveL2MultiheadAttention(
-            features, heads, coeff=coeff, max_offset=config.relative_window
-        )
-    return ContractiveLipschitzNormAttention(features, heads, coeff=coeff)

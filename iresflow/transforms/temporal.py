@@ -44,10 +44,10 @@ class AutoregressiveLinear(DataInitializedTransform):
 
     with :math:`L_j` lower triangular with positive diagonal (``log_diag[j]`` and the strictly
     lower part of ``lower[j]``), bias :math:`b_j` (``bias[j]``) and lag matrices :math:`A_{j,k}`
-    (``lag_weights[j, k - 1]``, ``D x D``; entries with :math:`k > j` are unused, see
-    :meth:`lag_matrices`). Only real frames enter a history, so frames before a gap never
-    influence frames after it. The Jacobian over the real frames is block lower triangular in
-    time with diagonal blocks :math:`L_{h(t)}`, hence the log-determinant. Since :math:`h(t)`
+    (``lag_weights[j, k - 1]``, ``D x D``; entries with :math:`k > j` are unused). Only real
+    frames enter a history, so frames before a gap never influence frames after it. The Jacobian
+    over the real frames is block lower triangular in time with diagonal blocks
+    :math:`L_{h(t)}`, hence the log-determinant. Since :math:`h(t)`
     depends on the mask only, the inverse is a forward substitution over time. Padded frames are
     returned unchanged, add nothing to the log-determinant and never influence a real output.
     A ``(B, D)`` batch of vectors is treated as sequences of length 1 (sub-model 0 only).
@@ -138,14 +138,6 @@ class AutoregressiveLinear(DataInitializedTransform):
             ContextShift(context_features, (p + 1) * d * d + 2 * d, context_hidden)
             if context_features else None
         )
-
-    def lag_matrices(self) -> Tensor:
-        r"""The lag matrices :math:`A_{j,k}` at ``[j, k - 1]`` (zero for :math:`k > j`).
-
-        Returns:
-            ``(p + 1, p, D, D)``: the context-free ones of a conditional layer.
-        """
-        return self._sub_models(None)[0].squeeze(0).flip(1)
 
     def whitening_matrix(self) -> Tensor:
         r"""The lower-triangular :math:`L_j` (positive diagonal) at ``[j]``.
