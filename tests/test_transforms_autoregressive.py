@@ -257,6 +257,19 @@ def test_state_dict_round_trip(device):
         assert torch.equal(a, b)
 
 
+def test_train_and_eval_modes_agree_and_nothing_is_initialised_from_data(device):
+    step = make_step(device)
+    x, mask = padded_batch(device)
+    assert step.is_initialized
+    before = {name: p.clone() for name, p in step.state_dict().items()}
+    step.initialize(x, mask)
+    y_train, logabsdet_train = step.train()(x, mask=mask)
+    y_eval, logabsdet_eval = step.eval()(x, mask=mask)
+    assert torch.equal(y_train, y_eval) and torch.equal(logabsdet_train, logabsdet_eval)
+    for name, value in step.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
 def test_nflows_composite_inverse_transform_and_flow(device):
     # Two steps with time reversed between them, as autoregressive flows alternate directions.
     # The reversal of 4 frames of 3 features is an even permutation: the oracle needs det > 0.

@@ -42,8 +42,8 @@ class AutoregressiveAffine(SequenceTransform):
     :func:`~iresflow.inverse.fixed_point.fixed_point_inverse` (plain steps; its tolerance, its
     residual :math:`\|x - T_y(x)\|_\infty` and its errors). Frame :math:`t` of the :math:`k`-th
     iterate is exact once :math:`k > t`, so :math:`N` sweeps reach the solution and one more
-    evaluation confirms it: the default cap, :math:`N + 1` evaluations, is never hit except by
-    rounding. The diagnostics of the last inverse are kept in :attr:`last_inverse_stats`
+    evaluation confirms it: the default cap of :math:`N + 1` evaluations always suffices, for any
+    network. The diagnostics of the last inverse are kept in :attr:`last_inverse_stats`
     (``iterations`` are the sweeps per sample). ``inverse`` runs without gradient tracking.
 
     Args:
