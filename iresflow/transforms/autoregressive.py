@@ -1,0 +1,197 @@
+r"""A frame-autoregressive affine step with a causal Transformer conditioner, inverted by Jacobi
+fixed-point sweeps (docs/math.md#autoregressive-step)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from iresflow._validation import check_float, check_int
+from iresflow.inverse.fixed_point import InverseStats, fixed_point_inverse
+from iresflow.nn.causal import CausalTransformer
+from iresflow.nn.conditional import check_context
+from iresflow.transforms.base import LogDetRequest, SequenceTransform
+
+__all__ = ["AutoregressiveAffine"]
+
+
+class AutoregressiveAffine(SequenceTransform):
+    r"""Affine map of every real frame, its shift and log-scale functions of the frames before it.
+
+    From data to noise (docs/math.md#autoregressive-step),
+
+    .. math::
+        y_t = \big(x_t - \mu_t(x_{<t}, c)\big) \odot e^{-s_t(x_{<t}, c)}, \qquad
+        s_t = S \tanh(a_t / S), \qquad
+        \log|\det J| = -\sum_{t \text{ real}} \sum_{d=1}^{D} s_{t,d},
+
+    with :math:`(\mu_t, a_t)` the outputs of a :class:`~iresflow.nn.causal.CausalTransformer` at
+    frame :math:`t`, which reads only the real frames before :math:`t` (and the context
+    :math:`c`), and :math:`|s_{t,d}| \le S` (``max_log_scale``). The Jacobian over the real frames
+    is block lower triangular with diagonal blocks :math:`\mathrm{diag}(e^{-s_t})`, hence the
+    exact log-determinant; no Lipschitz bound is needed. The network's output layer starts at
+    zero, so the step starts as the identity. Padded frames pass through unchanged, add nothing
+    to the log-determinant and never influence a real frame (with gaps, a real frame sees the
+    real frames before it only). A ``(B, D)`` batch of vectors is a batch of one-frame sequences:
+    an affine map whose shift and scale depend on the context only.
+
+    The inverse iterates the Jacobi map :math:`T_y(x)_t = \mu_t(x_{<t}) + y_t \odot e^{s_t(x_{<t})}`
+    on all frames at once from :math:`x^0 = y`, with
+    :func:`~iresflow.inverse.fixed_point.fixed_point_inverse` (plain steps; its tolerance, its
+    residual :math:`\|x - T_y(x)\|_\infty` and its errors). Frame :math:`t` of the :math:`k`-th
+    iterate is exact once :math:`k > t`, so :math:`N` sweeps reach the solution and one more
+    evaluation confirms it: the default cap of :math:`N + 1` evaluations always suffices, for any
+    network. The diagnostics of the last inverse are kept in :attr:`last_inverse_stats`
+    (``iterations`` are the sweeps per sample). ``inverse`` runs without gradient tracking.
+
+    Args:
+        features: Frame size ``D``.
+        width: Token width of the Transformer.
+        depth: Number of Transformer layers.
+        heads: Attention heads (must divide ``width``).
+        max_len: Longest sequence; required with ``positional="learned"``, where longer
+            sequences are rejected.
+        positional: ``"sinusoidal"`` or ``"learned"`` positions.
+        context_features: Context size ``C`` (0: unconditional).
+        max_log_scale: Bound :math:`S > 0` on every log-scale.
+        inverse_tol: Max-abs residual tolerance of the inverse; ``None`` uses the dtype default
+            of :func:`~iresflow.inverse.fixed_point.default_tolerance`.
+        inverse_max_iter: Cap on the sweeps of the inverse; ``None``: ``N + 1`` for sequences of
+            length ``N``.
+        on_failure: ``"raise"`` or ``"warn"`` when the inverse does not reach its tolerance.
+
+    Example:
+        >>> step = AutoregressiveAffine(3, width=8, depth=1, heads=2).double()
+        >>> with torch.no_grad():
+        ...     _ = step.conditioner.head.weight.normal_()  # away from the identity
+        >>> x = torch.randn(2, 6, 3, dtype=torch.float64)
+        >>> y, logabsdet = step(x)
+        >>> x_back, inverse_logabsdet = step.inverse(y)
+        >>> torch.allclose(x_back, x), torch.allclose(inverse_logabsdet, -logabsdet)
+        (True, True)
+        >>> bool(step.last_inverse_stats.iterations.max() <= 7)
+        True
+    """
+
+    last_inverse_stats: InverseStats | None
+
+    def __init__(
+        self,
+        features: int,
+        *,
+        width: int = 64,
+        depth: int = 2,
+        heads: int = 4,
+        max_len: int | None = None,
+        positional: Literal["sinusoidal", "learned"] = "sinusoidal",
+        context_features: int = 0,
+        max_log_scale: float = 3.0,
+        inverse_tol: float | None = None,
+        inverse_max_iter: int | None = None,
+        on_failure: Literal["raise", "warn"] = "raise",
+    ) -> None:
+        super().__init__()
+        self.features = check_int(features, "features", 1)
+        self.context_features = check_int(context_features, "context_features", 0)
+        self.max_log_scale = check_float(max_log_scale, "max_log_scale", 0.0)
+        self.inverse_tol = None if inverse_tol is None else check_float(
+            inverse_tol, "inverse_tol", 0.0)
+        self.inverse_max_iter = None if inverse_max_iter is None else check_int(
+            inverse_max_iter, "inverse_max_iter", 1)
+        if on_failure not in ("raise", "warn"):
+            raise ValueError(f"on_failure must be 'raise' or 'warn', got {on_failure!r}")
+        self.on_failure = on_failure
+        self.conditioner = CausalTransformer(
+            features, 2 * features, width=width, depth=depth, heads=heads,
+            positional=positional, max_len=max_len, context_features=context_features,
+        )
+        self.last_inverse_stats = None
+
+    def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
+        length = 1 if inputs.dim() == 2 else inputs.shape[1]
+        max_len = self.conditioner.max_len
+        if self.conditioner.positional == "learned" and length > max_len:
+            raise ValueError(
+                f"sequence length {length} exceeds max_len={max_len} of the learned positions"
+            )
+        if not self.context_features:
+            if context is not None:
+                raise ValueError("AutoregressiveAffine is unconditional: context must be None")
+            return
+        if context is None:
+            raise ValueError(
+                f"a conditional AutoregressiveAffine needs context of shape "
+                f"(B, {self.context_features})"
+            )
+        check_context(context, inputs.shape[0], self.context_features, inputs)
+
+    def shift_and_log_scale(
+        self, x: Tensor, context: Tensor | None = None, mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        r"""The conditioner's :math:`\mu_t` and :math:`s_t` of every frame (zero at padded ones).
+
+        Args:
+            x: Validated frames ``(B, N, D)``.
+            context: Context ``(B, C)`` of a conditional step, else ``None``.
+            mask: Optional boolean padding mask ``(B, N)``.
+
+        Returns:
+            ``(shift, log_scale)``, each ``(B, N, D)``; row ``t`` depends on the real frames
+            before ``t`` only, and ``|log_scale| <= max_log_scale``.
+        """
+        shift, raw = self.conditioner(x, mask, context).chunk(2, dim=-1)
+        log_scale = self.max_log_scale * torch.tanh(raw / self.max_log_scale)
+        if mask is not None:
+            real = mask.unsqueeze(-1)
+            shift, log_scale = torch.where(real, shift, 0.0), torch.where(real, log_scale, 0.0)
+        return shift, log_scale
+
+    def _forward(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
+    ) -> tuple[Tensor, Tensor | None]:
+        vector = inputs.dim() == 2
+        x = inputs.unsqueeze(1) if vector else inputs
+        shift, log_scale = self.shift_and_log_scale(x, context, mask)
+        y = (x - shift) * torch.exp(-log_scale)  # = x exactly at padded frames (0 and 0)
+        logabsdet = None if logdet is False else -log_scale.sum((1, 2))
+        return (y.squeeze(1) if vector else y), logabsdet
+
+    def _inverse(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
+    ) -> tuple[Tensor, Tensor | None]:
+        vector = inputs.dim() == 2
+        y = inputs.unsqueeze(1) if vector else inputs
+        with torch.no_grad():
+            # Padded frames are solved as zeros (T_y is 0 there): the default tolerance scales
+            # with the largest entry of each sample, which padding must not loosen.
+            real = torch.ones(y.shape[:2], dtype=torch.bool, device=y.device) if mask is None \
+                else mask
+            target = torch.where(real.unsqueeze(-1), y, 0.0)
+
+            def residual_branch(x: Tensor, y: Tensor, real: Tensor, *context: Tensor) -> Tensor:
+                # The solver iterates x <- y - g(x) = T_y(x): g(x) = y - T_y(x).
+                shift, log_scale = self.shift_and_log_scale(x, *context, mask=real)
+                return y - shift - y * torch.exp(log_scale)
+
+            x, stats = fixed_point_inverse(
+                residual_branch,
+                target,
+                args=(target, real) if context is None else (target, real, context),
+                tol=self.inverse_tol,
+                max_iter=self.inverse_max_iter or y.shape[1] + 1,
+                solver="plain",
+                on_failure=self.on_failure,
+            )
+            x = torch.where(real.unsqueeze(-1), x, y)
+            self.last_inverse_stats = stats
+            logabsdet = None
+            if logdet is not False:
+                logabsdet = self.shift_and_log_scale(x, context, mask)[1].sum((1, 2))
+        return (x.squeeze(1) if vector else x), logabsdet
+
+    def extra_repr(self) -> str:
+        return (f"features={self.features}, context_features={self.context_features}, "
+                f"max_log_scale={self.max_log_scale}, inverse_tol={self.inverse_tol}, "
+                f"inverse_max_iter={self.inverse_max_iter}")
