@@ -25,7 +25,7 @@ from iresflow.models.distributions import (
     make_base,
     register_base,
 )
-from iresflow.models.registry import BRANCH_KINDS, Registry, register_branch
+from iresflow.models.registry import LAYERS, Registry, register_branch, register_step
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.nn.conditional import ConditionalBranch
 from tests.oracles import MixingBranch, jacobian_logdet
@@ -75,7 +75,7 @@ def registered() -> Iterator[None]:
     try:
         yield
     finally:
-        BRANCH_KINDS.unregister("soft-mixing")
+        LAYERS.unregister("soft-mixing")
         BASES.unregister("logistic")
 
 
@@ -141,7 +141,7 @@ def test_registered_names_validate_and_reach_the_command_line(registered, capsys
 def test_an_unregistered_name_is_refused_again():
     register_branch("soft-mixing", soft_mixing, "a learned softmax average of the frames")
     register_base("logistic", LogisticSequence, "independent logistic coordinates")
-    BRANCH_KINDS.unregister("soft-mixing")
+    LAYERS.unregister("soft-mixing")
     BASES.unregister("logistic")
     assert "soft-mixing" not in LAYER_KINDS and "logistic" not in BASES.choices
     with pytest.raises(ConfigError, match="layers must be one of attention, relative, conv, mlp"):
@@ -150,25 +150,26 @@ def test_an_unregistered_name_is_refused_again():
         ModelConfig(base="logistic")
     with pytest.raises(ValueError, match="base must be one of"):
         make_base("logistic", 2)
-    with pytest.raises(ValueError, match="no branch kind 'soft-mixing'"):
-        BRANCH_KINDS.unregister("soft-mixing")
+    with pytest.raises(ValueError, match="no layer kind 'soft-mixing'"):
+        LAYERS.unregister("soft-mixing")
 
 
 def test_the_built_in_kinds_are_registered_entries():
-    assert tuple(LAYER_KINDS) == ("attention", "relative", "conv", "mlp", "mix")
+    assert tuple(LAYER_KINDS) == ("attention", "relative", "conv", "mlp", "mix", "autoregressive")
     assert tuple(BASES.choices) == ("normal", "student-t", "multivariate-t", "sequence-t")
-    assert all(BRANCH_KINDS[kind].help for kind in BRANCH_KINDS)
+    assert all(LAYERS[kind].help for kind in LAYERS)
     assert all(BASES[name].help for name in BASES)
-    assert [kind for kind in BRANCH_KINDS if BRANCH_KINDS[kind].positional] == ["attention"]
+    assert [kind for kind in LAYERS if LAYERS[kind].positional] == ["attention"]
+    assert [kind for kind in LAYERS if not LAYERS[kind].residual] == ["mix", "autoregressive"]
     assert BASES["normal"].build is StandardNormalSequence
     assert [make_base(name, 2).group for name in ("student-t", "multivariate-t", "sequence-t")
             ] == ["feature", "frame", "sequence"]
-    with pytest.raises(KeyError, match="unknown branch kind 'mix'"):
-        BRANCH_KINDS["mix"]  # a fixed name of the setting, not an entry
+    with pytest.raises(ValueError, match="layer kind 'mix' is already registered"):
+        register_step("mix", soft_mixing, "a second mixing")
 
 
 def test_the_built_in_kinds_are_there_whichever_module_is_imported_first():
-    # The built-in branch kinds register when iresflow.models.branches is imported, which the
+    # The built-in layer kinds register when iresflow.models.branches is imported, which the
     # package does before any of its modules can be used.
     code = ("from iresflow.models.config import ModelConfig, LAYER_KINDS; "
             "ModelConfig(layers=('attention', 'relative', 'conv', 'mlp', 'mix')); "
@@ -176,7 +177,7 @@ def test_the_built_in_kinds_are_there_whichever_module_is_imported_first():
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": str(root)})
-    assert out.stdout.strip() == "attention,relative,conv,mlp,mix"
+    assert out.stdout.strip() == "attention,relative,conv,mlp,mix,autoregressive"
 
 
 @pytest.mark.parametrize(
@@ -214,13 +215,13 @@ def test_register_rejects_bad_builders_and_help(register):
 
 
 def test_registry_choices_are_a_live_sequence():
-    colours = Registry("colour", fixed=("none",))
+    colours = Registry("colour")
     choices = colours.choices
-    assert tuple(choices) == ("none",) and len(choices) == 1
+    assert tuple(choices) == () and len(choices) == 0
     colours.register("red", 1)
     colours.register("blue", 2)
-    assert tuple(choices) == ("red", "blue", "none") and choices[1] == "blue"
-    assert choices[-2:] == ("blue", "none") and "red" in choices and "green" not in choices
-    assert dict(colours) == {"red": 1, "blue": 2} and repr(choices) == "('red', 'blue', 'none')"
-    with pytest.raises(ValueError, match="colour 'none' is already registered"):
-        colours.register("none", 3)
+    assert tuple(choices) == ("red", "blue") and choices[1] == "blue"
+    assert choices[-1:] == ("blue",) and "red" in choices and "green" not in choices
+    assert dict(colours) == {"red": 1, "blue": 2} and repr(choices) == "('red', 'blue')"
+    with pytest.raises(ValueError, match="colour 'red' is already registered"):
+        colours.register("red", 3)

@@ -76,7 +76,7 @@ def test_cycle_finder_finds_cycles():
 
 def test_import_graph_sees_the_package():
     graph = import_graph()
-    assert "iresflow.transforms.residual" in graph["iresflow.models.transformer"]
+    assert "iresflow.transforms.residual" in graph["iresflow.models.branches"]
     assert "iresflow.logdet.base" in graph["iresflow.logdet.factory"]
 
 

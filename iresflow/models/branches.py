@@ -1,21 +1,23 @@
-"""The built-in residual layer kinds of a block recipe, and the branch of a residual step.
+"""The built-in layer kinds of a block recipe, and the steps a layer of any kind becomes.
 
-Each built-in kind is a builder ``(config, encoding) -> LipschitzBranch`` registered in
-:data:`~iresflow.models.registry.BRANCH_KINDS` (:func:`~iresflow.models.registry.register_branch`):
-``attention`` (contractive L2 or LipschitzNorm self-attention with the positional encoding added
-inside, docs/math.md#contractive-attention), ``relative`` (relative mixing,
-docs/math.md#relative-mixing), ``conv`` (temporal convolution, docs/math.md#temporal-conv) and
-``mlp`` (position-wise spectrally normalised LipSwish MLP, docs/math.md#spectral-norm), each
-certified at ``config.coeff``. :func:`build_branch` builds the branch of a step of any
-registered kind, conditional on the context in a conditional model.
+Each built-in kind is a builder registered in :data:`~iresflow.models.registry.LAYERS`. The
+residual kinds (:func:`~iresflow.models.registry.register_branch`) build a contractive branch,
+certified at ``config.coeff``: ``attention`` (contractive L2 or LipschitzNorm self-attention with
+the positional encoding added inside, docs/math.md#contractive-attention), ``relative`` (relative
+mixing, docs/math.md#relative-mixing), ``conv`` (temporal convolution, docs/math.md#temporal-conv)
+and ``mlp`` (position-wise spectrally normalised LipSwish MLP, docs/math.md#spectral-norm). The
+step kinds (:func:`~iresflow.models.registry.register_step`) build an invertible step: ``mix``
+(an LU feature mixing, docs/math.md#feature-mixing) and ``autoregressive`` (an affine step
+conditioned on the past frames by a causal Transformer, docs/math.md#autoregressive-step).
+:func:`layer_steps` turns a layer of any registered kind into its named steps.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from iresflow.models.config import ModelConfig
-from iresflow.models.registry import BRANCH_KINDS, register_branch
+from iresflow.models.config import ModelConfig, default_heads
+from iresflow.models.registry import LAYERS, register_branch, register_step
 from iresflow.nn.attention import (
     ContractiveL2MultiheadAttention,
     ContractiveLipschitzNormAttention,
@@ -26,38 +28,55 @@ from iresflow.nn.conv import TemporalConvBranch
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.nn.positional import PositionalBranch
 from iresflow.nn.relative import RelativeMixingBranch
+from iresflow.transforms.actnorm import ActNorm
+from iresflow.transforms.autoregressive import AutoregressiveAffine
+from iresflow.transforms.mixing import FeatureMixing
+from iresflow.transforms.residual import ResidualTransform
 
-__all__ = ["MLP_LAYERS", "build_branch", "needs_positional_encoding"]
+__all__ = ["AUTOREGRESSIVE_DEPTH", "MLP_LAYERS", "layer_steps", "needs_positional_encoding"]
 
 #: Linear layers of the position-wise MLP branch (dims ``(D, hidden, hidden, D)``).
 MLP_LAYERS = 3
 
+#: Transformer layers of the conditioner of an ``autoregressive`` step.
+AUTOREGRESSIVE_DEPTH = 2
 
-def build_branch(kind: str, config: ModelConfig, encoding: nn.Module | None) -> LipschitzBranch:
-    """The contractive branch of a residual step of a registered kind.
+
+def layer_steps(
+    kind: str, name: str, config: ModelConfig, encoding: nn.Module | None
+) -> list[tuple[str, nn.Module]]:
+    """The named steps of one layer of a registered kind.
+
+    A residual kind becomes ``ActNorm -> x + g(x)`` (steps ``name.actnorm`` and ``name``), its
+    branch wrapped in a :class:`~iresflow.nn.conditional.ConditionalBranch` in a conditional
+    model (the certificate in ``x`` holds for every context); a step kind is its one step
+    ``name``.
 
     Args:
-        kind: A name of :data:`~iresflow.models.registry.BRANCH_KINDS`.
+        kind: A name of :data:`~iresflow.models.registry.LAYERS`.
+        name: The layer's step name in the chain (``block0.conv``).
         config: The model's settings.
         encoding: The model's positional encoding, passed to kinds that take one.
 
     Returns:
-        The kind's branch, wrapped in a :class:`~iresflow.nn.conditional.ConditionalBranch` in
-        a conditional model (its certificate in ``x`` holds for every context).
+        ``(step name, step)`` pairs in chain order.
 
     Raises:
         KeyError: ``kind`` is not registered.
     """
-    entry = BRANCH_KINDS[kind]
-    branch = entry.build(config, encoding if entry.positional else None)
+    entry = LAYERS[kind]
+    layer = entry.build(config, encoding if entry.positional else None)
+    if not entry.residual:
+        return [(name, layer)]
     if config.conditional:
-        return ConditionalBranch(branch, config.resolved_context_features)
-    return branch
+        layer = ConditionalBranch(layer, config.resolved_context_features)
+    return [(f"{name}.actnorm", ActNorm(config.features)),
+            (name, ResidualTransform(layer, logdet=config.logdet))]
 
 
 def needs_positional_encoding(layers: tuple[str, ...]) -> bool:
     """Whether a layer kind of the block recipe ``layers`` takes the positional encoding."""
-    return any(BRANCH_KINDS[kind].positional for kind in layers if kind in BRANCH_KINDS)
+    return any(LAYERS[kind].positional for kind in layers)
 
 
 def _attention(config: ModelConfig, encoding: nn.Module | None) -> LipschitzBranch:
@@ -94,3 +113,21 @@ register_branch("attention", _attention, "contractive self-attention (setting at
 register_branch("relative", _relative, "an MLP of a learned average over relative offsets")
 register_branch("conv", _conv, "temporal convolution")
 register_branch("mlp", _mlp, "position-wise MLP")
+
+
+def _mix(config: ModelConfig, encoding: nn.Module | None) -> FeatureMixing:
+    return FeatureMixing(config.features)
+
+
+def _autoregressive(config: ModelConfig, encoding: nn.Module | None) -> AutoregressiveAffine:
+    return AutoregressiveAffine(
+        config.features, width=config.hidden, depth=AUTOREGRESSIVE_DEPTH,
+        heads=default_heads(config.hidden), max_len=config.max_len, positional=config.positional,
+        context_features=config.resolved_context_features,
+    )
+
+
+register_step("mix", _mix, "an LU feature mixing")
+register_step("autoregressive", _autoregressive,
+              "an affine step whose shift and scale come from a causal Transformer over the past "
+              "frames (width hidden, inverted by Jacobi sweeps)")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from iresflow._settings import ConfigError, SettingsRecord, check_minimum, check_range, setting
 from iresflow.models.distributions import BASES
-from iresflow.models.registry import BRANCH_KINDS
+from iresflow.models.registry import LAYERS
 
 __all__ = ["LAYER_KINDS", "ModelConfig", "default_heads"]
 
@@ -20,7 +20,7 @@ __all__ = ["LAYER_KINDS", "ModelConfig", "default_heads"]
 #: residual steps of a registered branch kind (built in: contractive attention, relative mixing,
 #: temporal convolution, position-wise MLP; :mod:`iresflow.models.branches`), or ``"mix"``, an LU
 #: feature mixing.
-LAYER_KINDS = BRANCH_KINDS.choices
+LAYER_KINDS = LAYERS.choices
 
 
 def default_heads(features: int) -> int:
@@ -79,7 +79,8 @@ class ModelConfig(SettingsRecord):
         ("conv", "mlp"),
         "layers of every block, in order: attention, relative (an MLP of a learned average "
         "over relative offsets), conv (temporal convolution) and mlp are residual steps after "
-        "an ActNorm; mix is an LU feature mixing",
+        "an ActNorm; mix is an LU feature mixing; autoregressive an affine step conditioned on "
+        "the past frames by a causal Transformer",
         LAYER_KINDS,
     )
     hidden: int = setting(64, "hidden width of the feed-forward and convolution branches")

@@ -1,13 +1,16 @@
-"""Named kinds of a model setting, and the registry of residual branch kinds.
+"""Named kinds of a model setting, and the registry of layer kinds.
 
 A :class:`Registry` maps the names a choice setting admits to what builds each kind; the
 setting's admissible values are the registry's live :attr:`~Registry.choices`, so a kind
 registered after :class:`~iresflow.models.config.ModelConfig` was defined validates and appears
-among the command line's choices. Two registries exist: :data:`BRANCH_KINDS` (the residual
-layers of a block recipe, setting ``layers``; filled with the built-in kinds by
-:mod:`iresflow.models.branches`) and :data:`~iresflow.models.distributions.BASES` (the base
-densities, setting ``base``). A new kind is one module and one call of :func:`register_branch`
-or :func:`~iresflow.models.distributions.register_base`.
+among the command line's choices. Two registries exist: :data:`LAYERS` (the layers of a block
+recipe, setting ``layers``; filled with the built-in kinds by :mod:`iresflow.models.branches`)
+and :data:`~iresflow.models.distributions.BASES` (the base densities, setting ``base``). A layer
+kind declares its structure only: a *residual* kind builds a contractive branch ``g`` that the
+model wraps as ``ActNorm -> x + g(x)`` (:func:`register_branch`), a *step* kind builds an
+invertible step used as it is (:func:`register_step`). A new kind is one module and one call of
+:func:`register_branch`, :func:`register_step` or
+:func:`~iresflow.models.distributions.register_base`.
 """
 
 from __future__ import annotations
@@ -19,9 +22,14 @@ from typing import Any, Generic, TypeVar, overload
 
 from torch import nn
 
-from iresflow.nn.base import LipschitzBranch
-
-__all__ = ["BRANCH_KINDS", "BranchKind", "Registry", "RegistryChoices", "register_branch"]
+__all__ = [
+    "LAYERS",
+    "LayerKind",
+    "Registry",
+    "RegistryChoices",
+    "register_branch",
+    "register_step",
+]
 
 E = TypeVar("E")
 
@@ -31,14 +39,14 @@ NAME = re.compile(r"[a-z][a-z0-9_-]*")
 
 
 class RegistryChoices(Sequence[str]):
-    """The names a setting admits, read from its registry at every use: the registered names in
-    registration order, then the fixed ones."""
+    """The names a setting admits, read from its registry at every use, in registration
+    order."""
 
     def __init__(self, registry: Registry[Any]) -> None:
         self.registry = registry
 
     def _names(self) -> tuple[str, ...]:
-        return (*self.registry, *self.registry.fixed)
+        return tuple(self.registry)
 
     @overload
     def __getitem__(self, index: int) -> str: ...
@@ -53,7 +61,7 @@ class RegistryChoices(Sequence[str]):
         return len(self._names())
 
     def __contains__(self, name: object) -> bool:
-        return name in self.registry or name in self.registry.fixed
+        return name in self.registry
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names())
@@ -66,23 +74,20 @@ class Registry(Mapping[str, E], Generic[E]):
     """Named kinds of one choice setting: a read-only mapping from name to entry.
 
     Args:
-        what: What a kind is, for error messages (``"branch kind"``).
-        fixed: Further names the setting admits that are not entries (and cannot be
-            registered), e.g. ``"mix"`` among the layer kinds.
+        what: What a kind is, for error messages (``"layer kind"``).
 
     Example:
-        >>> colours = Registry("colour", fixed=("none",))
+        >>> colours = Registry("colour")
         >>> colours.register("red", 0xFF0000)
         >>> "red" in colours.choices, tuple(colours.choices), colours["red"]
-        (True, ('red', 'none'), 16711680)
+        (True, ('red',), 16711680)
         >>> colours.unregister("red")
         >>> tuple(colours.choices)
-        ('none',)
+        ()
     """
 
-    def __init__(self, what: str, fixed: tuple[str, ...] = ()) -> None:
+    def __init__(self, what: str) -> None:
         self.what = what
-        self.fixed = fixed
         self._entries: dict[str, E] = {}
         #: The admissible values of the setting, live (see :class:`RegistryChoices`).
         self.choices = RegistryChoices(self)
@@ -96,7 +101,7 @@ class Registry(Mapping[str, E], Generic[E]):
 
         Raises:
             TypeError: ``name`` is not a string.
-            ValueError: ``name`` is malformed, already registered or one of the fixed names.
+            ValueError: ``name`` is malformed or already registered.
         """
         if not isinstance(name, str):
             raise TypeError(f"{self.what} name must be a str, got {type(name).__name__}")
@@ -137,35 +142,40 @@ class Registry(Mapping[str, E], Generic[E]):
         return f"Registry({self.what!r}, {list(self._entries)})"
 
 
-#: ``build(config, encoding) -> branch``: the contractive branch of a residual step from the
-#: model's :class:`~iresflow.models.config.ModelConfig` and, for a kind that asks for it, the
-#: model's positional encoding (one module shared by all its steps; ``None`` otherwise).
-BranchBuilder = Callable[[Any, "nn.Module | None"], LipschitzBranch]
+#: ``build(config, encoding) -> module``: the contractive branch of a residual kind (a
+#: :class:`~iresflow.nn.base.LipschitzBranch`) or the invertible step of a step kind (a
+#: :class:`~iresflow.transforms.base.SequenceTransform`), from the model's
+#: :class:`~iresflow.models.config.ModelConfig` and, for a kind that asks for it, the model's
+#: positional encoding (one module shared by all its layers; ``None`` otherwise).
+LayerBuilder = Callable[[Any, "nn.Module | None"], nn.Module]
 
 
 @dataclass(frozen=True)
-class BranchKind:
-    """A residual layer kind: how to build its branch, and what it is.
+class LayerKind:
+    """A layer kind of a block recipe: how to build it, what it is and how it enters the chain.
 
     Attributes:
-        build: The :data:`BranchBuilder`; it returns the unconditional branch (a conditional
-            model wraps it in a :class:`~iresflow.nn.conditional.ConditionalBranch`).
+        build: The :data:`LayerBuilder`.
         help: One line saying what the kind is.
+        residual: ``True``: ``build`` returns the unconditional contractive branch ``g`` of a
+            residual step ``ActNorm -> x + g(x)`` (a conditional model wraps it in a
+            :class:`~iresflow.nn.conditional.ConditionalBranch`); ``False``: ``build`` returns an
+            invertible step, conditional by itself where the kind supports a context.
         positional: Whether ``build`` takes the model's positional encoding.
     """
 
-    build: BranchBuilder
+    build: LayerBuilder
     help: str
+    residual: bool = True
     positional: bool = False
 
 
-#: The residual layer kinds of a block recipe (model setting ``layers``), by name; ``"mix"``
-#: (an LU feature mixing, no residual step) is a fixed name of the setting.
-BRANCH_KINDS: Registry[BranchKind] = Registry("branch kind", fixed=("mix",))
+#: The layer kinds of a block recipe (model setting ``layers``), by name.
+LAYERS: Registry[LayerKind] = Registry("layer kind")
 
 
 def register_branch(
-    name: str, build: BranchBuilder, help: str, *, positional: bool = False
+    name: str, build: LayerBuilder, help: str, *, positional: bool = False
 ) -> None:
     """Register a residual layer kind, usable in the model setting ``layers``.
 
@@ -176,7 +186,7 @@ def register_branch(
     Args:
         name: The kind's name: lower-case letters, digits, ``-`` and ``_``, starting with a
             letter, not yet a layer kind.
-        build: ``build(config, encoding) -> LipschitzBranch`` (:data:`BranchBuilder`).
+        build: ``build(config, encoding) -> LipschitzBranch`` (:data:`LayerBuilder`).
         help: One line saying what the kind is.
         positional: Whether ``build`` takes the model's positional encoding (else ``None``).
 
@@ -190,14 +200,47 @@ def register_branch(
         ...     return LipschitzMLP((config.features, 4 * config.hidden, config.features),
         ...                         coeff=config.coeff ** 0.5)
         >>> register_branch("wide-mlp", wide_mlp, "an MLP four times as wide")
-        >>> "wide-mlp" in BRANCH_KINDS.choices
+        >>> "wide-mlp" in LAYERS.choices
         True
-        >>> BRANCH_KINDS.unregister("wide-mlp")
+        >>> LAYERS.unregister("wide-mlp")
     """
-    if not callable(build):
-        raise TypeError(f"build must be callable, got {type(build).__name__}")
-    if not isinstance(help, str):
-        raise TypeError(f"help must be a str, got {type(help).__name__}")
-    if not help.strip():
+    _register_layer(name, LayerKind(build, help, True, bool(positional)))
+
+
+def register_step(
+    name: str, build: LayerBuilder, help: str, *, positional: bool = False
+) -> None:
+    """Register a step layer kind: an invertible step used in the chain as it is.
+
+    Args:
+        name: The kind's name: lower-case letters, digits, ``-`` and ``_``, starting with a
+            letter, not yet a layer kind.
+        build: ``build(config, encoding) -> SequenceTransform`` (:data:`LayerBuilder`); in a
+            conditional model the step receives the context vector ``(B, C)``, with ``C =
+            config.resolved_context_features``.
+        help: One line saying what the kind is.
+        positional: Whether ``build`` takes the model's positional encoding (else ``None``).
+
+    Raises:
+        TypeError: ``name`` or ``help`` is not a string, or ``build`` is not callable.
+        ValueError: ``name`` is malformed or already a layer kind, or ``help`` is empty.
+
+    Example:
+        >>> from iresflow.transforms.actnorm import ActNorm
+        >>> register_step("scale", lambda config, encoding: ActNorm(config.features),
+        ...               "a per-feature shift and scale")
+        >>> LAYERS["scale"].residual
+        False
+        >>> LAYERS.unregister("scale")
+    """
+    _register_layer(name, LayerKind(build, help, False, bool(positional)))
+
+
+def _register_layer(name: str, kind: LayerKind) -> None:
+    if not callable(kind.build):
+        raise TypeError(f"build must be callable, got {type(kind.build).__name__}")
+    if not isinstance(kind.help, str):
+        raise TypeError(f"help must be a str, got {type(kind.help).__name__}")
+    if not kind.help.strip():
         raise ValueError("help must say what the kind is, got an empty string")
-    BRANCH_KINDS.register(name, BranchKind(build, help, bool(positional)))
+    LAYERS.register(name, kind)

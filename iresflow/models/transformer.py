@@ -32,7 +32,7 @@ from typing import Any
 from torch import nn
 
 from iresflow._settings import ConfigError
-from iresflow.models.branches import build_branch, needs_positional_encoding
+from iresflow.models.branches import layer_steps, needs_positional_encoding
 from iresflow.models.config import ModelConfig
 from iresflow.models.distributions import make_base
 from iresflow.models.flow import SequenceFlow
@@ -41,9 +41,7 @@ from iresflow.nn.positional import make_positional_encoding
 from iresflow.transforms.actnorm import ActNorm
 from iresflow.transforms.base import SequenceCompositeTransform
 from iresflow.transforms.conditional import ConditionalAffine
-from iresflow.transforms.mixing import FeatureMixing
 from iresflow.transforms.positionwise import PositionwiseAffine
-from iresflow.transforms.residual import ResidualTransform
 from iresflow.transforms.temporal import AutoregressiveLinear
 
 __all__ = ["ResidualFlowTransformer"]
@@ -57,10 +55,12 @@ class ResidualFlowTransformer(SequenceFlow):
     ``ActNorm``'s place; ``"auto"``, which
     :func:`~iresflow.train.factories.resolve_model_config` decides from the data, builds as
     ``"off"``), then ``n_blocks`` blocks whose layers are ``config.layers`` in order (module
-    docstring): every kind of :data:`~iresflow.models.registry.BRANCH_KINDS` (built in:
-    ``"conv"``, ``"attention"``, ``"relative"`` and ``"mlp"``, :mod:`iresflow.models.branches`;
-    more with :func:`~iresflow.models.registry.register_branch`) is a residual step
-    ``ActNorm -> x + g(x)``, ``"mix"`` an LU feature mixing; the base over the real frames is
+    docstring), kinds of :data:`~iresflow.models.registry.LAYERS`
+    (:mod:`iresflow.models.branches`; more with :func:`~iresflow.models.registry.register_branch`
+    and :func:`~iresflow.models.registry.register_step`): ``"conv"``, ``"attention"``,
+    ``"relative"`` and ``"mlp"`` are residual steps ``ActNorm -> x + g(x)``, ``"mix"`` an LU
+    feature mixing, ``"autoregressive"`` an affine step conditioned on the past frames by a
+    causal Transformer (docs/math.md#autoregressive-step); the base over the real frames is
     the standard normal, or a Student-t with learned degrees of freedom, or any density of
     :data:`~iresflow.models.distributions.BASES` (``base``,
     :func:`~iresflow.models.distributions.make_base`). The default recipe (``ar_order = 3``,
@@ -163,13 +163,9 @@ class ResidualFlowTransformer(SequenceFlow):
             for j, kind in enumerate(config.layers):
                 repeated = config.layers.count(kind) > 1
                 name = f"block{i}.{kind}{j}" if repeated else f"block{i}.{kind}"
-                if kind == "mix":
-                    steps.append(FeatureMixing(features))
-                    names.append(name)
-                    continue
-                branch = build_branch(kind, config, encoding)
-                steps += [ActNorm(features), ResidualTransform(branch, logdet=config.logdet)]
-                names += [f"{name}.actnorm", name]
+                for step_name, step in layer_steps(kind, name, config, encoding):
+                    steps.append(step)
+                    names.append(step_name)
         encoder = None
         if config.conditional:
             encoder = ContextEncoder(config.resolved_context_features, config.num_classes)

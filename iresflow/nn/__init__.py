@@ -10,6 +10,7 @@ from iresflow.nn.attention import (
 )
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.bounds import l2_attention_bound, phi_inv
+from iresflow.nn.causal import CausalTransformer
 from iresflow.nn.conv import SpectralConv1d, TemporalConvBranch, circular_conv_norm
 from iresflow.nn.diagnostics import attention_weights, empirical_lipschitz, jacobian_norm
 from iresflow.nn.linear import InfNormLinear, SpectralLinear
@@ -18,6 +19,7 @@ from iresflow.nn.mlp import LipschitzMLP
 from iresflow.nn.relative import RelativeMixingBranch
 
 __all__ = [
+    "CausalTransformer",
     "ContractiveL2MultiheadAttention",
     "ContractiveLipschitzNormAttention",
     "DotProductMultiheadAttention",

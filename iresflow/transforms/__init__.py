@@ -1,6 +1,7 @@
 """Invertible transforms (nflows ``Transform`` subclasses with padding-mask support)."""
 
 from iresflow.transforms.actnorm import ActNorm, DataInitializedTransform
+from iresflow.transforms.autoregressive import AutoregressiveAffine
 from iresflow.transforms.base import SequenceCompositeTransform, SequenceTransform
 from iresflow.transforms.mixing import FeatureMixing
 from iresflow.transforms.positionwise import PositionwiseAffine
@@ -9,6 +10,7 @@ from iresflow.transforms.temporal import AutoregressiveLinear
 
 __all__ = [
     "ActNorm",
+    "AutoregressiveAffine",
     "AutoregressiveLinear",
     "DataInitializedTransform",
     "FeatureMixing",
