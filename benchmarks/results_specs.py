@@ -12,22 +12,20 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from benchmarks.baselines.autoregressive import AutoregressiveGaussian
 from benchmarks.baselines.cnf import CNF
 from benchmarks.baselines.gaussian import FrameGaussian, SequenceGaussian
 from benchmarks.baselines.nflows_models import frame_maf, sequence_maf, sequence_realnvp
 from benchmarks.baselines.recurrent import RecurrentFlow
 from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
+from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.train.config import TrainConfig
 from iresflow.train.factories import build_model
 
 DATASETS = ("japanese_vowels", "digits_rows", "co2_windows")
-START, END = "<!-- results:start -->", "<!-- results:end -->"
 #: Parameter count the baselines aim at when the iresflow model cannot be built.
 FALLBACK_TARGET_PARAMS = 20_000
 #: Model settings of the iresflow rows on top of the library defaults (ModelConfig): the default
@@ -46,7 +44,6 @@ MODES = ("table", "convergence", "budget")
 CONVERGENCE = {"max_seconds": 7200.0, "max_epochs": 2000, "patience": 30}
 #: Gradient-norm clip of every trained model.
 GRAD_CLIP = 100.0
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -95,7 +92,8 @@ def _always(ds: SequenceDataset) -> str | None:
 
 def _iresflow(recipe: str) -> Callable[[SequenceDataset, int], nn.Module]:
     def build(ds: SequenceDataset, width: int) -> nn.Module:
-        return build_model(TrainConfig(data=ds.name, **IRESFLOW_RECIPES[recipe]), ds)
+        return build_model(TrainConfig.from_dict({"data": ds.name, **IRESFLOW_RECIPES[recipe]}),
+                           ds)
     return build
 
 
@@ -260,8 +258,8 @@ def mode_budget(base: Budget, mode: str, seconds: float | None = None) -> Budget
     return base if seconds is None else dataclasses.replace(base, max_seconds=float(seconds))
 
 
-def train_config(spec: ModelSpec, name: str, lr: float, seed: int, budget: Budget
-                 ) -> TrainConfig:
+def train_config(spec: ModelSpec, name: str, lr: float, seed: int, budget: Budget,
+                 **overrides: Any) -> TrainConfig:
     """The training settings of a row: the protocol's, and an iresflow row's model settings.
 
     Adam at the constant learning rate ``lr`` (no warm-up, no schedule), minibatches of
@@ -269,16 +267,16 @@ def train_config(spec: ModelSpec, name: str, lr: float, seed: int, budget: Budge
     ``budget.max_epochs`` epochs and ``budget.max_seconds`` seconds of optimisation (0: no
     limit), early stopping after ``budget.patience`` epochs without a better validation NLL; the
     rest are the defaults of ``iresflow train`` (validation with 4 roulette estimates per
-    sequence for a flow).
+    sequence for a flow), or the flat settings ``overrides`` (e.g. the data's).
 
     Example:
         >>> config = train_config(SPECS["iresflow"], "co2_windows", 3e-3, 1, FULL)
-        >>> config.lr, config.seed, config.scheduler, config.max_seconds, config.layers
+        >>> config.lr, config.seed, config.scheduler, config.max_seconds, config.model.layers
         (0.003, 1, 'none', 30.0, ('conv', 'mlp'))
     """
     recipe = IRESFLOW_RECIPES[spec.recipe] if spec.recipe is not None else {}
-    return TrainConfig(
-        data=name, seed=seed, device="cpu", lr=lr, batch_size=budget.batch_size,
-        epochs=budget.max_epochs, max_seconds=budget.max_seconds, patience=budget.patience,
-        scheduler="none", warmup=0, clip=GRAD_CLIP, **recipe,
-    )
+    return TrainConfig.from_dict({
+        "data": name, "seed": seed, "device": "cpu", "lr": lr, "batch_size": budget.batch_size,
+        "epochs": budget.max_epochs, "max_seconds": budget.max_seconds,
+        "patience": budget.patience, "scheduler": "none", "warmup": 0, "clip": GRAD_CLIP,
+        **recipe, **overrides})
