@@ -118,26 +118,25 @@ def add_datasets(parser: argparse.ArgumentParser, choices: Sequence[str],
                         help=f"datasets among {', '.join(choices)} (default: %(default)s)")
 
 
-def add_settings(parser: argparse.ArgumentParser, epochs: int | None = None,
-                 max_train: int | None = None, max_eval: int | None = None) -> None:
-    """``--set KEY=VALUE ...`` and ``--epochs``/``--max-train``/``--max-eval``: settings of
-    ``iresflow train`` that differ from its defaults (:func:`settings`)."""
+def add_settings(parser: argparse.ArgumentParser, **budgets: int | None) -> None:
+    """``--set KEY=VALUE ...``: settings of ``iresflow train`` that differ from its defaults,
+    and a flag for each of ``budgets`` (``epochs``, ``max_train``, ``max_eval``: their
+    defaults) (:func:`settings`)."""
     parser.add_argument("--set", nargs="+", action="extend", type=setting, default=[],
                         metavar="KEY=VALUE",
                         help="settings of iresflow train that differ from the defaults, e.g. "
                         "warmup=0 base=multivariate-t (values read as JSON where they parse)")
-    parser.add_argument("--epochs", type=int, default=epochs,
-                        help="epochs per run (default: %(default)s; None: iresflow train's)")
-    parser.add_argument("--max-train", type=optional_int, default=max_train,
-                        help="training sequences per run ('none': all; default: %(default)s)")
-    parser.add_argument("--max-eval", type=optional_int, default=max_eval,
-                        help="validation and test sequences ('none': all; default: "
-                        "%(default)s)")
+    helps = {"epochs": "epochs per run", "max_train": "training sequences per run",
+             "max_eval": "validation and test sequences per run"}
+    for name, default in budgets.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=optional_int, default=default,
+                            help=f"{helps[name]} ('none': iresflow train's default, or all; "
+                            "default: %(default)s)")
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The flat ``iresflow train`` settings of :func:`add_settings` (unset ones left out)."""
-    chosen = {k: getattr(args, k) for k in ("epochs", "max_train", "max_eval")}
+    """The flat ``iresflow train`` settings of :func:`add_settings` (``None`` left out)."""
+    chosen = {k: getattr(args, k, None) for k in ("epochs", "max_train", "max_eval")}
     return {k: v for k, v in chosen.items() if v is not None} | dict(args.set)
 
 
