@@ -140,20 +140,20 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in chosen.items() if v is not None} | dict(args.set)
 
 
-def add_records(parser: argparse.ArgumentParser, name: str, blocks: Sequence[str],
-                doc: bool = True) -> None:
+def add_records(parser: argparse.ArgumentParser, name: str, blocks: Sequence[str] = ()
+                ) -> None:
     """The records options (:mod:`benchmarks.records`) of a benchmark that writes some.
 
     Args:
         parser: The benchmark's parser.
         name: Stem of the default ``--out`` (``benchmarks/out/NAME.json``).
-        blocks: The blocks it writes into ``--doc`` pages, between their markers.
-        doc: Whether it has ``--doc``, ``--table-from`` and ``--merge`` (else only ``--out``).
+        blocks: The blocks it writes into ``--doc`` pages, between their markers; a benchmark
+            without any has only ``--out`` (no ``--doc``, ``--table-from``, ``--merge``).
     """
     parser.add_argument("--out", type=Path, default=OUT / f"{name}.json",
                         help="JSON records of the run (default: %(default)s)")
     parser.set_defaults(blocks=tuple(blocks), doc=[], merge=False, table_from=None)
-    if not doc:
+    if not blocks:
         return
     parser.add_argument("--merge", action="store_true",
                         help="keep the records already in --out; this run's replace theirs")
