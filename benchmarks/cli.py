@@ -45,11 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv``, check the ``--doc`` pages, run the benchmark; its exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The options of ``python -m benchmarks ARGV``; ``command_line`` is that command."""
     args = build_parser().parse_args(argv)
     args.command_line = "python -m benchmarks " + " ".join(argv)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv``, check the ``--doc`` pages, run the benchmark; its exit status."""
+    args = parse(list(sys.argv[1:] if argv is None else argv))
     for page in getattr(args, "doc", None) or []:  # fail before the runs, not after
         records.write_blocks(page, dict.fromkeys(args.blocks, ""), check_only=True)
     if getattr(args, "threads", None) is not None:
