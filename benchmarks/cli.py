@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=doc.split("\n")[0], description=doc,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(sub)
-        sub.set_defaults(run=module.run)
+        sub.set_defaults(benchmark=module.run)
     return parser
 
 
@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    status = args.run(args)
+    status = args.benchmark(args)
     return status if isinstance(status, int) else 0
 
 

@@ -137,3 +137,57 @@ def test_gaussian_baseline_prints_the_documented_reference(capsys) -> None:
     out = capsys.readouterr().out
     assert "japanese_vowels  Gaussian-over-frames test NLL  -4.8611 nats/frame" in out
     assert "ratio iresflow/scipy = 1.000000" in out
+
+
+def _page(tmp_path: Path, block: str) -> Path:
+    page = tmp_path / f"{block}.md"
+    page.write_text(f"# page\n{chr(10).join(records.markers(block))}\nend\n")
+    return page
+
+
+def test_small_data_references_then_their_table(tmp_path) -> None:
+    out, page = tmp_path / "references.json", _page(tmp_path, "small-data")
+    assert cli.main(["small_data", "--datasets", "co2_windows", "--budget", "0", "--no-flow",
+                     "--out", str(out)]) == 0
+    (record,) = records.load(out)["records"]
+    assert record["dataset"] == "co2_windows" and "flow" not in record and "gru_maf" not in record
+    assert cli.main(["small_data", "--table-from", str(out), "--doc", str(page)]) == 0
+    assert "| co2_windows | 416/45/73 | 1 | 52 | nats/frame | — |" in page.read_text()
+
+
+def test_long_range_references_only(tmp_path) -> None:
+    out, page = tmp_path / "long_range.json", _page(tmp_path, "long-range")
+    assert cli.main(["long_range", "--references-only", "--datasets", "repeated_motif",
+                     "--max-train", "60", "--max-eval", "30", "--out", str(out),
+                     "--doc", str(page)]) == 0
+    (record,) = records.load(out)["records"]
+    assert record["floor"] < record["ar"] - 2.0 and record["seed"] == 0
+    assert "| exact density (floor) |" in page.read_text()
+
+
+@pytest.mark.slow
+def test_results_quick_run_writes_records_pages_and_figures(tmp_path) -> None:
+    out, page, figures = tmp_path / "results.json", _page(tmp_path, "results"), tmp_path / "f"
+    argv = ["results", "--quick", "--datasets", "co2_windows", "--models", "gaussian_frames",
+            "iresflow", "--out", str(out), "--figures", str(figures)]
+    assert cli.main([*argv, "--doc", str(page)]) == 0
+    (record,) = records.load(out)["records"]
+    assert record["iresflow"]["summary"]["seeds"] == 1
+    assert "| iresflow (default: AR(3), temporal conv + MLP) |" in page.read_text()
+    assert (figures / "results_learning_curve_co2_windows.png").stat().st_size > 0
+    assert cli.main(["results", "--quick", "--datasets", "co2_windows", "--models",
+                     "ar_gaussian", "--merge", "--out", str(out)]) == 0
+    (merged,) = records.load(out)["records"]
+    assert {"gaussian_frames", "ar_gaussian", "iresflow"} <= merged.keys()
+
+
+@pytest.mark.slow
+def test_recipes_and_robustness_tiny_runs(tmp_path, capsys) -> None:
+    out, page = tmp_path / "recipes.json", _page(tmp_path, "recipes")
+    tiny = ["--set", "n_blocks=1", "hidden=8", "--epochs", "1"]
+    assert cli.main(["recipes", "--quick", "--datasets", "co2_windows", "--recipes", "0",
+                     *tiny, "--out", str(out), "--doc", str(page)]) == 0
+    assert "| default (AR(3), conv + mlp) | **" in page.read_text()
+    assert cli.main(["robustness", *tiny, "--max-train", "16", "--max-eval", "8",
+                     "--only", "synthetic D=1"]) == 0
+    assert "verdict" in capsys.readouterr().out

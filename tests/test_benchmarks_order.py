@@ -124,7 +124,7 @@ def test_order_metrics_of_the_iresflow_model_with_variable_lengths() -> None:
 
 def _order(*argv: str) -> list[dict]:
     args = cli.parse(["order", *argv])
-    return args.run(args)
+    return args.benchmark(args)
 
 
 def test_order_command_writes_the_table(tmp_path, capsys) -> None:
