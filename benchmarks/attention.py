@@ -13,25 +13,18 @@ for descheduled threads and swamp the measurement).
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from benchmarks import cli
+from benchmarks.timing import measure
 from iresflow.nn.attention import (
     ContractiveL2MultiheadAttention,
     DotProductMultiheadAttention,
     L2MultiheadAttention,
 )
-
-
-def measure(step: Callable[[], None]) -> tuple[float, float]:
-    """Wall time and process CPU time (summed over threads) of one call of ``step``."""
-    start_wall, start_cpu = time.perf_counter(), time.process_time()
-    step()
-    return time.perf_counter() - start_wall, time.process_time() - start_cpu
 
 
 def paired_ratios(

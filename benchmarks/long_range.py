@@ -51,7 +51,6 @@ on a shared machine are noisy.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -60,11 +59,11 @@ from typing import Any
 import torch
 
 from benchmarks import cli
-from benchmarks.baselines.recurrent import GRU_LR, GRU_PATIENCE, train_recurrent_flow
+from benchmarks.baselines.recurrent import train_recurrent_flow
 from benchmarks.figures import long_range_curves, plot_attention
 from benchmarks.recipes import RECIPES, attention_use, run_recipe
 from benchmarks.records import markdown_table, mean_sd
-from benchmarks.results_specs import FULL, SPECS, train_config
+from benchmarks.results_specs import gru_maf_config
 from iresflow.data.synthetic import RepeatedMotif, synthetic_family, synthetic_names
 from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.nn.attention import ContractiveL2MultiheadAttention
@@ -233,11 +232,8 @@ def run_gru_maf(base: dict[str, Any], seconds: float) -> dict[str, Any]:
     """The GRU + MAF trained for ``seconds`` optimisation seconds on the splits of the flat
     settings ``base`` (its data, seed and subsets), with the results table's protocol for a
     baseline."""
-    protocol = dataclasses.replace(FULL, max_seconds=seconds, max_epochs=10_000,
-                                   patience=GRU_PATIENCE)
     subsets = {k: base[k] for k in ("max_train", "max_eval") if k in base}
-    config = train_config(SPECS["gru_maf"], base["data"], GRU_LR, base["seed"], protocol,
-                          **subsets)
+    config = gru_maf_config(base["data"], base["seed"], seconds, **subsets)
     row = train_recurrent_flow(config, load_data(config))
     return {"test_nll": row["test_nll"], "train_seconds": row["train_seconds"],
             "best_epoch": row["best_epoch"], "attention_usage": None,

@@ -32,7 +32,6 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -43,6 +42,7 @@ from nflows.transforms import CompositeTransform
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import cli
+from benchmarks.timing import measure
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.transforms.residual import ResidualTransform
@@ -108,14 +108,6 @@ def normflows_step(data: torch.Tensor) -> tuple[Callable[[], None], int]:
     return step, sum(p.numel() for p in model.parameters())
 
 
-def seconds_per_step(step: Callable[[], None], steps: int) -> tuple[float, float]:
-    """(process CPU seconds, wall seconds) per step over ``steps`` consecutive steps."""
-    cpu, wall = time.process_time(), time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.process_time() - cpu) / steps, (time.perf_counter() - wall) / steps
-
-
 def peak_step_memory(step: Callable[[], None]) -> int:
     """Peak tensor memory (bytes) allocated during one step, from the allocator's events.
 
@@ -168,7 +160,7 @@ def run(args: argparse.Namespace) -> None:
     for r in range(repeats):
         for name, step in (("iresflow", ours), ("normflows", theirs)):
             seed(r)
-            c, w = seconds_per_step(step, steps)
+            w, c = measure(step, steps)
             cpu[name].append(c)
             wall[name].append(w)
     peaks: dict[str, list[int]] = {"iresflow": [], "normflows": []}

@@ -1,19 +1,10 @@
 """The results table: iresflow against Gaussians, AR models, nflows flows and a torchdiffeq CNF.
 
-Protocol (same for every model): the splits, preprocessing and units of
-:func:`iresflow.data.datasets.load_dataset` (``seed=0``); one trainer, the loop of
-``iresflow train`` (:func:`iresflow.train.fit.fit` with the settings of
-:func:`~benchmarks.results_specs.train_config`:
-Adam at a constant learning rate, minibatches of 64, early stopping on the validation NLL, the
-same epoch and time budget per run; the iresflow rows are built from their settings exactly as
-``iresflow train`` builds them); the widths of the baselines chosen so
-that their parameter counts match the default iresflow model on each dataset; every trained
-model tuned over the same learning-rate grid on the validation split with seed 0, then the best
-configuration trained with the remaining seeds. Reported per model: test NLL (mean and standard
-deviation over seeds) in the dataset's unit, parameters, optimisation time per epoch, sampling
-time per sequence, and for iresflow the exact NLL next to the Russian-roulette estimate with its
-standard error. The Gaussians are closed-form fits (no seeds); the linear-Gaussian AR(p) model
-over frames chooses its order on the validation split and is refitted on train and validation.
+Every model sees the same data, trainer and budgets, and the baselines are matched to the
+default iresflow model in parameters; the protocol is written into the page with the tables
+(:func:`benchmarks.results_report.blocks`). Reported per model: test NLL (mean and standard
+deviation over seeds), parameters, optimisation time per epoch, sampling time per sequence, and
+for iresflow the exact NLL next to the Russian-roulette estimate with its standard error.
 
 Three training protocols (``--mode``):
 

@@ -19,15 +19,13 @@ from torch import nn
 from benchmarks.baselines.cnf import CNF
 from benchmarks.baselines.gaussian import FrameGaussian, SequenceGaussian
 from benchmarks.baselines.nflows_models import frame_maf, sequence_maf, sequence_realnvp
-from benchmarks.baselines.recurrent import RecurrentFlow
+from benchmarks.baselines.recurrent import GRU_LR, GRU_PATIENCE, RecurrentFlow
 from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
 from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.train.config import TrainConfig
 from iresflow.train.factories import build_model
 
 DATASETS = ("japanese_vowels", "digits_rows", "co2_windows")
-#: Parameter count the baselines aim at when the iresflow model cannot be built.
-FALLBACK_TARGET_PARAMS = 20_000
 #: Model settings of the iresflow rows on top of the library defaults (ModelConfig): the default
 #: recipe and its ablations.
 IRESFLOW_RECIPES: dict[str, dict[str, Any]] = {
@@ -188,10 +186,7 @@ def count_parameters(model: nn.Module) -> int:
 @cache
 def target_params(name: str) -> int:
     """Parameter count of the default iresflow model on a dataset (the baselines' target)."""
-    try:
-        return count_parameters(_iresflow("default")(dataset(name, None), 0))
-    except ImportError:
-        return FALLBACK_TARGET_PARAMS
+    return count_parameters(_iresflow("default")(dataset(name, None), 0))
 
 
 def matched_width(spec: ModelSpec, ds: SequenceDataset, target: int) -> int:
@@ -256,6 +251,16 @@ def mode_budget(base: Budget, mode: str, seconds: float | None = None) -> Budget
         return dataclasses.replace(base, max_seconds=float(seconds), max_epochs=1_000_000,
                                    patience=1_000_000)
     return base if seconds is None else dataclasses.replace(base, max_seconds=float(seconds))
+
+
+def gru_maf_config(name: str, seed: int, seconds: float, **overrides: Any) -> TrainConfig:
+    """The training settings of the GRU + MAF outside the table (small-data and long-range
+    benchmarks): the table's protocol with :data:`~benchmarks.baselines.recurrent.GRU_LR`,
+    ``seconds`` of optimisation and early stopping after
+    :data:`~benchmarks.baselines.recurrent.GRU_PATIENCE` epochs."""
+    protocol = dataclasses.replace(FULL, max_seconds=seconds, max_epochs=10_000,
+                                   patience=GRU_PATIENCE)
+    return train_config(SPECS["gru_maf"], name, GRU_LR, seed, protocol, **overrides)
 
 
 def train_config(spec: ModelSpec, name: str, lr: float, seed: int, budget: Budget,

@@ -33,7 +33,6 @@ with ``--doc``, the table into the page between its ``<!-- small-data:start -->`
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import math
 import statistics
@@ -50,8 +49,8 @@ import torch
 
 from benchmarks import cli, records
 from benchmarks.baselines.gaussian import SequenceGaussian
-from benchmarks.baselines.recurrent import GRU_LR, GRU_PATIENCE, train_recurrent_flow
-from benchmarks.results_specs import FULL, SPECS, train_config, variable_length
+from benchmarks.baselines.recurrent import train_recurrent_flow
+from benchmarks.results_specs import gru_maf_config, variable_length
 from iresflow.data.datasets import SequenceDataset, load_dataset
 from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.models.worst_cases import summarize_sequence_nll
@@ -183,10 +182,7 @@ def run_gru_maf(name: str, ds: SequenceDataset, seed: int, budget: float) -> dic
     Through :func:`~iresflow.train.fit.fit`, the loop of ``iresflow train``, with the results
     table's protocol for a baseline (:func:`benchmarks.results_specs.train_config`).
     """
-    protocol = dataclasses.replace(FULL, max_seconds=budget, max_epochs=10_000,
-                                   patience=GRU_PATIENCE)
-    config = train_config(SPECS["gru_maf"], name, GRU_LR, seed, protocol, **data_settings(name))
-    row = train_recurrent_flow(config, ds)
+    row = train_recurrent_flow(gru_maf_config(name, seed, budget, **data_settings(name)), ds)
     return {key: row[key] for key in ("test_nll", "epochs", "stopped")}
 
 

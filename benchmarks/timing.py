@@ -19,6 +19,15 @@ def device_clock(device: torch.device) -> float:
     return time.process_time()
 
 
+def measure(step: Callable[[], object], calls: int = 1) -> tuple[float, float]:
+    """Wall seconds and process CPU seconds (summed over threads) per call of ``step``, over
+    ``calls`` consecutive calls."""
+    start_wall, start_cpu = time.perf_counter(), time.process_time()
+    for _ in range(calls):
+        step()
+    return (time.perf_counter() - start_wall) / calls, (time.process_time() - start_cpu) / calls
+
+
 def fastest(call: Callable[[], object], repeats: int, device: torch.device) -> float:
     """Fastest of ``repeats`` calls of ``call``, in seconds (:func:`device_clock`)."""
     best = math.inf
