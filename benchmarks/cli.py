@@ -91,11 +91,13 @@ def setting(text: str) -> tuple[str, Any]:
 
 
 def add_threads(parser: argparse.ArgumentParser, default: int = 1) -> None:
+    """``--threads N``: torch CPU threads, set by :func:`main` before the run."""
     parser.add_argument("--threads", type=int, default=default,
                         help="torch CPU threads (default: %(default)s)")
 
 
 def add_quick(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--quick``: a smoke run, ``what`` saying what it shrinks."""
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {what}")
 
 
@@ -118,6 +120,7 @@ def seeds(args: argparse.Namespace) -> range:
 
 def add_datasets(parser: argparse.ArgumentParser, choices: Sequence[str],
                  default: Sequence[str] | None = None) -> None:
+    """``--datasets NAME ...`` among ``choices`` (default: ``default``, else all)."""
     parser.add_argument("--datasets", nargs="+", choices=list(choices), metavar="NAME",
                         default=list(choices if default is None else default),
                         help=f"datasets among {', '.join(choices)} (default: %(default)s)")

@@ -45,7 +45,7 @@ def throughput(nproc: int, settings: dict[str, Any], folder: Path) -> float:
     """
     name = f"nproc{nproc}-threads{torch.get_num_threads()}"
     config = TrainConfig.from_dict({**settings, "nproc": nproc})
-    result = train(config, folder / name, progress=False)
+    result = train(config, folder / name, overwrite=True, progress=False)
     return float(settings["max_train"]) / result.history[-1]["train_seconds"]
 
 
