@@ -5,7 +5,7 @@ Forward+backward (training) and no-grad forward (inversion/sampling) wall and CP
 ``DotProductMultiheadAttention``, each printed as a ratio to ``torch.nn.MultiheadAttention``
 (no biases, ``scaled_dot_product_attention`` inside) on the same input, float32.
 
-Run: ``python benchmarks/attention.py [--lengths 128 512] [--repeats 3] [--threads 1]``; use
+Run: ``python -m benchmarks attention [--lengths 128 512] [--repeats 3] [--threads 1]``; use
 ``--threads 2`` only on an otherwise idle machine (on shared cores, intra-op thread barriers wait
 for descheduled threads and swamp the measurement).
 """
@@ -13,24 +13,18 @@ for descheduled threads and swamp the measurement).
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
+from benchmarks import cli
+from benchmarks.timing import measure
 from iresflow.nn.attention import (
     ContractiveL2MultiheadAttention,
     DotProductMultiheadAttention,
     L2MultiheadAttention,
 )
-
-
-def measure(step: Callable[[], None]) -> tuple[float, float]:
-    """Wall time and process CPU time (summed over threads) of one call of ``step``."""
-    start_wall, start_cpu = time.perf_counter(), time.process_time()
-    step()
-    return time.perf_counter() - start_wall, time.process_time() - start_cpu
 
 
 def paired_ratios(
@@ -71,16 +65,16 @@ def inference_step(module: Callable[[Tensor], Tensor], x: Tensor) -> Callable[[]
     return step
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    cli.add_threads(parser)
+
+
+def run(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
 
     peer = nn.MultiheadAttention(args.dim, args.heads, bias=False, batch_first=True)
@@ -108,6 +102,3 @@ def main() -> None:
                     f"[SDPA {peer_wall * 1e3:.0f} ms]"
                 )
 
-
-if __name__ == "__main__":
-    main()

@@ -12,8 +12,8 @@ not depend on their values), side by side in one run:
 Every figure is the fastest of ``--repeats`` calls in CPU seconds of this process. Run from the
 repository root::
 
-    python -m benchmarks.compiled            # a few minutes on the CPU (compilation dominates)
-    python -m benchmarks.compiled --device cuda
+    python -m benchmarks compiled            # a few minutes on the CPU (compilation dominates)
+    python -m benchmarks compiled --device cuda
 """
 
 from __future__ import annotations
@@ -27,23 +27,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from benchmarks.length_scaling import device_clock
+from benchmarks.timing import fastest
 from iresflow.data.datasets import load_dataset
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.likelihood import trimmed_batch
 from iresflow.transforms.residual import ResidualTransform
-
-__all__ = ["compile_branches", "fastest"]
-
-
-def fastest(call: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Fastest of ``repeats`` calls of ``call``, in seconds (CPU time, or wall time on CUDA)."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = device_clock(device)
-        call()
-        best = min(best, device_clock(device) - start)
-    return best
 
 
 def compile_branches(model: ResidualFlowTransformer) -> ResidualFlowTransformer:
@@ -55,13 +43,14 @@ def compile_branches(model: ResidualFlowTransformer) -> ResidualFlowTransformer:
     return compiled
 
 
-def main(argv: list[str] | None = None) -> dict[str, object]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num", type=int, default=64, help="sequences per sampling call")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per training step")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
     warnings.filterwarnings("ignore", module=r"torch\.")  # the compiler's graph-break notes
     device = torch.device(args.device)
     torch.set_num_threads(1)
@@ -117,7 +106,3 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     for key, value in results.items():
         print(f"{key:>40}: {value:.4g}" if isinstance(value, float) else f"{key:>40}: {value}")
     return results
-
-
-if __name__ == "__main__":
-    main()

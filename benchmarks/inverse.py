@@ -22,7 +22,7 @@ longer evaluated), the median over repeats of the process CPU time (less sensiti
 on the machine than wall time), the achieved max-abs error, and the observed contraction rate of
 the plain iteration. The ratios are plain / Anderson.
 
-Run: ``python benchmarks/inverse.py [--quick] [--threads N]``
+Run: ``python -m benchmarks inverse [--quick] [--threads N]``
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from benchmarks import cli
 from iresflow.inverse.fixed_point import fixed_point_inverse
 from iresflow.nn.linear import SpectralLinear
 from iresflow.nn.mlp import LipschitzMLP
@@ -72,13 +73,13 @@ def solve(branch: LipschitzMLP, y: torch.Tensor, solver: str, tol: float):
     return x, stats, time.process_time() - start
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    args = parser.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cli.add_quick(parser, "fewer repeats")
+    cli.add_threads(parser)
+
+
+def run(args: argparse.Namespace) -> None:
     repeats = 3 if args.quick else 5
-    torch.set_num_threads(args.threads)
     print(
         f"fixed-point inverse to max-abs error 1e-6: B={BATCH} N={LENGTH} D={FEATURES} "
         f"hidden={HIDDEN}, float64, Anderson memory 5, median of {repeats} repeats"
@@ -125,6 +126,3 @@ def main(argv: list[str] | None = None) -> None:
                 f"{plain_time / anderson_time:8.2f}   (plain / anderson; target >= 3 at L = 0.97)"
             )
 
-
-if __name__ == "__main__":
-    main()

@@ -12,7 +12,7 @@ caches, which do not grow with the data. With ``--uncapped`` the same epoch runs
 cap, for comparison (its data pages approach the size of the data when the machine has the
 memory to keep them).
 
-Run: ``python benchmarks/larger_than_memory.py [--cap 16] [--factor 10] [--uncapped]``.
+Run: ``python -m benchmarks larger_than_memory [--cap 16] [--factor 10] [--uncapped]``.
 The store is written to a temporary folder (or ``--folder``) and deleted afterwards unless
 ``--keep``.
 """
@@ -92,11 +92,10 @@ def train_and_measure(store: str, cap: int, run: str) -> dict[str, float]:
     resident pages, sampled every :data:`SAMPLE_SECONDS` by a thread.
     """
     torch.set_num_threads(1)
-    config = TrainConfig.from_dict(dict(
-        data=store, memory_cap=cap, bucket=8, batch_size=256, epochs=1, n_blocks=1, hidden=8,
-        max_eval=256, eval_method="roulette", eval_n_samples=1, device="cpu",
-        scheduler="none", seed=0,
-    ))
+    config = TrainConfig.from_dict({
+        "data": store, "memory_cap": cap, "bucket": 8, "batch_size": 256, "epochs": 1,
+        "n_blocks": 1, "hidden": 8, "max_eval": 256, "eval_method": "roulette",
+        "eval_n_samples": 1, "device": "cpu", "scheduler": "none", "seed": 0})
     values = (Path(store) / "values.npy").resolve()
     mapped = [0.0]
     done = threading.Event()
@@ -131,14 +130,15 @@ def _report(label: str, cap: int, data_mb: float, measured: dict[str, float]) ->
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cap", type=int, default=16, help="memory cap in MB (default: 16)")
     parser.add_argument("--factor", type=int, default=10, help="data size / cap (default: 10)")
     parser.add_argument("--folder", type=Path, help="where to write the store (default: temp)")
     parser.add_argument("--keep", action="store_true", help="keep the store and the runs")
     parser.add_argument("--uncapped", action="store_true", help="also train without a cap")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> None:
     folder = args.folder or Path(tempfile.mkdtemp(prefix="iresflow-store-"))
     try:
         start = time.perf_counter()
@@ -161,6 +161,3 @@ def main(argv: list[str] | None = None) -> None:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
 
-
-if __name__ == "__main__":
-    main()

@@ -5,7 +5,7 @@
    ``N = 16, 32, ..., 1024`` and batches ``--batches``, with the roulette (training default) and
    the exact log-determinant; a method stops growing ``N`` at the first step slower than
    ``--max-step`` seconds. Times are CPU seconds of this process (robust on shared cores), the
-   fastest of ``--repeats`` steps; the log-log slope of time against ``N`` closes the table.
+   fastest of ``--repeats`` steps; the log-log slope of time against ``N`` closes each table.
 2. Sampling: sequences per second of :meth:`~iresflow.models.flow.SequenceFlow.sample` with the
    Anderson-accelerated and the plain fixed-point inverse, and the mean and largest numbers of
    iterations per residual block.
@@ -15,30 +15,21 @@ weights are scaled up so that every layer sits at its Lipschitz bound, as the la
 model tend to (iteration counts grow with the Lipschitz constant). Run (about 4 minutes on one
 core)::
 
-    python -m benchmarks.length_scaling [--device cpu|cuda] [--threads 1]
+    python -m benchmarks length_scaling [--device cpu|cuda] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import time
 
 import torch
 
-from benchmarks.scaling import slope
+from benchmarks import cli
+from benchmarks.timing import device_clock, fastest, length_sweep
 from iresflow.models.config import ModelConfig
 from iresflow.models.transformer import ResidualFlowTransformer
 
 FEATURES = 12
-
-
-def device_clock(device: torch.device) -> float:
-    """CPU seconds of this process, or wall seconds after a synchronisation on CUDA."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
-    return time.process_time()
 
 
 def step_seconds(
@@ -51,14 +42,13 @@ def step_seconds(
     x = torch.randn(batch, length, FEATURES, generator=generator).to(device)
     mask = torch.ones(batch, length, dtype=torch.bool, device=device)
     model.initialize(x, mask)
-    best = math.inf
-    for i in range(repeats + 1):
+
+    def step() -> None:
         model.zero_grad(set_to_none=True)
-        start = device_clock(device)
         (-model.log_prob(x, mask).sum()).backward()
-        if i > 0:
-            best = min(best, device_clock(device) - start)
-    return best
+
+    step()  # warm-up
+    return fastest(step, repeats, device)
 
 
 def sampling(length: int, num: int, device: torch.device) -> dict[str, tuple[float, float, int]]:
@@ -87,53 +77,26 @@ def sampling(length: int, num: int, device: torch.device) -> dict[str, tuple[flo
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1)
+    cli.add_threads(parser)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--max-step", type=float, default=2.0, help="seconds before stopping")
     parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
 
+
+def run(args: argparse.Namespace) -> None:
+    device = torch.device(args.device)
     print(f"training step of the default model (D = {FEATURES}), device {device}, "
           f"{args.threads} thread(s); seconds, fastest of {args.repeats}")
-    print(f"{'method':<10}{'batch':>6}{'N':>6}{'seconds':>10}{'ms/frame':>10}{'/roulette':>11}")
-    results: dict[tuple[str, int], tuple[list[int], list[float]]] = {}
     for batch in args.batches:
-        for method in ("roulette", "exact"):
-            lengths: list[int] = []
-            times: list[float] = []
-            length = 16
-            while length <= args.max_length:
-                seconds = step_seconds(method, length, batch, device, args.repeats)
-                lengths.append(length)
-                times.append(seconds)
-                ratio = ""
-                reference = results.get(("roulette", batch))
-                if reference is not None and length in reference[0]:
-                    ratio = f"{seconds / reference[1][reference[0].index(length)]:.2f}"
-                print(f"{method:<10}{batch:>6}{length:>6}{seconds:>10.4f}"
-                      f"{1e3 * seconds / (batch * length):>10.3f}{ratio:>11}", flush=True)
-                if seconds > args.max_step:
-                    break
-                length *= 2
-            results[(method, batch)] = (lengths, times)
-    print("\nlog-log slope of step time against N:")
-    for (method, batch), (lengths, times) in results.items():
-        print(f"  {method:<10} batch {batch:<3} {slope(lengths, times):5.2f}   "
-              f"(N = {lengths[0]}..{lengths[-1]})")
-
+        length_sweep(("roulette", "exact"), lambda method, n, batch=batch: {
+            "seconds": step_seconds(method, n, batch, device, args.repeats)},
+            args.max_length, args.max_step, f"batch {batch}")
     print("\nsampling (default model, layers at their bounds), sequences/s and fixed-point "
           "iterations per block (mean, max):")
     for length, num in ((29, 64), (256, 16)):
         for solver, (rate, mean, most) in sampling(length, num, device).items():
             print(f"  N = {length:<4} {num:>3} sequences  {solver:<9} {rate:9.1f} seq/s   "
                   f"iterations {mean:5.1f} mean, {most} max")
-
-
-if __name__ == "__main__":
-    main()

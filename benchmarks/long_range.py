@@ -31,41 +31,41 @@ and over the frames one period (or a multiple) away.
 
 Run from the repository root::
 
-    python -m benchmarks.long_range                           # 1 seed, small budget
-    python -m benchmarks.long_range --seeds 0 1 2 --epochs 20 --max-train none
-    python -m benchmarks.long_range --references-only --max-train none --max-eval none
-    python -m benchmarks.long_range --diagnose-run runs/my_attention_run   # a trained run
-    python -m benchmarks.long_range --seeds 0 1 2 --markdown docs/attention.md \
-        --figures docs/figures
+    python -m benchmarks long_range                           # 1 seed, small budget
+    python -m benchmarks long_range --seeds 3 --epochs 20 --max-train none
+    python -m benchmarks long_range --references-only --max-train none --max-eval none
+    python -m benchmarks long_range --diagnose-run runs/my_attention_run   # a trained run
+    python -m benchmarks long_range --seeds 3 --doc docs/attention.md --figures docs/figures
 
-``--markdown`` writes the tables into the page between its ``<!-- long-range -->`` markers;
-``--figures`` writes the learning curves (validation NLL against optimisation seconds, mean
-over seeds) and a picture of what the heads of the first attention recipe attend to.
+``--doc`` writes the tables into the page between its ``<!-- long-range:start -->`` and
+``<!-- long-range:end -->`` markers; ``--figures`` writes the learning curves (validation NLL
+against optimisation seconds, mean over seeds) and a picture of what the heads of the first
+attention recipe attend to.
 
-Writes ``--out`` (default ``benchmarks/out/long_range.json``) after every seed;
-``--table-from`` reports earlier files without training (their seeds merged), e.g. runs of
-different seeds made side by side. Timings on a shared machine are noisy.
+Writes the records (one per dataset and seed) to ``--out`` (default
+``benchmarks/out/long_range.json``) after every seed; ``--table-from`` reports earlier files
+without training (their seeds merged), e.g. runs of different seeds made side by side. Timings
+on a shared machine are noisy.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.baselines.autoregressive import AutoregressiveGaussian
-from benchmarks.baselines.recurrent import GRU_LR, GRU_PATIENCE, train_recurrent_flow
-from benchmarks.recipes import RECIPES, run_recipe
-from benchmarks.results_report import replace_between_markers
-from benchmarks.results_specs import FULL, SPECS, train_config
+from benchmarks import cli
+from benchmarks.baselines.recurrent import train_recurrent_flow
+from benchmarks.figures import long_range_curves, plot_attention
+from benchmarks.recipes import RECIPES, attention_use, run_recipe
+from benchmarks.records import markdown_table, mean_sd
+from benchmarks.results_specs import gru_maf_config
 from iresflow.data.synthetic import RepeatedMotif, synthetic_family, synthetic_names
+from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.nn.attention import ContractiveL2MultiheadAttention
 from iresflow.nn.diagnostics import attention_weights, empirical_lipschitz, jacobian_norm
 from iresflow.nn.positional import PositionalBranch
@@ -80,23 +80,15 @@ DEFAULT_RECIPES = (
 )
 #: Largest order of the AR(p) Gaussian (p chosen on validation), the gap's reference.
 MAX_AR_ORDER = 3
-OUT = Path(__file__).resolve().parent / "out"
+#: Row name of the sequential baseline.
+GRU_MAF = "GRU + MAF (sequential sampling)"
+#: The fields that identify a record.
+KEY = ("dataset", "seed")
 
 
-def attention_use(run_dir: Path, seq_len: int) -> float | None:
-    """Mean observed / certified Lipschitz constant of a run's attention branches.
-
-    Args:
-        run_dir: A trained run folder.
-        seq_len: Length of the random probe sequences of ``lipschitz_report``.
-
-    Returns:
-        The mean ratio, or ``None`` for a model without attention.
-    """
-    model = load_run(run_dir, device="cpu").model
-    report = model.lipschitz_report(seq_len, generator=torch.Generator().manual_seed(0))
-    ratios = [r["estimate"] / r["certified"] for r in report if r["name"].endswith("attention")]
-    return sum(ratios) / len(ratios) if ratios else None
+def models(record: dict[str, Any]) -> list[str]:
+    """The models of a record: its fields that hold a model's row."""
+    return [name for name, value in record.items() if isinstance(value, dict)]
 
 
 def _lags(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -186,12 +178,11 @@ def print_diagnosis(rows: list[dict[str, Any]]) -> None:
               f"(uniform {r['copy_mass_uniform']:.3f})", flush=True)
 
 
-def references(config: TrainConfig) -> dict[str, float]:
-    """Floor and AR(p) test NLLs on the splits of ``config`` (its seed and subsets)."""
-    dataset = load_data(config)
-    family = synthetic_family(config.data)
+def references(settings: dict[str, Any]) -> dict[str, float]:
+    """Floor and AR(p) test NLLs on the splits of the flat ``iresflow train`` ``settings``."""
+    dataset = load_data(TrainConfig.from_dict(settings))
     test = dataset.test
-    floor = dataset.nll(family.log_prob(test.x, test.mask), test)
+    floor = dataset.nll(synthetic_family(dataset.name).log_prob(test.x, test.mask), test)
     ar = AutoregressiveGaussian(dataset.features, dataset.max_len)
     ar.fit_selected_order(dataset.train, dataset.val, MAX_AR_ORDER)
     return {"floor": floor, "ar": dataset.nll(ar.log_prob(test.x, test.mask), test),
@@ -201,24 +192,21 @@ def references(config: TrainConfig) -> dict[str, float]:
 def run_seed(name: str, seed: int, recipes: list[str], settings: dict[str, Any],
              folder: Path, diagnose: bool = False, gru: bool = True,
              figures: Path | None = None) -> dict[str, Any]:
-    """References, trained recipes and the GRU + MAF of one dataset and seed (``settings`` of
-    the trainer override the recipes'); ``figures``: where to draw the first attention recipe's
-    heads (:func:`benchmarks.long_range_figures.plot_attention`)."""
-    base = TrainConfig.from_dict({"data": name, "seed": seed, "device": "cpu", **settings})
-    result: dict[str, Any] = {"seed": seed, **references(base)}
+    """The record of one dataset and seed: references, trained recipes and the GRU + MAF
+    (``settings`` of the trainer override the recipes'); ``figures``: where to draw the first
+    attention recipe's heads (:func:`benchmarks.figures.plot_attention`)."""
+    base = {"data": name, "seed": seed, "device": "cpu", **settings}
+    result: dict[str, Any] = {"dataset": name, "seed": seed, **references(base)}
     gap = result["ar"] - result["floor"]
-    result["models"] = {}
     for recipe in recipes:
-        config = TrainConfig.from_dict({"data": name, "seed": seed, "device": "cpu",
-                                        **RECIPES[recipe], **settings})
-        row = run_recipe(config, folder / "run")
+        row = run_recipe({**base, **RECIPES[recipe], **settings}, folder / "run")
         row["gap_closed"] = (result["ar"] - row["test_nll"]) / gap
         metrics = (folder / "run" / "metrics.jsonl").read_text().splitlines()
         row["history"] = _curve([json.loads(line) for line in metrics])
         row["attention_use_full_length"] = (
             None if row["attention_usage"] is None
             else attention_use(folder / "run", result["max_len"]))
-        result["models"][recipe] = row
+        result[recipe] = row
         print(f"  {name} seed {seed} {recipe}: test {row['test_nll']:.3f} "
               f"(floor {result['floor']:.3f}, AR {result['ar']:.3f}) "
               f"{row['train_seconds']:.0f} s", flush=True)
@@ -227,32 +215,25 @@ def run_seed(name: str, seed: int, recipes: list[str], settings: dict[str, Any],
                 row["diagnosis"] = attention_diagnosis(folder / "run")
                 print_diagnosis(row["diagnosis"])
             if figures is not None:
-                from benchmarks.long_range_figures import plot_attention
                 plot_attention(folder / "run", figures / f"long_range_attention_{name}.png",
                                _lags)
                 figures = None
     if gru:
-        seconds = max([row["train_seconds"] for row in result["models"].values()], default=60.0)
+        seconds = max([result[m]["train_seconds"] for m in models(result)], default=60.0)
         row = run_gru_maf(base, seconds)
         row["gap_closed"] = (result["ar"] - row["test_nll"]) / gap
-        result["models"][GRU_MAF] = row
+        result[GRU_MAF] = row
         print(f"  {name} seed {seed} {GRU_MAF}: test {row['test_nll']:.3f} "
               f"({row['train_seconds']:.0f} s)", flush=True)
     return result
 
 
-#: Row name of the sequential baseline.
-GRU_MAF = "GRU + MAF (sequential sampling)"
-
-
-def run_gru_maf(base: TrainConfig, seconds: float) -> dict[str, Any]:
-    """The GRU + MAF trained for ``seconds`` optimisation seconds on the splits of ``base``
-    (its data, seed and subsets), with the results table's protocol for a baseline."""
-    protocol = dataclasses.replace(FULL, max_seconds=seconds, max_epochs=10_000,
-                                   patience=GRU_PATIENCE)
-    config = dataclasses.replace(
-        train_config(SPECS["gru_maf"], base.data, GRU_LR, base.seed, protocol),
-        max_train=base.max_train, max_eval=base.max_eval)
+def run_gru_maf(base: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """The GRU + MAF trained for ``seconds`` optimisation seconds on the splits of the flat
+    settings ``base`` (its data, seed and subsets), with the results table's protocol for a
+    baseline."""
+    subsets = {k: base[k] for k in ("max_train", "max_eval") if k in base}
+    config = gru_maf_config(base["data"], base["seed"], seconds, **subsets)
     row = train_recurrent_flow(config, load_data(config))
     return {"test_nll": row["test_nll"], "train_seconds": row["train_seconds"],
             "best_epoch": row["best_epoch"], "attention_usage": None,
@@ -269,137 +250,79 @@ def _curve(history: list[dict[str, float]]) -> list[tuple[float, float]]:
     return curve
 
 
-def _mean_sd(values: list[float], digits: int = 3) -> str:
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {statistics.stdev(values):.{digits}f}"
-
-
 def table(name: str, runs: list[dict[str, Any]]) -> str:
     """One dataset's rows as Markdown: test NLL (mean ± sd over seeds), gap closed, usage."""
-    lines = [f"### {name} (test NLL, nats/frame; {len(runs)} seed(s))", "",
-             "| model | test NLL | gap closed | train s | best epoch | attention use "
-             "(16 / N frames) |", "|---|---|---|---|---|---|",
-             f"| exact density (floor) | {_mean_sd([r['floor'] for r in runs])} | 1 | — | — | — |",
-             f"| AR(p ≤ {MAX_AR_ORDER}) Gaussian (p = "
-             f"{','.join(str(r['ar_order']) for r in runs)}) | {_mean_sd([r['ar'] for r in runs])}"
-             " | 0 | — | — | — |"]
-    for recipe in runs[0]["models"]:
-        rows = [r["models"][recipe] for r in runs]
+    rows = [["exact density (floor)", mean_sd([r["floor"] for r in runs]), "1", "—", "—", "—"],
+            [f"AR(p ≤ {MAX_AR_ORDER}) Gaussian (p = {','.join(str(r['ar_order']) for r in runs)})",
+             mean_sd([r["ar"] for r in runs]), "0", "—", "—", "—"]]
+    for model in models(runs[0]):
+        per_seed = [r[model] for r in runs]
         use = "—"
-        if rows[0]["attention_usage"] is not None:
-            use = (f"{_mean_sd([r['attention_usage'] for r in rows], 2)} / "
-                   f"{_mean_sd([r['attention_use_full_length'] for r in rows], 2)}")
-        lines.append(
-            f"| {recipe} | {_mean_sd([r['test_nll'] for r in rows])} | "
-            f"{_mean_sd([r['gap_closed'] for r in rows], 2)} | "
-            f"{_mean_sd([r['train_seconds'] for r in rows], 0)} | "
-            f"{','.join(str(r['best_epoch']) for r in rows)} | {use} |")
-    return "\n".join(lines)
+        if per_seed[0]["attention_usage"] is not None:
+            use = (f"{mean_sd([r['attention_usage'] for r in per_seed], 2)} / "
+                   f"{mean_sd([r['attention_use_full_length'] for r in per_seed], 2)}")
+        rows.append([model, mean_sd([r["test_nll"] for r in per_seed]),
+                     mean_sd([r["gap_closed"] for r in per_seed], 2),
+                     mean_sd([r["train_seconds"] for r in per_seed], 0),
+                     ",".join(str(r["best_epoch"]) for r in per_seed), use])
+    return f"### {name} (test NLL, nats/frame; {len(runs)} seed(s))\n\n" + markdown_table(
+        ["model", "test NLL", "gap closed", "train s", "best epoch",
+         "attention use (16 / N frames)"], rows)
 
 
-def _optional_int(text: str) -> int | None:
-    return None if text.lower() == "none" else int(text)
-
-
-def _parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--datasets", nargs="+", default=synthetic_names(),
-                        choices=synthetic_names())
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cli.add_datasets(parser, synthetic_names())
     parser.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES),
                         choices=list(RECIPES), metavar="RECIPE",
                         help="names in benchmarks.recipes.RECIPES (default: %(default)s)")
     parser.add_argument("--references-only", action="store_true",
                         help="print the floor and the AR(p) Gaussian only (no training)")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--epochs", type=int, default=3, help="epoch budget of every run")
-    parser.add_argument("--max-train", type=_optional_int, default=300,
-                        help="training sequences per run ('none': all 1000)")
-    parser.add_argument("--max-eval", type=_optional_int, default=100,
-                        help="validation and test sequences ('none': all)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    cli.add_seeds(parser)
+    cli.add_settings(parser, epochs=3, max_train=300, max_eval=100)
+    cli.add_threads(parser)
     parser.add_argument("--diagnose", action="store_true",
                         help="where the attention branches' certificates go (slower)")
     parser.add_argument("--no-gru", action="store_true", help="skip the GRU + MAF baseline")
-    parser.add_argument("--out", type=Path, default=OUT / "long_range.json",
-                        help="JSON of the results (default: %(default)s)")
-    parser.add_argument("--markdown", type=Path, default=None,
-                        help="write the tables into this page between its markers")
+    cli.add_records(parser, "long_range", ("long-range",))
     parser.add_argument("--figures", type=Path, default=None,
                         help="write learning curves and the attention picture here")
-    parser.add_argument("--table-from", type=Path, nargs="+", default=None, metavar="JSON",
-                        help="train nothing: report earlier --out files (their seeds merged)")
     parser.add_argument("--diagnose-run", type=Path, default=None,
                         help="only diagnose the attention of this trained run folder")
-    return parser.parse_args()
 
 
-def main() -> None:
-    """Train and report (or report earlier results, or diagnose a run)."""
-    args = _parse()
-    torch.set_num_threads(args.threads)
+def run(args: argparse.Namespace) -> None:
+    """Train and report (or report earlier records, or diagnose a run)."""
     if args.diagnose_run is not None:
         print_diagnosis(attention_diagnosis(args.diagnose_run))
         return
+    figures = args.figures
     if args.table_from is not None:
-        results: dict[str, list[dict[str, Any]]] = {}
-        for path in args.table_from:
-            saved = json.loads(path.read_text())
-            print(f"{path}: {saved.get('command', 'command not recorded')}")
-            for name, runs in saved["results"].items():
-                merge_runs(results.setdefault(name, []), runs)
-        report(results, args.markdown, args.figures)
-        return
-    settings = {"epochs": args.epochs, "max_train": args.max_train, "max_eval": args.max_eval}
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.datasets:
-            recipes = [] if args.references_only else args.recipes
-            results[name] = []
-            for seed in args.seeds:
-                results[name].append(run_seed(
-                    name, seed, recipes, settings, Path(tmp), args.diagnose,
-                    gru=not (args.no_gru or args.references_only),
-                    figures=args.figures if seed == args.seeds[0] else None))
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(
-                    {"command": "python -m benchmarks.long_range " + " ".join(sys.argv[1:]),
-                     "settings": settings, "results": results}, indent=1))
-    print(f"\nsettings: {json.dumps(settings)}, seeds {args.seeds}\n")
-    report(results, args.markdown, None if args.references_only else args.figures)
-
-
-def merge_runs(runs: list[dict[str, Any]], more: list[dict[str, Any]]) -> None:
-    """Add the per-seed results ``more`` to ``runs``: a seed already there gains the models it
-    lacks (a later file's row of the same model replaces the earlier one), a new seed is
-    appended."""
-    by_seed = {run["seed"]: run for run in runs}
-    for position, run in enumerate(more):
-        run.setdefault("seed", position)  # files without seeds list them in order from 0
-        if run["seed"] in by_seed:
-            by_seed[run["seed"]]["models"].update(run["models"])
-        else:
-            runs.append(run)
-            by_seed[run["seed"]] = run
-
-
-def report(results: dict[str, list[dict[str, Any]]], markdown: Path | None,
-           figures: Path | None) -> None:
-    """Print the tables; write them into ``markdown`` between its ``<!-- long-range -->``
-    markers and the learning curves into ``figures`` when given."""
-    tables = "\n\n".join(table(name, runs) for name, runs in results.items())
+        content = cli.table_from(args, KEY)
+        print("\n".join(content["commands"]))
+        rows = content["records"]
+    else:
+        settings = cli.settings(args)
+        earlier, rows = cli.stored(args, settings), []
+        recipes = [] if args.references_only else args.recipes
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in args.datasets:
+                for seed in cli.seeds(args):
+                    rows.append(run_seed(
+                        name, seed, recipes, settings, Path(tmp), args.diagnose,
+                        gru=not (args.no_gru or args.references_only),
+                        figures=figures if seed == args.first_seed else None))
+                    written = cli.save(args, rows, KEY, settings, earlier)[0]
+        rows = written
+        print(f"\nsettings: {json.dumps(settings)}, seeds {list(cli.seeds(args))}\n")
+        if args.references_only:
+            figures = None
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_name.setdefault(row["dataset"], []).append(row)
+    tables = "\n\n".join(table(name, runs) for name, runs in by_name.items())
     print(tables)
-    if markdown is not None:
-        markdown.write_text(replace_between_markers(
-            markdown.read_text(), tables, str(markdown), "<!-- long-range -->",
-            "<!-- /long-range -->"))
-    if figures is not None:
-        from benchmarks.long_range_figures import plot_curves
-        for name, runs in results.items():
-            if runs[0]["models"]:
-                plot_curves(name, runs, figures / f"long_range_curves_{name}.png")
-
-
-if __name__ == "__main__":
-    main()
+    cli.publish(args, {"long-range": tables})
+    for name, runs in by_name.items():
+        if figures is not None and models(runs[0]):
+            long_range_curves(name, runs, models(runs[0]),
+                              figures / f"long_range_curves_{name}.png")

@@ -8,7 +8,7 @@ For every dataset and model, on the test split:
   dataset is frame-wise, so its log-Jacobian is the same for the shuffled sequence;
 * **order gain** = shuffled NLL - test NLL: how much worse the model finds shuffled sequences.
   A model of i.i.d. frames has gain 0; the linear-Gaussian AR(1) model
-  (:class:`~benchmarks.baselines.autoregressive.AutoregressiveGaussian`, fitted on train and
+  (:class:`~iresflow.models.reference.AutoregressiveGaussian`, fitted on train and
   validation) sets the gain a sequence flow should at least reach;
 * **lag-1 autocorrelation** per feature (:func:`lag1_autocorrelation`) of the data and of the
   model's samples, drawn with the test split's lengths: a model that ignores order samples
@@ -21,18 +21,17 @@ and ``transform_to_noise(x, mask)`` works: the iresflow model, and both autoregr
 
 Run from the repository root::
 
-    python -m benchmarks.order --quick                          # smoke run, under a minute
-    python -m benchmarks.order --run japanese_vowels=runs/jv    # a trained iresflow run
-    python -m benchmarks.order                                  # train the flows, ~5 min each
+    python -m benchmarks order --quick                          # smoke run, under a minute
+    python -m benchmarks order --run japanese_vowels=runs/jv    # a trained iresflow run
+    python -m benchmarks order                                  # train the flows, ~5 min each
 
-The table is printed and the numbers are written to ``benchmarks/out/order/order.json``
-(``--out``).
+The table is printed and the records (one per dataset and seed) are written to
+``benchmarks/out/order.json`` (``--out``); the flows it trains go next to it, in ``runs/``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,15 +39,17 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from benchmarks.baselines.autoregressive import AutoregressiveGaussian
-from iresflow._validation import check_mask, check_sequence
+from benchmarks import cli
 from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
+from iresflow.models.reference import AutoregressiveGaussian
+from iresflow.runs.load import load_run
+from iresflow.train.config import TrainConfig
 from iresflow.train.likelihood import placement, split_log_prob
-
-__all__ = ["lag1_autocorrelation", "order_metrics", "shuffle_frames"]
+from iresflow.train.loop import train
 
 DATASETS = ("japanese_vowels", "digits_rows", "co2_windows")
-ROOT = Path(__file__).resolve().parents[1]
+#: Settings of ``--quick``: 2 blocks of width 32, 2 epochs, 64/32 sequences.
+QUICK = {"n_blocks": 2, "hidden": 32, "epochs": 2, "max_train": 64, "max_eval": 32}
 
 
 class SequenceModel(Protocol):
@@ -80,14 +81,12 @@ def shuffle_frames(x: Tensor, mask: Tensor, generator: torch.Generator | None = 
         >>> sorted(out[0, :3, 0].tolist()), out[0, 3, 0].item()
         ([0.0, 1.0, 2.0], 3.0)
     """
-    check_sequence(x, "x", allow_2d=False)
-    checked = check_mask(mask, x)
-    if checked is None:
+    if mask is None:
         raise ValueError("mask must be a (B, N) boolean tensor, got None")
-    keys = torch.rand(checked.shape, generator=generator, device=x.device)
+    keys = torch.rand(mask.shape, generator=generator, device=x.device)
     # real positions in order, then padded ones; and real positions in random order, then padded
-    targets = torch.argsort((~checked).to(torch.uint8), dim=1, stable=True)
-    sources = torch.argsort(torch.where(checked, keys, 2.0), dim=1, stable=True)
+    targets = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)
+    sources = torch.argsort(torch.where(mask, keys, 2.0), dim=1, stable=True)
     index = lambda i: i.unsqueeze(-1).expand_as(x)  # noqa: E731
     return x.scatter(1, index(targets), torch.gather(x, 1, index(sources)))
 
@@ -113,10 +112,7 @@ def lag1_autocorrelation(x: Tensor, mask: Tensor | None = None) -> Tensor:
         >>> lag1_autocorrelation(x).tolist()
         [1.0]
     """
-    check_sequence(x, "x", allow_2d=False)
-    checked = check_mask(mask, x)
-    real = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if checked is None \
-        else checked
+    real = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask
     pairs = real[:, 1:] & real[:, :-1]
     if int(pairs.sum()) < 2:
         raise ValueError("lag1_autocorrelation needs at least two pairs of adjacent real frames")
@@ -192,21 +188,15 @@ def _fit_ar(dataset: SequenceDataset, order: int) -> AutoregressiveGaussian:
     return AutoregressiveGaussian(dataset.features, dataset.max_len).fit(x, mask, order)
 
 
-def _flow(name: str, args: argparse.Namespace) -> tuple[Any, SequenceDataset, str]:
-    """The iresflow model of a dataset: a given run folder, or a freshly trained one."""
-    from iresflow.runs.load import load_run
-    from iresflow.train.config import TrainConfig
-    from iresflow.train.loop import train
-
+def _flow(name: str, seed: int, args: argparse.Namespace) -> tuple[Any, SequenceDataset, str]:
+    """The iresflow model of a dataset: a given run folder, or one trained with ``seed``."""
     runs = dict(item.split("=", 1) for item in args.run)
     if name in runs:
         run_dir = Path(runs[name])
     else:
-        run_dir = args.out / "runs" / name
-        settings = {"n_blocks": args.n_blocks, "hidden": args.hidden, "epochs": args.epochs}
-        config = TrainConfig.from_dict(dict(
-            data=name, max_train=args.max_train, max_eval=args.max_eval, seed=args.seed,
-            device="cpu", **{k: v for k, v in settings.items() if v is not None}))
+        run_dir = args.out.parent / "runs" / name / f"seed{seed}"
+        settings = (QUICK if args.quick else {}) | cli.settings(args)
+        config = TrainConfig.from_dict({"data": name, "seed": seed, "device": "cpu", **settings})
         train(config, run_dir, overwrite=True, progress=False)
     run = load_run(run_dir, device="cpu")
     if run.dataset.name != name:
@@ -221,59 +211,49 @@ def _row(name: str, label: str, r: dict[str, Any]) -> str:
             f"{mean_abs(r['autocorr_samples']):7.3f} {mean_abs(r['autocorr_noise']):7.3f}")
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cli.add_datasets(parser, DATASETS)
     parser.add_argument("--run", action="append", default=[], metavar="DATASET=PATH",
                         help="use this iresflow run folder for a dataset (else train one)")
     parser.add_argument("--no-flow", action="store_true", help="only the AR baseline")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke settings: 2 blocks of width 32, 2 epochs, 64/32 sequences")
-    parser.add_argument("--n-blocks", type=int, default=None, help="default: the library's")
-    parser.add_argument("--hidden", type=int, default=None, help="default: the library's")
-    parser.add_argument("--epochs", type=int, default=None, help="default: the library's")
-    parser.add_argument("--max-train", type=int, default=None)
-    parser.add_argument("--max-eval", type=int, default=None)
+    cli.add_quick(parser, "2 blocks of width 32, 2 epochs, 64/32 sequences")
+    cli.add_settings(parser, epochs=None, max_train=None, max_eval=None)
     parser.add_argument("--ar-order", type=int, default=1, help="order of the AR baseline")
-    parser.add_argument("--seed", type=int, default=0, help="seed of training and shuffles")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "order")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.n_blocks, args.hidden, args.epochs = 2, 32, 2
-        args.max_train, args.max_eval = 64, 32
-    if any("=" not in item for item in args.run):
-        parser.error("--run takes DATASET=PATH")
-    torch.set_num_threads(args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
+    cli.add_seeds(parser)
+    cli.add_threads(parser)
+    cli.add_records(parser, "order")
 
-    report: dict[str, Any] = {"settings": {k: str(v) if isinstance(v, Path) else v
-                                           for k, v in vars(args).items()}, "datasets": {}}
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Score the flows and the AR baseline of every dataset and seed; write the records."""
+    if any("=" not in item for item in args.run):
+        raise SystemExit("--run takes DATASET=PATH")
     print(f"{'dataset':16s} {'model':22s} {'test NLL':>9s} {'shuffled':>9s} {'gain':>8s} "
           f"{'|ac| dat':>7s} {'|ac| smp':>7s} {'|ac| z':>7s}")
+    rows: list[dict[str, Any]] = []
     for name in args.datasets:
-        entry: dict[str, Any] = {}
-        if args.no_flow:
-            dataset = load_dataset(name, seed=args.seed)
-        else:
-            flow, dataset, run_dir = _flow(name, args)
-            entry["iresflow"] = order_metrics(
-                flow, dataset, method="exact", generator=torch.Generator().manual_seed(args.seed))
-            entry["iresflow"]["run"] = run_dir
-            print(_row(name, "iresflow (exact)", entry["iresflow"]))
-        ar = _fit_ar(dataset, args.ar_order)
-        entry[f"ar{args.ar_order}_gaussian"] = order_metrics(
-            ar, dataset, generator=torch.Generator().manual_seed(args.seed))
-        print(_row(name, f"AR({args.ar_order}) Gaussian", entry[f"ar{args.ar_order}_gaussian"]))
-        entry["unit"] = dataset.unit
-        report["datasets"][name] = entry
+        for seed in cli.seeds(args):
+            record: dict[str, Any] = {"dataset": name, "seed": seed}
+            if args.no_flow:
+                dataset = load_dataset(name, seed=seed)
+            else:
+                flow, dataset, run_dir = _flow(name, seed, args)
+                record["iresflow"] = order_metrics(
+                    flow, dataset, method="exact", generator=torch.Generator().manual_seed(seed))
+                record["iresflow"]["run"] = run_dir
+                print(_row(name, "iresflow (exact)", record["iresflow"]))
+            x = torch.cat([dataset.train.x, dataset.val.x])
+            mask = torch.cat([dataset.train.mask, dataset.val.mask])
+            ar = AutoregressiveGaussian(dataset.features, dataset.max_len).fit(x, mask,
+                                                                                args.ar_order)
+            label = f"ar{args.ar_order}_gaussian"
+            record[label] = order_metrics(ar, dataset,
+                                          generator=torch.Generator().manual_seed(seed))
+            print(_row(name, f"AR({args.ar_order}) Gaussian", record[label]))
+            record["unit"] = dataset.unit
+            rows.append(record)
     print("gain = shuffled - test NLL (dataset unit); |ac| = mean over features of the absolute "
           "lag-1 autocorrelation of the data, the samples and the noise")
-    path = args.out / "order.json"
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {path}")
-    return report
-
-
-if __name__ == "__main__":
-    main()
+    cli.save(args, rows, ("dataset", "seed"), {"ar_order": args.ar_order})
+    print(f"wrote {args.out}")
+    return rows

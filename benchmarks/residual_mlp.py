@@ -22,7 +22,7 @@ maximum of their running sum in time order, after warm-up so that parameters, op
 caches already exist. It measures what a step adds on top of the model (activations, saved
 tensors, gradients), median over steps.
 
-Run: ``python benchmarks/residual_mlp.py [--quick] [--threads N]``
+Run: ``python -m benchmarks residual_mlp [--quick] [--threads N]`` (needs normflows)
 """
 
 from __future__ import annotations
@@ -32,10 +32,8 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 
-import normflows as nf
 import numpy as np
 import torch
 from nflows.distributions import StandardNormal
@@ -43,6 +41,8 @@ from nflows.flows import Flow
 from nflows.transforms import CompositeTransform
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks import cli
+from benchmarks.timing import measure
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.transforms.residual import ResidualTransform
@@ -82,6 +82,8 @@ def iresflow_step(data: torch.Tensor) -> tuple[Callable[[], None], int]:
 
 def normflows_step(data: torch.Tensor) -> tuple[Callable[[], None], int]:
     """A train step of the normflows flow (``Residual(LipschitzMLP)``, reverse=True default)."""
+    import normflows as nf
+
     flows = [
         nf.flows.Residual(
             nf.nets.LipschitzMLP([FEATURES, HIDDEN, HIDDEN, FEATURES], lipschitz_const=COEFF),
@@ -104,14 +106,6 @@ def normflows_step(data: torch.Tensor) -> tuple[Callable[[], None], int]:
         nf.utils.update_lipschitz(model, 5)
 
     return step, sum(p.numel() for p in model.parameters())
-
-
-def seconds_per_step(step: Callable[[], None], steps: int) -> tuple[float, float]:
-    """(process CPU seconds, wall seconds) per step over ``steps`` consecutive steps."""
-    cpu, wall = time.process_time(), time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.process_time() - cpu) / steps, (time.perf_counter() - wall) / steps
 
 
 def peak_step_memory(step: Callable[[], None]) -> int:
@@ -145,13 +139,13 @@ def seed(value: int) -> None:
     np.random.seed(value)  # normflows draws its roulette counts with numpy
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    args = parser.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cli.add_quick(parser, "fewer repeats")
+    cli.add_threads(parser)
+
+
+def run(args: argparse.Namespace) -> None:
     repeats, steps, memory_steps = (3, 5, 3) if args.quick else (7, 15, 7)
-    torch.set_num_threads(args.threads)
 
     seed(0)
     data = torch.randn(BATCH, FEATURES)
@@ -166,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(repeats):
         for name, step in (("iresflow", ours), ("normflows", theirs)):
             seed(r)
-            c, w = seconds_per_step(step, steps)
+            w, c = measure(step, steps)
             cpu[name].append(c)
             wall[name].append(w)
     peaks: dict[str, list[int]] = {"iresflow": [], "normflows": []}
@@ -198,6 +192,3 @@ def main(argv: list[str] | None = None) -> None:
         "   [target <= 0.8x]"
     )
 
-
-if __name__ == "__main__":
-    main()

@@ -1,19 +1,10 @@
 """The results table: iresflow against Gaussians, AR models, nflows flows and a torchdiffeq CNF.
 
-Protocol (same for every model): the splits, preprocessing and units of
-:func:`iresflow.data.datasets.load_dataset` (``seed=0``); one trainer, the loop of
-``iresflow train`` (:func:`iresflow.train.fit.fit` with the settings of
-:func:`~benchmarks.results_specs.train_config`:
-Adam at a constant learning rate, minibatches of 64, early stopping on the validation NLL, the
-same epoch and time budget per run; the iresflow rows are built from their settings exactly as
-``iresflow train`` builds them); the widths of the baselines chosen so
-that their parameter counts match the default iresflow model on each dataset; every trained
-model tuned over the same learning-rate grid on the validation split with seed 0, then the best
-configuration trained with the remaining seeds. Reported per model: test NLL (mean and standard
-deviation over seeds) in the dataset's unit, parameters, optimisation time per epoch, sampling
-time per sequence, and for iresflow the exact NLL next to the Russian-roulette estimate with its
-standard error. The Gaussians are closed-form fits (no seeds); the linear-Gaussian AR(p) model
-over frames chooses its order on the validation split and is refitted on train and validation.
+Every model sees the same data, trainer and budgets, and the baselines are matched to the
+default iresflow model in parameters; the protocol is written into the page with the tables
+(:func:`benchmarks.results_report.blocks`). Reported per model: test NLL (mean and standard
+deviation over seeds), parameters, optimisation time per epoch, sampling time per sequence, and
+for iresflow the exact NLL next to the Russian-roulette estimate with its standard error.
 
 Three training protocols (``--mode``):
 
@@ -29,59 +20,53 @@ optimisation seconds), drawn per dataset as the mean over seeds into ``figures/`
 
 Run from the repository root::
 
-    python -m benchmarks.results --quick                 # CI-sized check, writes benchmarks/out/
-    python -m benchmarks.results --jobs 2 --readme README.md   # the full table, docs/results.*
-    python -m benchmarks.results --jobs 2 --mode convergence   # docs/results_convergence.*
-    python -m benchmarks.results --jobs 2 --mode budget --budget 60   # docs/results_budget60.*
-    python -m benchmarks.results --jobs 1 --models iresflow --merge   # re-run some rows only
+    python -m benchmarks results --quick                # CI-sized check, benchmarks/out/
+    python -m benchmarks results --jobs 2 --out docs/results.json --doc docs/results.md \
+        README.md --figures docs/figures                # the full table
+    python -m benchmarks results --jobs 2 --mode convergence --out \
+        docs/results_convergence.json --doc docs/results_convergence.md --figures docs/figures
+    python -m benchmarks results --jobs 2 --mode budget --budget 60   # equal 60 s budgets
+    python -m benchmarks results --jobs 1 --models iresflow --merge --out docs/results.json
+    python -m benchmarks results --table-from docs/results.json --doc docs/results.md
 
 With ``--merge`` only the ``--models`` are run (on ``--datasets``); the other rows are kept from
-the stored report of the mode, and the page says which command produced which rows.
+``--out`` (of the same mode and budget), and the page says which command produced which rows.
 
-The table is written to ``docs/results.md`` between ``<!-- results:start -->`` and
-``<!-- results:end -->`` (and with ``--readme`` between the same markers in the README), the raw
-numbers to ``docs/results.json``, the learning curves to ``docs/figures/``.
+The raw numbers go to ``--out`` (records of :mod:`benchmarks.records`, one per dataset), the
+tables into the ``--doc`` pages between ``<!-- results:start -->`` and ``<!-- results:end -->``
+(and which command produced which rows, and the protocol, between the markers
+``results-provenance`` and ``results-protocol`` where a page has them), the learning curves
+into ``--figures``.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import json
 import math
-import sys
+import os
+import platform
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import wait as wait_futures
 from multiprocessing import get_context
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from benchmarks import cli
 from benchmarks.baselines.cnf import CNF, FixedProbeValidation
-from benchmarks.results_curves import mean_curve, write_learning_curves
-from benchmarks.results_report import (
-    TRAINER,
-    build_report,
-    json_safe,
-    markdown_tables,
-    merge_report,
-    parser_of_main,
-    provenance_text,
-    replace_between_markers,
-    results_markdown,
-    summarize,
-    target_check,
-)
+from benchmarks.figures import results_curves
+from benchmarks.results_report import BLOCKS, TRAINER, blocks, markdown_tables, summarize
 from benchmarks.results_specs import (
     DATASETS,
-    END,
     FULL,
+    MODES,
     QUICK,
-    ROOT,
     SPECS,
-    START,
     Budget,
     ModelSpec,
     count_parameters,
@@ -96,12 +81,6 @@ from iresflow.data.datasets import SequenceDataset
 from iresflow.train.epoch import TrainingSession
 from iresflow.train.fit import fit
 from iresflow.train.likelihood import split_log_prob
-
-__all__ = [
-    "DATASETS", "END", "FULL", "QUICK", "SPECS", "START", "fit_row", "main", "mean_curve",
-    "merge_report", "mode_budget", "provenance_text", "replace_between_markers", "run_all",
-    "score_row", "summarize", "target_check", "train_config",
-]
 
 #: Sequences per forward pass when the test split is scored.
 EVAL_BATCH = 256
@@ -277,8 +256,9 @@ def _guarded(stage: str, name: str, key: str, lr: float | None, seed: int, budge
 
 
 def run_all(names: tuple[str, ...], keys: tuple[str, ...], budget: Budget, jobs: int,
-            threads: int, log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
-    """All runs of the table, ``jobs`` at a time; returns ``{dataset: {model: entry}}``.
+            threads: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """All runs of the table, ``jobs`` at a time: one record per dataset, its facts and an
+    entry per model.
 
     A trained model is fitted with every learning rate on seed 0 (``"train"`` stage); the one
     with the lowest validation NLL is then evaluated on the test split (``"test"``) and trained
@@ -345,7 +325,14 @@ def run_all(names: tuple[str, ...], keys: tuple[str, ...], budget: Budget, jobs:
             if entry["status"] == "ok":
                 entry["runs"].sort(key=lambda r: r["seed"])
                 entry["summary"] = summarize(entry["runs"])
-    return entries
+    return [{"dataset": name, **_facts(dataset(name, budget.subset)), **per_model}
+            for name, per_model in entries.items()]
+
+
+def _facts(ds: SequenceDataset) -> dict[str, Any]:
+    return {"unit": ds.unit, "features": ds.features, "max_len": ds.max_len,
+            "variable_length": variable_length(ds), "target_params": target_params(ds.name),
+            "sizes": {"train": len(ds.train), "val": len(ds.val), "test": len(ds.test)}}
 
 
 def _finite_or_inf(value: Any) -> float:
@@ -366,55 +353,58 @@ def _progress(stage: str, record: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = parser_of_main()
-    args = parser.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cli.add_quick(parser, "tiny budgets and data subsets (< 2 min)")
+    cli.add_datasets(parser, DATASETS)
+    parser.add_argument("--models", nargs="+", choices=list(SPECS), default=list(SPECS))
+    cli.add_seeds(parser, default=None, first=False)
+    parser.add_argument("--mode", choices=MODES, default="table",
+                        help="table: fixed budget with early stopping; convergence: early "
+                        "stopping with a generous cap; budget: equal wall-clock budgets")
+    parser.add_argument("--budget", type=float, help="optimisation seconds per run "
+                        "(default 30; quick 1; required with --mode budget; with --mode "
+                        "convergence a cap on top of early stopping, default 7200)")
+    parser.add_argument("--max-epochs", type=int, help="override the epoch cap")
+    parser.add_argument("--patience", type=int, help="override the early-stopping patience")
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
+    cli.add_threads(parser)
+    cli.add_records(parser, "results", BLOCKS)
+    parser.add_argument("--figures", type=Path, help="draw the learning curves into this folder")
 
-    try:
-        budget = mode_budget(QUICK if args.quick else FULL, args.mode, args.budget)
-    except ValueError as error:
-        parser.error(str(error))
-    for field in ("seeds", "max_epochs", "patience"):
-        if getattr(args, field) is not None:
-            budget = dataclasses.replace(budget, **{field: getattr(args, field)})
-    stem = {"table": "results", "convergence": "results_convergence",
-            "budget": f"results_budget{budget.max_seconds:g}"}[args.mode]
-    out = args.out or (ROOT / "benchmarks" / "out" / "quick" if args.quick else ROOT / "docs")
-    if args.readme is not None:  # fail before the runs, not after
-        replace_between_markers(args.readme.read_text(), "", str(args.readme))
-    names, keys = tuple(args.datasets), tuple(args.models)
-    stored = json.loads((out / f"{stem}.json").read_text()) if args.merge else None
-    if stored is not None:  # a report of another budget is refused before the runs
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the table (or read it, ``--table-from``), write its records, pages and figures."""
+    if args.table_from is not None:
+        content = cli.table_from(args, key=("dataset",))
+    else:
         try:
-            merge_report(stored, {}, budget)
+            budget = mode_budget(QUICK if args.quick else FULL, args.mode, args.budget)
         except ValueError as error:
-            parser.error(str(error))
-    torch.set_num_threads(args.threads)
-
-    start = time.perf_counter()
-    print(f"results: {len(names)} dataset(s), {len(keys)} model(s), budget {budget}")
-    entries = run_all(names, keys, budget, args.jobs, args.threads, print)
-    command = "python -m benchmarks.results" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    for per_model in entries.values():
-        for entry in per_model.values():
-            entry.update(generated_by=command, trainer=TRAINER)
-    if stored is not None:
-        entries = merge_report(stored, entries, budget)
-    report = build_report(args, budget, command, entries, time.perf_counter() - start)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(json_safe(report), indent=1) + "\n")
-    (out / f"{stem}.md").write_text(results_markdown(report))
-    figures = write_learning_curves(report, out / "figures", stem)
-    if args.readme is not None:
-        text = args.readme.read_text()
-        args.readme.write_text(replace_between_markers(text, markdown_tables(report),
-                                                       str(args.readme)))
-    print(markdown_tables(report))
-    print(f"\nwrote {out / stem}.md, {out / stem}.json and {len(figures)} figure(s) in "
-          f"{out / 'figures'} in {time.perf_counter() - start:.0f} s")
-    return report
-
-
-if __name__ == "__main__":
-    main()
+            raise SystemExit(str(error)) from None
+        for field in ("seeds", "max_epochs", "patience"):
+            if getattr(args, field) is not None:
+                budget = dataclasses.replace(budget, **{field: getattr(args, field)})
+        settings = {"mode": args.mode, "quick": args.quick, "budget": dataclasses.asdict(budget)}
+        earlier = cli.stored(args, settings)  # a report of another budget is refused here
+        start = time.perf_counter()
+        print(f"results: {len(args.datasets)} dataset(s), {len(args.models)} model(s), "
+              f"budget {budget}")
+        rows = run_all(tuple(args.datasets), tuple(args.models), budget, args.jobs,
+                       args.threads, print)
+        for row in rows:
+            for key in SPECS.keys() & row.keys():
+                row[key].update(generated_by=args.command_line, trainer=TRAINER)
+        machine = {"threads": args.threads, "jobs": args.jobs, "torch": torch.__version__,
+                   "machine": f"{platform.machine()} CPU with {os.cpu_count()} cores",
+                   "wall_seconds": time.perf_counter() - start}
+        rows, commands = cli.save(args, rows, ("dataset",), settings, earlier, machine=machine)
+        content = {"commands": commands, "settings": settings, "machine": machine,
+                   "records": rows}
+        print(f"wrote {args.out}")
+    if args.figures is not None:
+        stem = args.out.stem if args.table_from is None else args.table_from[0].stem
+        print(f"drew {len(results_curves(content, args.figures, stem))} figure(s) in "
+              f"{args.figures}")
+    print(markdown_tables(content))
+    cli.publish(args, blocks(content))
+    return content

@@ -12,24 +12,20 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from benchmarks.baselines.autoregressive import AutoregressiveGaussian
 from benchmarks.baselines.cnf import CNF
 from benchmarks.baselines.gaussian import FrameGaussian, SequenceGaussian
 from benchmarks.baselines.nflows_models import frame_maf, sequence_maf, sequence_realnvp
-from benchmarks.baselines.recurrent import RecurrentFlow
+from benchmarks.baselines.recurrent import GRU_LR, GRU_PATIENCE, RecurrentFlow
 from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
+from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.train.config import TrainConfig
 from iresflow.train.factories import build_model
 
 DATASETS = ("japanese_vowels", "digits_rows", "co2_windows")
-START, END = "<!-- results:start -->", "<!-- results:end -->"
-#: Parameter count the baselines aim at when the iresflow model cannot be built.
-FALLBACK_TARGET_PARAMS = 20_000
 #: Model settings of the iresflow rows on top of the library defaults (ModelConfig): the default
 #: recipe and its ablations.
 IRESFLOW_RECIPES: dict[str, dict[str, Any]] = {
@@ -46,7 +42,6 @@ MODES = ("table", "convergence", "budget")
 CONVERGENCE = {"max_seconds": 7200.0, "max_epochs": 2000, "patience": 30}
 #: Gradient-norm clip of every trained model.
 GRAD_CLIP = 100.0
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -191,10 +186,7 @@ def count_parameters(model: nn.Module) -> int:
 @cache
 def target_params(name: str) -> int:
     """Parameter count of the default iresflow model on a dataset (the baselines' target)."""
-    try:
-        return count_parameters(_iresflow("default")(dataset(name, None), 0))
-    except ImportError:
-        return FALLBACK_TARGET_PARAMS
+    return count_parameters(_iresflow("default")(dataset(name, None), 0))
 
 
 def matched_width(spec: ModelSpec, ds: SequenceDataset, target: int) -> int:
@@ -261,8 +253,18 @@ def mode_budget(base: Budget, mode: str, seconds: float | None = None) -> Budget
     return base if seconds is None else dataclasses.replace(base, max_seconds=float(seconds))
 
 
-def train_config(spec: ModelSpec, name: str, lr: float, seed: int, budget: Budget
-                 ) -> TrainConfig:
+def gru_maf_config(name: str, seed: int, seconds: float, **overrides: Any) -> TrainConfig:
+    """The training settings of the GRU + MAF outside the table (small-data and long-range
+    benchmarks): the table's protocol with :data:`~benchmarks.baselines.recurrent.GRU_LR`,
+    ``seconds`` of optimisation and early stopping after
+    :data:`~benchmarks.baselines.recurrent.GRU_PATIENCE` epochs."""
+    protocol = dataclasses.replace(FULL, max_seconds=seconds, max_epochs=10_000,
+                                   patience=GRU_PATIENCE)
+    return train_config(SPECS["gru_maf"], name, GRU_LR, seed, protocol, **overrides)
+
+
+def train_config(spec: ModelSpec, name: str, lr: float, seed: int, budget: Budget,
+                 **overrides: Any) -> TrainConfig:
     """The training settings of a row: the protocol's, and an iresflow row's model settings.
 
     Adam at the constant learning rate ``lr`` (no warm-up, no schedule), minibatches of
@@ -270,7 +272,7 @@ def train_config(spec: ModelSpec, name: str, lr: float, seed: int, budget: Budge
     ``budget.max_epochs`` epochs and ``budget.max_seconds`` seconds of optimisation (0: no
     limit), early stopping after ``budget.patience`` epochs without a better validation NLL; the
     rest are the defaults of ``iresflow train`` (validation with 4 roulette estimates per
-    sequence for a flow).
+    sequence for a flow), or the flat settings ``overrides`` (e.g. the data's).
 
     Example:
         >>> config = train_config(SPECS["iresflow"], "co2_windows", 3e-3, 1, FULL)
@@ -278,8 +280,8 @@ def train_config(spec: ModelSpec, name: str, lr: float, seed: int, budget: Budge
         (0.003, 1, 'none', 30.0, ('conv', 'mlp'))
     """
     recipe = IRESFLOW_RECIPES[spec.recipe] if spec.recipe is not None else {}
-    return TrainConfig.from_dict(dict(
-        data=name, seed=seed, device="cpu", lr=lr, batch_size=budget.batch_size,
-        epochs=budget.max_epochs, max_seconds=budget.max_seconds, patience=budget.patience,
-        scheduler="none", warmup=0, clip=GRAD_CLIP, **recipe,
-    ))
+    return TrainConfig.from_dict({
+        "data": name, "seed": seed, "device": "cpu", "lr": lr, "batch_size": budget.batch_size,
+        "epochs": budget.max_epochs, "max_seconds": budget.max_seconds,
+        "patience": budget.patience, "scheduler": "none", "warmup": 0, "clip": GRAD_CLIP,
+        **recipe, **overrides})

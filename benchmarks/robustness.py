@@ -15,23 +15,22 @@ and a verdict.
 
 Run from the repository root::
 
-    python -m benchmarks.robustness                       # a few minutes on 2 CPU cores
-    python -m benchmarks.robustness --epochs 40 --max-train 400 --set warmup=0 --set clip=10
+    python -m benchmarks robustness                       # a few minutes on 2 CPU cores
+    python -m benchmarks robustness --epochs 40 --max-train 400 --set warmup=0 clip=10
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import math
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from benchmarks import cli
 from iresflow.train.config import TrainConfig
 from iresflow.train.factories import load_data
 from iresflow.train.loop import train
@@ -92,29 +91,32 @@ def degraded_run(history: list[dict[str, float]], threshold: float) -> int:
     return longest
 
 
-def _override(text: str) -> tuple[str, Any]:
-    key, _, value = text.partition("=")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=20, help="epochs per run (default: 20)")
-    parser.add_argument("--max-train", type=int, default=96, help="training sequences per run")
-    parser.add_argument("--max-eval", type=int, default=48, help="val/test sequences per run")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", type=_override,
-        help="change a training setting (repeatable), e.g. --set warmup=0",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cli.add_settings(parser, epochs=20, max_train=96, max_eval=48)
+    cli.add_seeds(parser)
     parser.add_argument("--curves", action="store_true", help="print the NLL of every epoch")
     parser.add_argument("--only", nargs="*", help="run only these datasets (names as printed)")
-    args = parser.parse_args()
-    overrides = dict(args.set)
-    generator = torch.Generator().manual_seed(args.seed)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Train every dataset with every seed, print a row per run and the verdict."""
+    settings = cli.settings(args)
+    print(f"settings: TrainConfig defaults with {settings}")
+    flagged = []
+    for seed in cli.seeds(args):
+        flagged += [f"{label} (seed {seed})" for label in _run_seed(args, settings, seed)]
+    if flagged:
+        print(f"verdict: UNSTABLE on {', '.join(flagged)} (training NLL more than "
+              f"{DEGRADATION_NATS} nats/frame above its best for {DEGRADATION_EPOCHS}+ epochs)")
+    else:
+        print(f"verdict: stable: no run's training NLL stayed more than {DEGRADATION_NATS} "
+              f"nats/frame above its best for {DEGRADATION_EPOCHS} epochs in a row")
+
+
+def _run_seed(args: argparse.Namespace, settings: dict[str, object], seed: int) -> list[str]:
+    """The runs of one seed, printed; the datasets whose run degraded."""
+    generator = torch.Generator().manual_seed(seed)
+    flagged = []
     with tempfile.TemporaryDirectory() as folder:
         datasets = {name: name for name in SHIPPED}
         for features in SYNTHETIC_FEATURES:
@@ -122,23 +124,16 @@ def main() -> None:
             path = Path(folder) / f"ar_d{features}.npz"
             np.savez(path, x=x, lengths=lengths)
             datasets[f"synthetic D={features}"] = str(path)
-        base = TrainConfig.from_dict(dict(
-            max_train=args.max_train, max_eval=args.max_eval, epochs=args.epochs, seed=args.seed,
-            **overrides,
-        ))
-        print(f"settings: TrainConfig defaults with max_train={args.max_train}, max_eval="
-              f"{args.max_eval}, epochs={args.epochs}" + (f", {overrides}" if overrides else ""))
-        print(f"warmup={base.warmup}, clip={base.clip}, lr={base.lr}, scheduler={base.scheduler}, "
-              f"patience={base.patience}")
-        header = (f"{'data':<18}{'unit':>11}{'best train':>11}{'last train':>11}"
-                  f"{'best val':>10}{'at epoch':>9}{'epochs':>7}{'early':>6}{'degraded':>9}"
-                  f"{'time':>7}")
-        print(header)
-        flagged = []
+        base = TrainConfig.from_dict({**settings, "seed": seed})
+        print(f"seed {seed}: warmup={base.warmup}, clip={base.clip}, lr={base.lr}, "
+              f"scheduler={base.scheduler}, patience={base.patience}")
+        print(f"{'data':<18}{'unit':>11}{'best train':>11}{'last train':>11}"
+              f"{'best val':>10}{'at epoch':>9}{'epochs':>7}{'early':>6}{'degraded':>9}"
+              f"{'time':>7}")
         for label, data in datasets.items():
             if args.only and label not in args.only:
                 continue
-            config = base.replace(data=data)
+            config = TrainConfig.from_dict({**settings, "seed": seed, "data": data})
             start = time.perf_counter()
             result = train(config, Path(folder) / "runs" / label.replace(" ", "_"),
                            progress=False)
@@ -158,13 +153,4 @@ def main() -> None:
                 print("  val  ", " ".join(f"{row['val_nll']:.3f}" for row in result.history))
             if longest >= DEGRADATION_EPOCHS:
                 flagged.append(label)
-    if flagged:
-        print(f"verdict: UNSTABLE on {', '.join(flagged)} (training NLL more than "
-              f"{DEGRADATION_NATS} nats/frame above its best for {DEGRADATION_EPOCHS}+ epochs)")
-    else:
-        print(f"verdict: stable: no run's training NLL stayed more than {DEGRADATION_NATS} "
-              f"nats/frame above its best for {DEGRADATION_EPOCHS} epochs in a row")
-
-
-if __name__ == "__main__":
-    main()
+    return flagged

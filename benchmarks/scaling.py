@@ -13,21 +13,22 @@
    time is also printed as a ratio to ``roulette`` at the same ``N``, and the log-log slopes of
    time and memory against ``N`` close the table.
 
-Run: ``python benchmarks/scaling.py [--quick] [--device cpu|cuda]``.
+Run: ``python -m benchmarks scaling [--quick] [--device cpu|cuda]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
 
+from benchmarks import cli
+from benchmarks.timing import length_sweep
 from iresflow.models.transformer import ResidualFlowTransformer
 from iresflow.train.config import TrainConfig
 from iresflow.train.loop import train
@@ -36,15 +37,16 @@ FEATURES = 12
 METHODS = ("roulette", "series", "exact")
 
 
-def throughput(nproc: int, config: TrainConfig, folder: Path) -> float:
+def throughput(nproc: int, settings: dict[str, Any], folder: Path) -> float:
     """Training sequences per second of the second epoch with ``nproc`` processes.
 
     The first epoch is a warm-up; each of several processes uses ``cores / nproc`` threads, a
     single process the threads of this one.
     """
     name = f"nproc{nproc}-threads{torch.get_num_threads()}"
-    result = train(config.replace(nproc=nproc), folder / name, progress=False)
-    return float(config.max_train) / result.history[-1]["train_seconds"]
+    config = TrainConfig.from_dict({**settings, "nproc": nproc})
+    result = train(config, folder / name, overwrite=True, progress=False)
+    return float(settings["max_train"]) / result.history[-1]["train_seconds"]
 
 
 def step_cost(
@@ -59,7 +61,7 @@ def step_cost(
     x = torch.randn(batch, length, FEATURES, generator=generator).to(device)
     mask = torch.ones(batch, length, dtype=torch.bool, device=device)
     model.log_prob(x, mask).sum().backward()  # ActNorm initialisation and warm-up
-    return min(_timed_step(model, x, mask, device) for _ in range(repeats))
+    return min(_timed_step(model, x, mask, device) for _ in range(repeats))  # fastest
 
 
 def _timed_step(
@@ -86,69 +88,40 @@ def _timed_step(
     return time.perf_counter() - start, memory / 2**20
 
 
-def slope(lengths: list[int], values: list[float]) -> float:
-    """Least-squares slope of ``log(value)`` against ``log(N)``."""
-    if len(lengths) < 2:
-        return math.nan
-    return float(np.polyfit(np.log(lengths), np.log(values), 1)[0])
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="N up to 256, 1 s step limit")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cli.add_quick(parser, "N up to 256, 1 s step limit, 32 sequences")
     parser.add_argument("--device", default="cpu", help="device of the length scaling")
     parser.add_argument("--max-step", type=float, help="seconds per step before stopping")
     parser.add_argument("--batch", type=int, default=2, help="sequences per step")
     parser.add_argument("--repeats", type=int, default=2, help="timed steps per length")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    max_length = 256 if args.quick else 1024
-    max_step = args.max_step if args.max_step is not None else (1.0 if args.quick else 5.0)
 
-    config = TrainConfig.from_dict(dict(
-        n_blocks=1, hidden=16, max_train=32 if args.quick else 128, max_eval=4,
-        batch_size=16, epochs=2, device="cpu", logdet="roulette",
-    ))
+
+def run(args: argparse.Namespace) -> None:
+    device = torch.device(args.device)
+    max_step = args.max_step if args.max_step is not None else (1.0 if args.quick else 5.0)
+    settings = {"n_blocks": 1, "hidden": 16, "max_train": 32 if args.quick else 128,
+                "max_eval": 4, "batch_size": 16, "epochs": 2, "device": "cpu",
+                "logdet": "roulette"}
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as folder:
-        all_threads = throughput(1, config, Path(folder))
-        double = throughput(2, config, Path(folder))
+        all_threads = throughput(1, settings, Path(folder))
+        double = throughput(2, settings, Path(folder))
         # One thread from here on (also for the length scaling): steadier on shared cores, and
         # raising the thread count again mid-process upsets some MKL builds.
         torch.set_num_threads(1)
-        one_thread = throughput(1, config, Path(folder))
-    print(f"data-parallel training on the CPU (global batch {config.batch_size}, "
-          f"{config.max_train} sequences, logdet {config.model.logdet}, {cores} cores):")
+        one_thread = throughput(1, settings, Path(folder))
+    print(f"data-parallel training on the CPU (global batch {settings['batch_size']}, "
+          f"{settings['max_train']} sequences, logdet roulette, {cores} cores):")
     print(f"  1 process,  1 thread  : {one_thread:8.1f} sequences/s")
     print(f"  1 process, {cores} threads : {all_threads:8.1f} sequences/s")
     print(f"  2 processes           : {double:8.1f} sequences/s  (ratio to 1 process: "
           f"{double / one_thread:.2f} vs 1 thread, {double / all_threads:.2f} vs {cores} threads)")
 
-    print(f"\nlength scaling, one training step, batch {args.batch}, device {device}:")
-    print(f"{'method':<10}{'N':>6}{'seconds':>10}{'/roulette':>11}{'memory MiB':>12}")
-    results: dict[str, tuple[list[int], list[float], list[float]]] = {}
-    for method in METHODS:
-        lengths, times, memories = [], [], []
-        length = 16
-        while length <= max_length:
-            seconds, memory = step_cost(method, length, args.batch, device, args.repeats)
-            lengths.append(length)
-            times.append(seconds)
-            memories.append(memory)
-            reference = results.get("roulette")
-            ratio = ""
-            if reference is not None and length in reference[0]:
-                ratio = f"{seconds / reference[1][reference[0].index(length)]:.2f}"
-            print(f"{method:<10}{length:>6}{seconds:>10.4f}{ratio:>11}{memory:>12.2f}")
-            if seconds > max_step:
-                break
-            length *= 2
-        results[method] = (lengths, times, memories)
-    print("\nlog-log slopes against N (time, memory):")
-    for method, (lengths, times, memories) in results.items():
-        print(f"  {method:<10} time {slope(lengths, times):5.2f}   memory "
-              f"{slope(lengths, memories):5.2f}   (N = {lengths[0]}..{lengths[-1]})")
+    print(f"\nlength scaling, one training step, batch {args.batch}, device {device} "
+          "(memory in MiB):")
 
+    def cost(method: str, length: int) -> dict[str, float]:
+        seconds, memory = step_cost(method, length, args.batch, device, args.repeats)
+        return {"seconds": seconds, "memory": memory}
 
-if __name__ == "__main__":
-    main()
+    length_sweep(METHODS, cost, 256 if args.quick else 1024, max_step, f"batch {args.batch}")

@@ -21,20 +21,19 @@ train/test splits, and the three shipped datasets through their names. Per datas
 
 Run from the repository root::
 
-    python -m benchmarks.small_data --seeds 3 --budget 60 --out docs/small_data.json \\
+    python -m benchmarks small_data --seeds 3 --budget 60 --out docs/small_data.json \\
         --doc docs/small_data.md
 
-prints the markdown table, writes the raw numbers to ``--out`` and, with ``--doc``, the page
-between its ``<!-- small-data:start -->`` / ``<!-- small-data:end -->`` markers. The flow and
-the GRU + MAF can run apart (``--budget 0``; ``--no-flow``) and be merged by ``--table-from``.
+prints the markdown table, writes the records (one per dataset and seed) to ``--out`` and,
+with ``--doc``, the table into the page between its ``<!-- small-data:start -->`` /
+``<!-- small-data:end -->`` markers. The flow and the GRU + MAF can run apart (``--budget 0``;
+``--no-flow``) and be merged by ``--table-from``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
-import json
 import math
 import statistics
 import sys
@@ -48,13 +47,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks import cli, records
 from benchmarks.baselines.gaussian import SequenceGaussian
-from benchmarks.baselines.recurrent import GRU_LR, GRU_PATIENCE, train_recurrent_flow
-from benchmarks.results_report import replace_between_markers
-from benchmarks.results_specs import FULL, SPECS, train_config
+from benchmarks.baselines.recurrent import train_recurrent_flow
+from benchmarks.results_specs import gru_maf_config, variable_length
 from iresflow.data.datasets import SequenceDataset, load_dataset
 from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.models.worst_cases import summarize_sequence_nll
+from iresflow.runs.evaluate import evaluate_run
+from iresflow.runs.load import load_run
+from iresflow.train.config import TrainConfig
+from iresflow.train.loop import train
 
 #: UEA/UCR archive datasets bundled in the aeon wheel, in the suite's order.
 ARCHIVE = ("BasicMotions", "CardanoSentiment", "ItalyPowerDemand", "GunPoint", "ArrowHead",
@@ -62,9 +65,8 @@ ARCHIVE = ("BasicMotions", "CardanoSentiment", "ItalyPowerDemand", "GunPoint", "
 SHIPPED = ("japanese_vowels", "digits_rows", "co2_windows")
 DATASETS = ARCHIVE + SHIPPED
 MAX_AR_ORDER = 3
-#: The trained models of a record (the closed-form references are in every record).
-MODELS = ("flow", "gru_maf")
-START, END = "<!-- small-data:start -->", "<!-- small-data:end -->"
+#: The fields that identify a record.
+KEY = ("dataset", "seed")
 
 
 def archive_files(name: str) -> tuple[Path, Path]:
@@ -116,17 +118,12 @@ def load(name: str, seed: int) -> SequenceDataset:
 
 def sequence_gaussian_applies(ds: SequenceDataset) -> str | None:
     """``None`` if the full-covariance sequence Gaussian applies, else the reason it does not."""
-    if not (bool(ds.train.mask.all()) and bool(ds.val.mask.all()) and bool(ds.test.mask.all())):
+    if variable_length(ds):
         return "variable length"
     fitting = len(ds.train) + len(ds.val)
     if fitting <= ds.max_len * ds.features:
         return f"{fitting} sequences <= N D = {ds.max_len * ds.features}"
     return None
-
-
-def distribution(nll: torch.Tensor) -> dict[str, Any]:
-    """Per-sequence NLL summary as a JSON record."""
-    return summarize_sequence_nll(nll).to_dict()
 
 
 def run_flow(name: str, seed: int, run_dir: Path,
@@ -140,11 +137,6 @@ def run_flow(name: str, seed: int, run_dir: Path,
         settings: Settings of ``iresflow train`` that differ from the defaults (an ablation);
             recorded in the result.
     """
-    from iresflow.runs.evaluate import evaluate_run
-    from iresflow.runs.load import load_run
-    from iresflow.train.config import TrainConfig
-    from iresflow.train.loop import train
-
     settings = dict(settings or {})
     config = TrainConfig.from_dict({**data_settings(name), "seed": seed, **settings})
     start = time.perf_counter()
@@ -162,7 +154,7 @@ def run_flow(name: str, seed: int, run_dir: Path,
             "stopped_early": result.stopped_early, "seconds": time.perf_counter() - start,
             "params": sum(p.numel() for p in run.model.parameters()),
             "position_norm": run.config.model.position_norm, "settings": settings,
-            "sequences": distribution(per_sequence)}
+            "sequences": summarize_sequence_nll(per_sequence).to_dict()}
 
 
 def run_references(ds: SequenceDataset) -> dict[str, Any]:
@@ -172,7 +164,7 @@ def run_references(ds: SequenceDataset) -> dict[str, Any]:
     log_prob = ar.log_prob(ds.test.x, ds.test.mask)
     record: dict[str, Any] = {"ar": {
         "test_nll": ds.nll(log_prob, ds.test), "order": ar.order, "order_val_nll": val_nll,
-        "sequences": distribution(ds.sequence_nll(log_prob, ds.test))}}
+        "sequences": summarize_sequence_nll(ds.sequence_nll(log_prob, ds.test)).to_dict()}}
     reason = sequence_gaussian_applies(ds)
     if reason is None:
         gauss = SequenceGaussian(ds.max_len, ds.features).fit(
@@ -190,11 +182,7 @@ def run_gru_maf(name: str, ds: SequenceDataset, seed: int, budget: float) -> dic
     Through :func:`~iresflow.train.fit.fit`, the loop of ``iresflow train``, with the results
     table's protocol for a baseline (:func:`benchmarks.results_specs.train_config`).
     """
-    protocol = dataclasses.replace(FULL, max_seconds=budget, max_epochs=10_000,
-                                   patience=GRU_PATIENCE)
-    config = dataclasses.replace(train_config(SPECS["gru_maf"], name, GRU_LR, seed, protocol),
-                                 **data_settings(name))
-    row = train_recurrent_flow(config, ds)
+    row = train_recurrent_flow(gru_maf_config(name, seed, budget, **data_settings(name)), ds)
     return {key: row[key] for key in ("test_nll", "epochs", "stopped")}
 
 
@@ -206,36 +194,13 @@ def run_dataset(name: str, seed: int, budget: float, settings: dict[str, Any] | 
     record: dict[str, Any] = {
         "dataset": name, "seed": seed, "features": ds.features, "max_len": ds.max_len,
         "sizes": [len(ds.train), len(ds.val), len(ds.test)], "unit": ds.unit,
-        "variable_length": not bool(ds.train.mask.all() and ds.test.mask.all())}
+        "variable_length": variable_length(ds)}
     record.update(run_references(ds))
     if flow:
         record["flow"] = run_flow(name, seed, work / f"{name}-seed{seed}", settings)
     if budget > 0:
         record["gru_maf"] = run_gru_maf(name, ds, seed, budget)
     return record
-
-
-def merge_records(files: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Records of several runs, one per dataset and seed: the first file that ran a model
-    gives its entry (``flow``, ``gru_maf``), so a flow-only and a baseline-only run combine.
-
-    Args:
-        files: The ``records`` of every ``--out`` file, in order of precedence.
-
-    Returns:
-        One record per (dataset, seed), in the order they first appear.
-    """
-    merged: dict[tuple[str, int], dict[str, Any]] = {}
-    for records in files:
-        for record in records:
-            key = (record["dataset"], record["seed"])
-            if key not in merged:
-                merged[key] = dict(record)
-                continue
-            for model in MODELS:
-                if model in record and model not in merged[key]:
-                    merged[key][model] = record[model]
-    return list(merged.values())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -263,125 +228,82 @@ def _worst(summaries: Sequence[dict[str, Any]]) -> str:
     return f"{median:.2f} / {worst_text} / {far}"
 
 
-def markdown_table(records: Sequence[dict[str, Any]]) -> str:
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """One row per dataset: mean test NLL over seeds per model, then per-sequence worst cases.
 
     Args:
-        records: :func:`run_dataset` records (several seeds of a dataset are averaged).
+        rows: :func:`run_dataset` records (several seeds of a dataset are averaged).
 
     Returns:
         A markdown table; the best NLL of every row is in bold, and † marks a GRU + MAF that
         reached its time budget (rather than early stopping) on at least one seed.
     """
-    names = sorted(dict.fromkeys(r["dataset"] for r in records),  # the suite's order first
+    names = sorted(dict.fromkeys(r["dataset"] for r in rows),  # the suite's order first
                    key=lambda name: DATASETS.index(name) if name in DATASETS else len(DATASETS))
-    lines = [
-        "| dataset | train/val/test | D | N | unit | iresflow default | AR(p) Gaussian (p) | "
-        "sequence Gaussian | GRU + MAF | flow: median / worst / far | "
-        "AR: median / worst / far |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    table = []
     for name in names:
-        rows = [r for r in records if r["dataset"] == name]
-        first = rows[0]
+        runs = [r for r in rows if r["dataset"] == name]
+        first = runs[0]
         columns = {
-            "flow": [r["flow"]["test_nll"] for r in rows if "flow" in r],
-            "ar": [r["ar"]["test_nll"] for r in rows],
-            "sequence_gaussian": [r["sequence_gaussian"]["test_nll"] for r in rows
+            "flow": [r["flow"]["test_nll"] for r in runs if "flow" in r],
+            "ar": [r["ar"]["test_nll"] for r in runs],
+            "sequence_gaussian": [r["sequence_gaussian"]["test_nll"] for r in runs
                                   if "test_nll" in r["sequence_gaussian"]],
-            "gru_maf": [r["gru_maf"]["test_nll"] for r in rows if "gru_maf" in r],
+            "gru_maf": [r["gru_maf"]["test_nll"] for r in runs if "gru_maf" in r],
         }
         means = {k: statistics.fmean(v) for k, v in columns.items() if v}
         best = min(means.values())
         cells = {k: (f"**{_mean(v)}**" if v and means[k] == best else _mean(v))
                  for k, v in columns.items()}
-        if any(r.get("gru_maf", {}).get("stopped") == "time" for r in rows):
+        if any(r.get("gru_maf", {}).get("stopped") == "time" for r in runs):
             cells["gru_maf"] += " †"
-        flow_sequences = [r["flow"]["sequences"] for r in rows if "flow" in r]
-        orders = "/".join(str(r["ar"]["order"]) for r in rows)
+        flow_sequences = [r["flow"]["sequences"] for r in runs if "flow" in r]
+        orders = "/".join(str(r["ar"]["order"]) for r in runs)
         sizes = "/".join(str(s) for s in first["sizes"])
         length = f"≤ {first['max_len']}" if first["variable_length"] else str(first["max_len"])
-        lines.append(
-            f"| {name} | {sizes} | {first['features']} | {length} | {first['unit']} | "
-            f"{cells['flow']} | {cells['ar']} ({orders}) | {cells['sequence_gaussian']} | "
-            f"{cells['gru_maf']} | {_worst(flow_sequences)} | "
-            f"{_worst([r['ar']['sequences'] for r in rows])} |")
-    return "\n".join(lines)
+        table.append([name, sizes, str(first["features"]), length, first["unit"], cells["flow"],
+                      f"{cells['ar']} ({orders})", cells["sequence_gaussian"], cells["gru_maf"],
+                      _worst(flow_sequences), _worst([r["ar"]["sequences"] for r in runs])])
+    header = ["dataset", "train/val/test", "D", "N", "unit", "iresflow default",
+              "AR(p) Gaussian (p)", "sequence Gaussian", "GRU + MAF",
+              "flow: median / worst / far", "AR: median / worst / far"]
+    return records.markdown_table(header, table)
 
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS,
-                        metavar="NAME", help=f"datasets (default: all of {', '.join(DATASETS)})")
-    parser.add_argument("--seeds", type=int, default=1,
-                        help="number of seeds: FIRST..FIRST+S-1 (default: 1)")
-    parser.add_argument("--first-seed", type=int, default=0, metavar="FIRST",
-                        help="first seed (default: 0), to run seeds in separate processes")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cli.add_datasets(parser, DATASETS)
+    cli.add_seeds(parser)
     parser.add_argument("--budget", type=float, default=60.0,
                         help="optimisation seconds of the GRU + MAF (0: skip it; default: 60)")
-    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                        help="settings of iresflow train for the flow that differ from the "
-                        "defaults, e.g. position_norm=off base=multivariate-t (values read as "
-                        "JSON where they parse, else as text)")
+    cli.add_settings(parser, epochs=None)
     parser.add_argument("--no-flow", action="store_true",
                         help="skip the flow: only the references and the GRU + MAF")
-    parser.add_argument("--epochs", type=int, default=None,
-                        help="epochs of the flow (default: iresflow train's)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/out/small_data.json"))
-    parser.add_argument("--doc", type=Path, default=None,
-                        help="also write the table into this page between its markers")
-    parser.add_argument("--table-from", type=Path, nargs="+", default=None, metavar="JSON",
-                        help="run nothing: print (and --doc) the table of earlier --out "
-                        "files, merged by dataset and seed (the first file with a model's "
-                        "entry gives it)")
-    args = parser.parse_args(argv)
-    if (args.seeds < 1 or args.first_seed < 0 or args.budget < 0
-            or (args.epochs is not None and args.epochs < 1)):
-        parser.error("--seeds and --epochs must be positive, --first-seed and --budget >= 0")
-    args.settings = {} if args.epochs is None else {"epochs": args.epochs}
-    for item in args.set:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            parser.error(f"--set takes KEY=VALUE, got {item!r}")
-        try:
-            args.settings[key] = json.loads(text)
-        except json.JSONDecodeError:
-            args.settings[key] = text
-    return args
+    cli.add_records(parser, "small_data", ("small-data",))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the suite, print the table, write the JSON (and the page)."""
-    args = _parse(argv)
+def run(args: argparse.Namespace) -> int:
+    """Run the suite (or read it, ``--table-from``), print and write the table; 1 if a flow NLL
+    is not finite."""
     if args.table_from is not None:
-        records = merge_records([json.loads(path.read_text())["records"]
-                                 for path in args.table_from])
-        return _report(records, args.doc)
-    records = []
-    with tempfile.TemporaryDirectory() as work:
-        for name in args.datasets:
-            for seed in range(args.first_seed, args.first_seed + args.seeds):
-                record = run_dataset(name, seed, args.budget, args.settings, Path(work),
-                                     flow=not args.no_flow)
-                records.append(record)
-                scores = {model: f"{record[model]['test_nll']:.3f}" for model in MODELS
-                          if model in record}
-                print(f"{name} seed {seed}: AR({record['ar']['order']}) "
-                      f"{record['ar']['test_nll']:.3f}, {scores}", file=sys.stderr, flush=True)
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps({"command": " ".join(sys.argv),
-                                                "records": records}, indent=1) + "\n")
-    return _report(records, args.doc)
-
-
-def _report(records: list[dict[str, Any]], doc: Path | None) -> int:
-    """Print the table (and write it into ``doc``); 1 if a flow NLL is not finite."""
-    table = markdown_table(records)
+        rows = cli.table_from(args, KEY)["records"]
+    else:
+        if args.budget < 0:
+            raise SystemExit("--budget must be >= 0")
+        earlier, rows = cli.stored(args, {}), []
+        with tempfile.TemporaryDirectory() as work:
+            for name in args.datasets:
+                for seed in cli.seeds(args):
+                    record = run_dataset(name, seed, args.budget, cli.settings(args), Path(work),
+                                         flow=not args.no_flow)
+                    rows.append(record)
+                    scores = {model: f"{record[model]['test_nll']:.3f}"
+                              for model in ("flow", "gru_maf") if model in record}
+                    print(f"{name} seed {seed}: AR({record['ar']['order']}) "
+                          f"{record['ar']['test_nll']:.3f}, {scores}", file=sys.stderr,
+                          flush=True)
+                    written = cli.save(args, rows, KEY, {}, earlier)[0]
+        rows = written
+    table = markdown_table(rows)
     print(table)
-    if doc is not None:
-        doc.write_text(replace_between_markers(doc.read_text(), table, str(doc), START, END))
-    return 0 if all(math.isfinite(r["flow"]["test_nll"]) for r in records if "flow" in r) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    cli.publish(args, {"small-data": table})
+    return 0 if all(math.isfinite(r["flow"]["test_nll"]) for r in rows if "flow" in r) else 1

@@ -23,11 +23,12 @@ weights and on the same batches, must give losses equal to the reference's withi
 Every measurement runs in its own subprocess with ``OMP_NUM_THREADS=1``; the reference runs with
 ``PYTHONPATH`` pointing at a checkout of the reference commit, made with
 ``git worktree add <dir> <commit>`` when ``<dir>`` does not exist yet (this needs git and the
-repository's history). Times are CPU seconds of the measuring process (on shared cores the wall
-time also counts other processes' work). Usage, from the repository root::
+repository's history). The workers run this file as a script, so it imports nothing but the
+standard library at the top. Times are CPU seconds of the measuring process (on shared cores the
+wall time also counts other processes' work). Usage, from the repository root::
 
-    python benchmarks/train_epoch.py                 # about 3-4 minutes on one CPU core
-    python benchmarks/train_epoch.py --epochs 1 --skip-eval
+    python -m benchmarks train_epoch                 # about 3-4 minutes on one CPU core
+    python -m benchmarks train_epoch --epochs 1 --skip-eval
     git worktree remove /tmp/iresflow-2f31ab0        # afterwards, to drop the checkout
 """
 
@@ -189,8 +190,7 @@ def _checkout(commit: str, path: Path) -> Path:
     return path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference", default=REFERENCE, help="commit to compare against")
     parser.add_argument("--reference-dir", type=Path, default=None,
                         help="checkout of the reference (default /tmp/iresflow-<commit>)")
@@ -202,7 +202,9 @@ def main() -> None:
     parser.add_argument("--eval-max", type=int, default=None,
                         help="evaluate at most this many test sequences (default: all)")
     parser.add_argument("--skip-eval", action="store_true")
-    opts = parser.parse_args()
+
+
+def run(opts: argparse.Namespace) -> None:
     reference = _checkout(opts.reference,
                           opts.reference_dir or Path(f"/tmp/iresflow-{opts.reference}"))
     common = {"epochs": opts.epochs, "eval": not opts.skip_eval, "eval_batch": opts.eval_batch,
@@ -256,9 +258,6 @@ def main() -> None:
                       f"{base['eval_s'] / row['eval_s']:.1f}x")
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        worker = {"epoch": _worker_epoch, "trajectory": _worker_trajectory}[sys.argv[2]]
-        print(json.dumps(worker(json.loads(sys.argv[3]))))
-    else:
-        main()
+if __name__ == "__main__":  # a worker process (:func:`_run`)
+    worker = {"epoch": _worker_epoch, "trajectory": _worker_trajectory}[sys.argv[2]]
+    print(json.dumps(worker(json.loads(sys.argv[3]))))

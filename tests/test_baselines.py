@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -12,7 +13,7 @@ import torch
 from scipy.stats import multivariate_normal
 from torchdiffeq import odeint
 
-from benchmarks.baselines.autoregressive import left_align
+from benchmarks import cli, records
 from benchmarks.baselines.cnf import (
     CNF,
     FixedProbeValidation,
@@ -21,19 +22,10 @@ from benchmarks.baselines.cnf import (
 )
 from benchmarks.baselines.gaussian import FrameGaussian, SequenceGaussian, fit_gaussian
 from benchmarks.baselines.nflows_models import frame_maf, sequence_maf, sequence_realnvp
-from benchmarks.baselines.recurrent import RecurrentFlow
-from benchmarks.results import (
-    END,
-    FULL,
-    START,
-    mean_curve,
-    merge_report,
-    mode_budget,
-    provenance_text,
-    replace_between_markers,
-    summarize,
-    target_check,
-)
+from benchmarks.baselines.recurrent import RecurrentFlow, left_align
+from benchmarks.figures import mean_curve
+from benchmarks.results_report import entries, provenance_text, summarize, target_check
+from benchmarks.results_specs import FULL, mode_budget
 from iresflow.data.datasets import SequenceDataset, SequenceSplit
 from iresflow.models.distributions import sample_mask
 from iresflow.models.reference import AutoregressiveGaussian, history_lags
@@ -432,7 +424,7 @@ def _dataset(train: SequenceSplit, val: SequenceSplit) -> SequenceDataset:
 def _config(**settings: object) -> TrainConfig:
     """The trainer of ``iresflow train`` with the results table's optimisation protocol."""
     protocol = {"scheduler": "none", "warmup": 0, "clip": 100.0, "device": "cpu"}
-    return TrainConfig(**{**protocol, **settings})
+    return TrainConfig.from_dict({**protocol, **settings})
 
 
 @pytest.mark.parametrize("name", ["frame_maf", "maf", "realnvp", "cnf", "recurrent"])
@@ -562,33 +554,37 @@ def test_mean_curve_interpolates_in_log_time() -> None:
 
 
 def test_replace_between_markers() -> None:
-    text = f"intro\n{START}\nold\n{END}\nrest\n"
-    assert replace_between_markers(text, "new", "x") == f"intro\n{START}\nnew\n{END}\nrest\n"
+    start, end = records.markers("results")
+    text = f"intro\n{start}\nold\n{end}\nrest\n"
+    assert records.replace_block(text, "results", "new", "x") == (
+        f"intro\n{start}\nnew\n{end}\nrest\n")
     with pytest.raises(ValueError, match="markers"):
-        replace_between_markers("no markers", "new", "README.md")
+        records.replace_block("no markers", "results", "new", "README.md")
 
 
-def test_merge_report_replaces_only_the_rerun_rows() -> None:
+def test_merge_report_replaces_only_the_rerun_rows(tmp_path) -> None:
     budget = json.loads(json.dumps(dataclasses.asdict(FULL)))
-    stored = {
-        "meta": {"command": "python -m benchmarks.results --jobs 2", "budget": budget},
-        "datasets": {
-            "a": {"iresflow": {"old": 1}, "gaussian_frames": {"old": 2}, "maf": {"old": 3}},
-            "b": {"iresflow": {"old": 4}, "maf": {"old": 5}},
-        },
-    }
-    rerun = "python -m benchmarks.results --models iresflow --datasets a --merge"
-    fresh = {"a": {"iresflow": {"new": 1, "generated_by": rerun, "trainer": "`fit`"}}}
-    merged = merge_report(stored, fresh, FULL)
-    old = {"generated_by": "python -m benchmarks.results --jobs 2"}
-    assert merged == {"a": {"gaussian_frames": {"old": 2, **old}, "maf": {"old": 3, **old},
-                            "iresflow": fresh["a"]["iresflow"]},
-                      "b": {"iresflow": {"old": 4, **old}, "maf": {"old": 5, **old}}}
-    assert list(merged["a"]) == ["gaussian_frames", "maf", "iresflow"]  # the table's order
+    settings = {"mode": "table", "quick": False, "budget": budget}
+    first = "python -m benchmarks results --jobs 2"
+    old = {"generated_by": first}
+    stored = [{"dataset": "japanese_vowels", "iresflow": {"old": 1, **old},
+               "gaussian_frames": {"old": 2, **old}, "maf": {"old": 3, **old}},
+              {"dataset": "co2_windows", "iresflow": {"old": 4, **old}, "maf": {"old": 5, **old}}]
+    records.save(tmp_path / "results.json", stored, [first], settings)
+    rerun = "python -m benchmarks results --models iresflow --datasets japanese_vowels --merge"
+    args = argparse.Namespace(out=tmp_path / "results.json", merge=True, command_line=rerun)
+    fresh = {"new": 1, "generated_by": rerun, "trainer": "`fit`"}
+    rows, _ = cli.save(args, [{"dataset": "japanese_vowels", "iresflow": fresh}], ("dataset",),
+                       settings, cli.stored(args, settings))
+    merged = entries(rows)
+    assert merged == {"japanese_vowels": {"gaussian_frames": {"old": 2, **old},
+                                          "maf": {"old": 3, **old}, "iresflow": fresh},
+                      "co2_windows": {"iresflow": {"old": 4, **old}, "maf": {"old": 5, **old}}}
+    assert list(merged["japanese_vowels"]) == ["gaussian_frames", "maf", "iresflow"]  # table order
     text = provenance_text(merged)
     assert text.startswith("Rows of gaussian_frames, maf, iresflow generated by "
-                           "`python -m benchmarks.results --jobs 2` (trained by `fit_model` of "
+                           "`python -m benchmarks results --jobs 2` (trained by `fit_model` of "
                            "the former")
     assert text.endswith(f"Rows of iresflow generated by `{rerun}` (trained by `fit`).")
-    with pytest.raises(ValueError, match="budget"):
-        merge_report(stored, fresh, mode_budget(FULL, "table", 5))
+    with pytest.raises(SystemExit, match="budget"):
+        cli.stored(args, {**settings, "budget": dataclasses.asdict(mode_budget(FULL, "table", 5))})

@@ -8,22 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.long_range import (
-    DEFAULT_RECIPES,
-    GRU_MAF,
-    merge_runs,
-    references,
-    report,
-    run_seed,
-    table,
-)
+from benchmarks.figures import long_range_curves
+from benchmarks.long_range import DEFAULT_RECIPES, GRU_MAF, KEY, models, references, run_seed, table
+from benchmarks.records import merge_records, write_blocks
 from iresflow.nn.attention import ContractiveL2MultiheadAttention
-from iresflow.train.config import TrainConfig
 
 
 def test_floor_lies_far_below_the_ar_gaussian() -> None:
     for name in ("repeated_motif", "nonlinear_seasonal"):
-        result = references(TrainConfig(data=name, max_train=200, max_eval=100))
+        result = references({"data": name, "max_train": 200, "max_eval": 100})
         assert result["floor"] < result["ar"] - 2.0, result  # nats/frame
 
 
@@ -34,7 +27,7 @@ def test_one_tiny_seed_prints_a_row_per_model(tmp_path: Path) -> None:
     result = run_seed("repeated_motif", 0, list(DEFAULT_RECIPES), settings, tmp_path,
                       diagnose=True, figures=tmp_path / "figures")
     assert (tmp_path / "figures" / "long_range_attention_repeated_motif.png").stat().st_size > 0
-    attention = result["models"][DEFAULT_RECIPES[1]]
+    attention = result[DEFAULT_RECIPES[1]]
     assert 0 < attention["attention_usage"] <= 1
     assert 0 < attention["attention_use_full_length"] <= 1
     (diagnosis,) = attention["diagnosis"]  # one block, one attention branch
@@ -43,16 +36,18 @@ def test_one_tiny_seed_prints_a_row_per_model(tmp_path: Path) -> None:
     assert diagnosis["data_mean"] <= diagnosis["data_max"]
     assert 0 < diagnosis["length_share"] < 1 and 1 <= diagnosis["effective_tokens"] <= 64
     assert 0 < diagnosis["copy_mass_uniform"] < 1
-    assert result["models"][DEFAULT_RECIPES[0]]["attention_usage"] is None
-    gru = result["models"][GRU_MAF]
+    assert result[DEFAULT_RECIPES[0]]["attention_usage"] is None
+    gru = result[GRU_MAF]
     assert math.isfinite(gru["test_nll"]) and gru["history"] and gru["attention_usage"] is None
     text = table("repeated_motif", [result])
     assert text.count("\n| ") == 6  # header rule, floor, AR, two recipes and the GRU + MAF
     page = tmp_path / "page.md"
-    page.write_text("# p\n<!-- long-range -->\nold\n<!-- /long-range -->\nend\n")
-    report({"repeated_motif": [result]}, page, tmp_path / "figures")
+    page.write_text("# p\n<!-- long-range:start -->\nold\n<!-- long-range:end -->\nend\n")
+    write_blocks(page, {"long-range": text})
     assert text in page.read_text() and "old" not in page.read_text()
-    assert (tmp_path / "figures" / "long_range_curves_repeated_motif.png").stat().st_size > 0
+    curves = tmp_path / "figures" / "long_range_curves_repeated_motif.png"
+    assert long_range_curves("repeated_motif", [result], models(result), curves) == curves
+    assert curves.stat().st_size > 0
 
 
 def test_constant_sequence_jacobian_is_the_value_path() -> None:
@@ -72,7 +67,9 @@ def test_constant_sequence_jacobian_is_the_value_path() -> None:
 
 
 def test_results_of_the_same_seed_are_merged_by_model() -> None:
-    runs = [{"seed": 0, "floor": 0.0, "models": {"a": 1, "b": 2}}]
-    merge_runs(runs, [{"seed": 0, "models": {"b": 3, "c": 4}}, {"seed": 1, "models": {"a": 5}}])
-    assert runs[0]["models"] == {"a": 1, "b": 3, "c": 4}
+    earlier = [{"dataset": "d", "seed": 0, "floor": 0.0, "a": {"v": 1}, "b": {"v": 2}}]
+    later = [{"dataset": "d", "seed": 0, "b": {"v": 3}, "c": {"v": 4}},
+             {"dataset": "d", "seed": 1, "a": {"v": 5}}]
+    runs = merge_records([later, earlier], KEY)  # the first file given wins
+    assert {model: runs[0][model]["v"] for model in models(runs[0])} == {"a": 1, "b": 3, "c": 4}
     assert [r["seed"] for r in runs] == [0, 1]

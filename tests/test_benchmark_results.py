@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.results import QUICK, SPECS, fit_row, score_row, train_config
+from benchmarks.results import fit_row, score_row
+from benchmarks.results_specs import QUICK, SPECS, train_config
 from iresflow.train.checkpoint import load_checkpoint
 from iresflow.train.factories import build_model, load_data
 from iresflow.train.likelihood import split_log_prob
@@ -19,8 +20,8 @@ def test_results_table_and_iresflow_train_agree_on_the_default_model(tmp_path: P
     """Same seed, same budget, float64: the table's test NLL is that of ``iresflow train``."""
     budget = dataclasses.replace(QUICK, max_epochs=2, max_seconds=0.0, patience=2)
     spec, lr, seed = SPECS["iresflow"], 3e-3, 1
-    config = train_config(spec, "japanese_vowels", lr, seed, budget)
-    config = config.replace(max_train=8, max_eval=4)  # the tiny slice both paths see
+    config = train_config(spec, "japanese_vowels", lr, seed, budget,
+                          max_train=8, max_eval=4)  # the tiny slice both paths see
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.conditional import evaluate_flow, parse_args, plot_class_samples, train_configs
+from benchmarks import cli
+from benchmarks.conditional import evaluate_flow, plot_class_samples, train_configs
 from iresflow.cli import parse_train_config
 from iresflow.data.datasets import load_dataset
 from iresflow.runs.classify import class_log_likelihoods
+from iresflow.train.config import TrainConfig
 from iresflow.train.factories import load_data
 from iresflow.train.fit import fit
 from tests.tiny_runs import TINY
@@ -21,17 +23,17 @@ RECIPE = ["--data", "japanese_vowels", "--n-blocks", "2", "--hidden", "32", "--a
 
 
 def test_flows_are_the_iresflow_train_command_lines() -> None:
-    configs = train_configs(parse_args(["--seed", "2", "--max-seconds", "150"]))
+    configs = train_configs(cli.parse(["conditional", "--set", "max_seconds=150"]), seed=2)
     assert configs["unconditional"] == parse_train_config(RECIPE)
     assert configs["conditional"] == parse_train_config(
         [*RECIPE, "--condition", "label", "--context-features", "16"]
     )
-    assert train_configs(parse_args(["--quick"]))["conditional"].epochs == 2
+    assert train_configs(cli.parse(["conditional", "--quick"]), seed=0)["conditional"].epochs == 2
 
 
 @pytest.fixture(scope="module")
 def tiny_conditional() -> tuple[torch.nn.Module, object]:
-    config = TINY.replace(condition="label", model=TINY.model.replace(context_features=4))
+    config = TrainConfig.from_dict({**TINY, "condition": "label", "context_features": 4})
     data = load_data(config)
     return fit(config, data).model, data
 
@@ -52,7 +54,7 @@ def test_evaluate_flow_scores_the_true_class_and_applies_bayes_rule(tiny_conditi
 
 
 def test_evaluate_flow_without_labels_gives_only_the_nll() -> None:
-    config = TINY
+    config = TrainConfig.from_dict(TINY)
     data = load_data(config)
     assert set(evaluate_flow(fit(config, data).model, data)) == {"test NLL"}
 

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.baselines.autoregressive import AutoregressiveGaussian
-from benchmarks.order import lag1_autocorrelation, main, order_metrics, shuffle_frames
+from benchmarks import cli
+from benchmarks.order import lag1_autocorrelation, order_metrics, shuffle_frames
 from iresflow.data.datasets import SequenceDataset, SequenceSplit
+from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.models.transformer import ResidualFlowTransformer
 
 MASK = torch.tensor([[True, True, True, True], [True, False, False, False],
@@ -121,16 +122,21 @@ def test_order_metrics_of_the_iresflow_model_with_variable_lengths() -> None:
     assert len(metrics["autocorr_noise"]) == 2 and metrics["unit"] == "nats/frame"
 
 
+def _order(*argv: str) -> list[dict]:
+    args = cli.parse(["order", *argv])
+    return args.benchmark(args)
+
+
 def test_order_command_writes_the_table(tmp_path, capsys) -> None:
-    report = main(["--no-flow", "--datasets", "co2_windows", "--out", str(tmp_path)])
-    entry = json.loads((tmp_path / "order.json").read_text())["datasets"]["co2_windows"]
-    assert entry["ar1_gaussian"] == report["datasets"]["co2_windows"]["ar1_gaussian"]
+    (report,) = _order("--no-flow", "--datasets", "co2_windows", "--out", str(tmp_path / "o.json"))
+    (entry,) = json.loads((tmp_path / "o.json").read_text())["records"]
+    assert entry["ar1_gaussian"] == report["ar1_gaussian"] and entry["dataset"] == "co2_windows"
     assert entry["ar1_gaussian"]["order_gain"] > 0  # the weekly CO2 differences are correlated
     assert "AR(1) Gaussian" in capsys.readouterr().out
 
 
 @pytest.mark.slow
 def test_order_command_trains_and_scores_a_flow(tmp_path) -> None:
-    report = main(["--quick", "--datasets", "co2_windows", "--out", str(tmp_path)])
-    flow = report["datasets"]["co2_windows"]["iresflow"]
+    (report,) = _order("--quick", "--datasets", "co2_windows", "--out", str(tmp_path / "o.json"))
+    flow = report["iresflow"]
     assert math.isfinite(flow["order_gain"]) and (tmp_path / "runs" / "co2_windows").is_dir()

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks import cli
+from benchmarks.records import merge_records
 from benchmarks.small_data import (
     ARCHIVE,
-    _parse,
+    KEY,
     archive_files,
     load,
     markdown_table,
-    merge_records,
     run_references,
     sequence_gaussian_applies,
 )
@@ -70,7 +71,7 @@ def test_flow_only_and_baseline_only_runs_merge_by_dataset_and_seed() -> None:
     for r in baseline:
         r["gru_maf"]["stopped"] = "time"
     baseline[0]["gru_maf"]["stopped"] = "patience"
-    merged = merge_records([flow_only, baseline])
+    merged = merge_records([flow_only, baseline], KEY)
     assert [(r["dataset"], r["seed"]) for r in merged] == [("a", 0), ("a", 1), ("b", 0)]
     assert [r["flow"]["test_nll"] for r in merged] == [1.0, 1.5, 9.0]  # the first file wins
     assert "gru_maf" not in merged[0] and merged[1]["gru_maf"]["test_nll"] == 3.0
@@ -82,11 +83,11 @@ def test_flow_only_and_baseline_only_runs_merge_by_dataset_and_seed() -> None:
 
 
 def test_set_gives_the_flow_settings_of_an_ablation() -> None:
-    args = _parse(["--set", "position_norm=off", "ar_order=12", "--epochs", "5"])
-    assert args.settings == {"epochs": 5, "position_norm": "off", "ar_order": 12}
-    assert _parse([]).settings == {}
+    args = cli.parse(["small_data", "--set", "position_norm=off", "ar_order=12", "--epochs", "5"])
+    assert cli.settings(args) == {"epochs": 5, "position_norm": "off", "ar_order": 12}
+    assert cli.settings(cli.parse(["small_data"])) == {}
     with pytest.raises(SystemExit):
-        _parse(["--set", "position_norm"])
+        cli.parse(["small_data", "--set", "position_norm"])
 
 
 def test_sequence_gaussian_needs_fixed_length_and_enough_sequences(tmp_path: Path) -> None:

@@ -27,7 +27,6 @@ import torch
 from torch import Tensor, nn
 from torchdiffeq import odeint, odeint_adjoint
 
-from iresflow._validation import check_mask, check_sequence
 from iresflow.models.distributions import sample_mask
 
 __all__ = [
@@ -250,8 +249,6 @@ class CNF(nn.Module):
         Returns:
             Log-densities ``(B,)``; an unbiased estimate with the Hutchinson divergence.
         """
-        check_sequence(x, "x", features=self.features, allow_2d=False)
-        mask = check_mask(mask, x)
         if x.shape[1] > self.max_len:
             raise ValueError(f"x has length {x.shape[1]} > max_len = {self.max_len}")
         if exact is None:

@@ -20,7 +20,6 @@ import math
 import torch
 from torch import Tensor, nn
 
-from iresflow._validation import check_mask, check_sequence
 from iresflow.models.distributions import sample_mask
 
 __all__ = ["FrameGaussian", "SequenceGaussian", "fit_gaussian"]
@@ -112,16 +111,12 @@ class FrameGaussian(_GaussianBase):
 
     def fit(self, x: Tensor, mask: Tensor | None = None) -> FrameGaussian:
         """Fit on the real frames of ``x`` (B, N, D) in closed form; returns ``self``."""
-        check_sequence(x, "x", features=self.features, allow_2d=False)
-        mask = check_mask(mask, x)
         frames = x.reshape(-1, self.features) if mask is None else x[mask]
         self._set(frames)
         return self
 
     def log_prob(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """Log-density (B,) of sequences ``x`` (B, N, D), summed over real frames."""
-        check_sequence(x, "x", features=self.features, allow_2d=False)
-        mask = check_mask(mask, x)
         per_frame = self._log_density(x)
         if mask is not None:
             per_frame = per_frame * mask.to(per_frame.dtype)
@@ -165,11 +160,9 @@ class SequenceGaussian(_GaussianBase):
         self.features = features
 
     def _flatten(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        check_sequence(x, "x", features=self.features, allow_2d=False)
-        if x.shape[1] != self.seq_len:
+        if x.shape[1:] != (self.seq_len, self.features):
             raise ValueError(f"x must have shape (B, {self.seq_len}, {self.features}), got "
                              f"{tuple(x.shape)}")
-        mask = check_mask(mask, x)
         if mask is not None and not bool(mask.all()):
             raise ValueError("SequenceGaussian models fixed-length data: mask must be all True")
         return x.reshape(x.shape[0], -1)

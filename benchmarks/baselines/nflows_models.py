@@ -18,7 +18,6 @@ from nflows.flows.base import Flow
 from nflows.flows.realnvp import SimpleRealNVP
 from torch import Tensor, nn
 
-from iresflow._validation import check_mask, check_sequence
 from iresflow.models.distributions import sample_mask
 
 __all__ = [
@@ -69,12 +68,10 @@ class FlattenedSequenceFlow(nn.Module):
 
     def log_prob(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """Log-density (B,) of sequences ``x`` (B, N, D); ``mask`` must be all ``True``."""
-        check_sequence(x, "x", features=self.features, allow_2d=False)
-        if x.shape[1] != self.seq_len:
+        if x.shape[1:] != (self.seq_len, self.features):
             raise ValueError(
                 f"x must have shape (B, {self.seq_len}, {self.features}), got {tuple(x.shape)}"
             )
-        mask = check_mask(mask, x)
         if mask is not None and not bool(mask.all()):
             raise ValueError("a flattened-sequence flow needs fixed-length data: mask all True")
         return self.flow.log_prob(x.reshape(x.shape[0], -1))
@@ -109,8 +106,6 @@ class FrameFlow(nn.Module):
 
     def log_prob(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """Log-density (B,) of sequences ``x`` (B, N, D), summed over real frames."""
-        check_sequence(x, "x", features=self.features, allow_2d=False)
-        mask = check_mask(mask, x)
         b, n, d = x.shape
         if mask is None:
             return self.flow.log_prob(x.reshape(b * n, d)).reshape(b, n).sum(-1)
