@@ -13,7 +13,6 @@ from benchmarks.conditional import evaluate_flow, plot_class_samples, train_conf
 from iresflow.cli import parse_train_config
 from iresflow.data.datasets import load_dataset
 from iresflow.runs.classify import class_log_likelihoods
-from iresflow.train.config import TrainConfig
 from iresflow.train.factories import load_data
 from iresflow.train.fit import fit
 from tests.tiny_runs import TINY
@@ -33,7 +32,7 @@ def test_flows_are_the_iresflow_train_command_lines() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_conditional() -> tuple[torch.nn.Module, object]:
-    config = TrainConfig.from_dict({**TINY, "condition": "label", "context_features": 4})
+    config = TINY.replace(condition="label", model=TINY.model.replace(context_features=4))
     data = load_data(config)
     return fit(config, data).model, data
 
@@ -54,7 +53,7 @@ def test_evaluate_flow_scores_the_true_class_and_applies_bayes_rule(tiny_conditi
 
 
 def test_evaluate_flow_without_labels_gives_only_the_nll() -> None:
-    config = TrainConfig.from_dict(TINY)
+    config = TINY
     data = load_data(config)
     assert set(evaluate_flow(fit(config, data).model, data)) == {"test NLL"}
 
