@@ -169,7 +169,10 @@ class RouletteLogDet(LogDetEstimator):
             >>> RouletteLogDet("geometric", p=0.5).weights(3, 2)
             [1.0, 1.0, 1.0, 1.0, 2.0, 4.0]
         """
-        return [1.0 if k <= m else 1.0 / self.tail_probability(k - m) for k in range(n + m + 1)]
+        weights = [1.0] * (m + 1)
+        for k in range(m + 1, n + m + 1):
+            weights.append(1.0 / self.tail_probability(k - m))
+        return weights
 
     def sample_count(self) -> int:
         """Draw one roulette count :math:`n` from ``generator`` (on its device).
@@ -202,7 +205,7 @@ class RouletteLogDet(LogDetEstimator):
         else:
             rate = torch.full((num,), self.lam, dtype=torch.float64, device=device)
             draw = torch.poisson(rate, generator=self.generator)
-        return [int(c) for c in draw.tolist()]
+        return list(map(int, draw.tolist()))
 
     def estimate(
         self, branch: LipschitzBranch, x: Tensor, mask: Tensor | None, count: int | None = None
