@@ -1,7 +1,7 @@
 """The hot path of ``SequenceFlow.log_prob``: what one default training evaluation runs.
 
 Oracle: a ``sys.setprofile`` hook that records every Python call into the package during one
-``log_prob`` of the default model in training mode (docs/architecture.md#the-path-of-one-log_prob).
+``log_prob`` of the default model in training mode (docs/architecture.md#log-prob-path).
 The limits are those of the current path with a little slack; a change that adds layers of calls
 to the path fails here and should be justified by raising them.
 """
