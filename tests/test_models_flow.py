@@ -306,7 +306,8 @@ def test_a_training_call_initialises_the_chain_at_the_door_as_initialize_does(de
     models = []
     for _ in range(3):
         torch.manual_seed(0)
-        models.append(ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=5)
+        models.append(ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=5,
+                                              ar_order=1)
                       .to(device=device, dtype=dtype))
     explicit, lazy, evaluated = models
     explicit.initialize(x, mask)
