@@ -185,7 +185,7 @@ def check_sequence(
         raise ValueError(f"{name} must have shape {expected}, got {tuple(x.shape)}")
     if x.shape[0] == 0:
         raise ValueError(f"{name} is an empty batch (shape {tuple(x.shape)})")
-    if any(s == 0 for s in x.shape[1:]):
+    if 0 in x.shape[1:]:
         raise ValueError(f"{name} has an empty dimension (shape {tuple(x.shape)})")
     if features is not None and x.shape[-1] != features:
         raise ValueError(

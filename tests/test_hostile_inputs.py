@@ -110,7 +110,7 @@ def _tiny_model(device: torch.device, dtype: torch.dtype, **kwargs: Any) -> Resi
 
 def _initialised_actnorm(device: torch.device, dtype: torch.dtype) -> ActNorm:
     actnorm = ActNorm(FEATURES).to(device=device, dtype=dtype)
-    actnorm(torch.randn(6, 3, FEATURES, device=device, dtype=dtype) * 2.0 - 1.0)
+    actnorm.initialize(torch.randn(6, 3, FEATURES, device=device, dtype=dtype) * 2.0 - 1.0)
     return actnorm.eval()
 
 
@@ -517,7 +517,7 @@ def test_low_precision_module_matches_float64(device, name, low):
     reference = LOW_PRECISION_MODULES[name]().to(device=device, dtype=torch.float64)
     x = torch.randn(3, 4, FEATURES, device=device, dtype=torch.float64) * 1.5 + 0.5
     if isinstance(reference, ActNorm):
-        reference(x)  # data-dependent initialisation
+        reference.initialize(x)  # data-dependent initialisation
     reference.eval()
     module = copy.deepcopy(reference).to(low)
     x = x.to(low)

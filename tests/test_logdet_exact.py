@@ -32,12 +32,11 @@ BRANCHES = {
 
 @pytest.mark.parametrize("kind", sorted(BRANCHES))
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("chunk_size", [None, 2])
-def test_matches_jacobian_oracle(device, kind, masked, chunk_size):
+def test_matches_jacobian_oracle(device, kind, masked):
     branch = BRANCHES[kind](device)
     x, mask = padded_batch(device)
     mask = mask if masked else None
-    out, logdet = ExactLogDet(chunk_size=chunk_size)(branch, x, mask)
+    out, logdet = ExactLogDet()(branch, x, mask)
     expected = jacobian_logdet(residual_map(branch), x, mask)
     assert logdet.shape == (3,) and out.shape == x.shape
     torch.testing.assert_close(logdet, expected, atol=1e-8, rtol=0)
@@ -132,7 +131,7 @@ def test_gradcheck_wrt_inputs(device, kind):
     branch = BRANCHES[kind](device)
     x, mask = padded_batch(device)
     x = x.requires_grad_()
-    estimator = ExactLogDet(chunk_size=2)
+    estimator = ExactLogDet()
     assert torch.autograd.gradcheck(lambda t: estimator(branch, t, mask), (x,))
 
 
@@ -163,20 +162,17 @@ def test_non_contractive_branch_raises(device):
         ExactLogDet()(singular, x)
 
 
-def test_stateful_branch_chunks_see_one_forward(device):
+def test_stateful_branch_sees_one_forward(device):
     torch.manual_seed(3)
     branch = SpectralNormBranch(3, 0.6, device=device).train()
     x, mask = padded_batch(device)
-    chunked, reference = copy.deepcopy(branch), copy.deepcopy(branch)
-    out_all, logdet_all = ExactLogDet(chunk_size=None)(branch, x, mask)
-    out_one, logdet_one = ExactLogDet(chunk_size=1)(chunked, x, mask)
+    reference = copy.deepcopy(branch)
+    out_all, logdet_all = ExactLogDet()(branch, x, mask)
     expected_out = reference(x, mask)  # one ordinary training forward
-    for module in (branch, chunked):  # buffers advanced exactly once, as by that forward
-        for b, r in zip(module.buffers(), reference.buffers(), strict=True):
-            assert torch.equal(b, r)
+    # buffers advanced exactly once, as by that forward
+    for b, r in zip(branch.buffers(), reference.buffers(), strict=True):
+        assert torch.equal(b, r)
     torch.testing.assert_close(out_all, expected_out, atol=1e-14, rtol=0)
-    torch.testing.assert_close(out_one, expected_out, atol=1e-14, rtol=0)
-    torch.testing.assert_close(logdet_one, logdet_all, atol=1e-14, rtol=0)
     frozen = reference.eval()  # evaluation mode reuses the advanced power-iteration state
     expected = jacobian_logdet(residual_map(frozen), x, mask)
     torch.testing.assert_close(logdet_all, expected, atol=1e-8, rtol=0)
@@ -230,12 +226,6 @@ def test_input_validation(device, estimator):
     with pytest.raises(TypeError, match="torch.bool"):
         estimator(branch, x, torch.ones(2, 3, device=device))
 
-
-def test_bad_chunk_size():
-    with pytest.raises(ValueError, match="chunk_size"):
-        ExactLogDet(chunk_size=0)
-    with pytest.raises(TypeError, match="chunk_size"):
-        ExactLogDet(chunk_size=2.0)
 
 
 def test_slogdet_is_exact_for_large_batches_with_several_threads():

@@ -11,12 +11,12 @@ import torch
 
 from iresflow.logdet.exact import ExactLogDet
 from iresflow.logdet.policy import logdet_policy, set_generator
-from iresflow.logdet.roulette import RouletteLogDet
+from iresflow.logdet.roulette import RouletteCall, RouletteLogDet
 from iresflow.logdet.series import SeriesLogDet
 
 
 def test_the_configured_estimators_unless_a_method_is_asked_for():
-    exact, roulette, series = ExactLogDet(chunk_size=2), RouletteLogDet(), SeriesLogDet()
+    exact, roulette, series = ExactLogDet(), RouletteLogDet(), SeriesLogDet()
     mixed = logdet_policy([roulette, series, exact])
     assert mixed.request is True and mixed.calls == (roulette, series, exact)
     assert not mixed.exact
@@ -26,12 +26,11 @@ def test_the_configured_estimators_unless_a_method_is_asked_for():
 
 @pytest.mark.parametrize("configured", [["exact", "exact"], ["roulette", "exact"]])
 def test_the_exact_method_is_one_dense_jacobian_estimator_for_every_step(configured):
-    estimators = [ExactLogDet(chunk_size=2) if n == "exact" else RouletteLogDet()
-                  for n in configured]
+    estimators = [ExactLogDet() if n == "exact" else RouletteLogDet() for n in configured]
     method = None if configured == ["exact", "exact"] else "exact"
     policy = logdet_policy(estimators, method)
     assert policy.exact and isinstance(policy.request, ExactLogDet)
-    assert policy.request.chunk_size is None and policy.request not in estimators
+    assert policy.request not in estimators
     assert policy.calls == (policy.request, policy.request)
 
 
@@ -51,15 +50,22 @@ def test_unknown_methods_are_rejected():
 def test_a_pass_draws_the_counts_of_every_step_at_once():
     generator = torch.Generator().manual_seed(4)
     first, second = RouletteLogDet(generator=generator), RouletteLogDet(generator=generator)
-    policy = logdet_policy([first, ExactLogDet(), second, first])
-    policy.prepare_pass()
-    counts = [first.sample_count(), second.sample_count(), first.sample_count()]
+    exact = ExactLogDet()
+    policy = logdet_policy([first, exact, second, first])
+    steps = [torch.nn.Identity() for _ in range(4)]
+    request = policy.pass_request(steps)
+    assert list(request) == steps and request[steps[1]] is exact
+    calls = [request[steps[i]] for i in (0, 2, 3)]
+    assert all(isinstance(call, RouletteCall) for call in calls)
+    assert [call.estimator for call in calls] == [first, second, first]
     expected = RouletteLogDet(generator=torch.Generator().manual_seed(4)).draw_counts(3)
-    assert counts == expected
-    # The queues are empty after the pass: the next count is a fresh draw.
-    assert first.sample_count() == RouletteLogDet(
-        generator=torch.Generator().manual_seed(4)).draw_counts(4)[3]
-    logdet_policy([ExactLogDet(), SeriesLogDet()]).prepare_pass()  # no state to set
+    assert [call.count for call in calls] == expected
+    # Nothing travels to the next pass: its counts are the next draw of the generator.
+    again = policy.pass_request(steps)
+    assert again[steps[0]].count == RouletteLogDet(
+        generator=torch.Generator().manual_seed(4)).draw_counts(6)[3]
+    deterministic = logdet_policy([ExactLogDet(), SeriesLogDet()])
+    assert deterministic.pass_request(steps[:2]) is True  # nothing to draw
 
 
 def test_set_generator_reaches_the_stochastic_estimators():

@@ -11,7 +11,7 @@ from oracles import MixingBranch, ScaleBranch, TanhMLPBranch
 from scipy import stats
 
 from iresflow.logdet.exact import ExactLogDet
-from iresflow.logdet.roulette import RouletteLogDet, predraw_counts
+from iresflow.logdet.roulette import RouletteCall, RouletteLogDet, draw_pass_counts
 
 F64 = torch.float64
 
@@ -233,31 +233,45 @@ def test_draw_counts_has_the_count_distribution(distribution):
         assert abs(freq - p) < 4 * math.sqrt(p * (1 - p) / len(draws)) + 1e-12
 
 
-def test_predrawn_counts_are_one_draw_per_generator_consumed_in_call_order(device):
+def test_pass_counts_are_one_draw_per_generator_given_in_call_order(device):
     shared = torch.Generator(device=device).manual_seed(3)
     a, b = RouletteLogDet(generator=shared), RouletteLogDet(generator=shared)
     c = RouletteLogDet("poisson", generator=shared)  # another distribution: its own draw
-    predraw_counts([a, b, c, a])
-    got = [a.sample_count(), b.sample_count(), a.sample_count(), c.sample_count()]
+    got = draw_pass_counts([a, b, c, a])
     twin = torch.Generator(device=device).manual_seed(3)
     expected = RouletteLogDet(generator=twin).draw_counts(3)
-    assert got[:3] == expected
-    assert got[3] == RouletteLogDet("poisson", generator=twin).draw_counts(1)[0]
-    # The queues are used up: the next count is a fresh draw from the generator.
+    assert [got[0], got[1], got[3]] == expected
+    assert got[2] == RouletteLogDet("poisson", generator=twin).draw_counts(1)[0]
+    # Nothing is queued: the next count is a fresh draw from the generator.
     assert a.sample_count() == RouletteLogDet(generator=twin).draw_counts(1)[0]
     with pytest.raises(TypeError, match="RouletteLogDet"):
-        predraw_counts([a, "roulette"])  # type: ignore[list-item]
+        draw_pass_counts([a, "roulette"])  # type: ignore[list-item]
 
 
-def test_predrawn_counts_give_the_estimate_of_the_same_counts(device):
+def test_a_count_drawn_by_the_caller_gives_the_estimate_of_the_same_count(device):
     branch = ScaleBranch(0.5, device=device).train()
     x, mask = _inputs(device)
     estimator = RouletteLogDet(generator=torch.Generator(device=device).manual_seed(0))
-    predraw_counts([estimator])
+    count = estimator.sample_count()
     with torch.no_grad():
-        _, predrawn = estimator(branch, x, mask)
+        _, given = estimator.estimate(branch, x, mask, count)
+        _, called = RouletteCall(estimator, count).estimate(branch, x, mask)
     estimator.generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         _, drawn = estimator(branch, x, mask)
     # Same count, same probes (Rademacher probes times c I: the estimate is deterministic).
-    torch.testing.assert_close(predrawn, drawn, atol=1e-12, rtol=0)
+    torch.testing.assert_close(given, drawn, atol=1e-12, rtol=0)
+    torch.testing.assert_close(called, drawn, atol=1e-12, rtol=0)
+
+
+def test_the_estimator_holds_no_state_between_calls(device):
+    """Calls leave the estimator as it was: no queue of counts, nothing else that travels."""
+    branch = ScaleBranch(0.5, device=device).train()
+    x, mask = _inputs(device)
+    estimator = RouletteLogDet(generator=torch.Generator(device=device).manual_seed(0))
+    state = dict(vars(estimator))
+    draw_pass_counts([estimator, estimator])
+    estimator(branch, x, mask)
+    RouletteCall(estimator, 4).estimate(branch, x, mask)
+    assert vars(estimator).keys() == state.keys()
+    assert all(vars(estimator)[k] is v for k, v in state.items())

@@ -281,7 +281,7 @@ def test_initialize_sets_actnorm_from_the_whole_batch_and_nothing_else(device, d
     assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers() if k in buffers)
     first = model.transform.steps[0]
     reference = ActNorm(2).to(device=device, dtype=dtype).train()
-    reference(x[mask])
+    reference.initialize(x[mask])
     torch.testing.assert_close(first.shift, reference.shift)
     torch.testing.assert_close(first.log_scale, reference.log_scale)
     assert all(m.is_initialized for m in model.modules() if isinstance(m, ActNorm))
@@ -295,6 +295,33 @@ def test_initialize_sets_actnorm_from_the_whole_batch_and_nothing_else(device, d
     model.train().log_prob(x, mask)
     assert any(not torch.equal(v, before[k]) for k, v in spectral.named_buffers())
 
+
+@pytest.mark.parametrize("call", ["log_prob", "transform_to_noise"])
+def test_a_training_call_initialises_the_chain_at_the_door_as_initialize_does(device, call):
+    """The one lazy initialisation: the data-to-noise methods of a flow in training mode call
+    ``initialize`` on their batch while the chain is not initialised; eval mode never does."""
+    dtype = torch.float64
+    x = torch.randn(5, 4, 2, device=device, dtype=dtype) * 3 + 1
+    mask = _mask([4, 1, 2, 3, 4], 4, device)
+    models = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        models.append(ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=5,
+                                              ar_order=1)
+                      .to(device=device, dtype=dtype))
+    explicit, lazy, evaluated = models
+    explicit.initialize(x, mask)
+    getattr(evaluated.eval(), call)(x, mask)
+    assert not evaluated.transform.is_initialized
+    assert not lazy.transform.is_initialized
+    torch.manual_seed(1)
+    got = getattr(lazy, call)(x, mask)
+    torch.manual_seed(1)
+    expected = getattr(explicit, call)(x, mask)
+    assert lazy.transform.is_initialized
+    assert torch.equal(got, expected)
+    for a, b in zip(lazy.state_dict().values(), explicit.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
 
 RECIPES = [
     {"attention": "l2"},

@@ -9,6 +9,7 @@ import torch
 from nflows.transforms import CompositeTransform, InverseTransform
 
 from iresflow.transforms.actnorm import MIN_INIT_VARIANCE, ActNorm
+from iresflow.transforms.base import SequenceCompositeTransform
 
 
 def _mask(lengths: list[int], n: int, device: torch.device) -> torch.Tensor:
@@ -71,6 +72,7 @@ def test_initialisation_standardises_real_tokens_and_ignores_padding(device, dty
     x = torch.randn(6, 5, 3, device=device, dtype=dtype) * scale + 1.5
     mask = _mask([5, 4, 3, 2, 1, 5], 5, device)
     x = torch.where(mask.unsqueeze(-1), x, 1e3)  # padding values that would wreck the statistics
+    actnorm.initialize(x, mask)
     y, _ = actnorm.train()(x, mask=mask)
     assert bool(actnorm.initialized)
     real = y[mask]
@@ -80,7 +82,7 @@ def test_initialisation_standardises_real_tokens_and_ignores_padding(device, dty
                                rtol=tol)
     # The same statistics as an initialisation on the real tokens alone, as vectors.
     reference = ActNorm(3).to(device=device, dtype=dtype).train()
-    reference(x[mask])
+    reference.initialize(x[mask])
     torch.testing.assert_close(actnorm.shift, reference.shift)
     torch.testing.assert_close(actnorm.log_scale, reference.log_scale)
 
@@ -89,7 +91,7 @@ def test_variance_floor(device, dtype):
     actnorm = ActNorm(2).to(device=device, dtype=dtype).train()
     x = torch.randn(50, 2, device=device, dtype=dtype) * torch.tensor([0.01, 1.0], device=device,
                                                                         dtype=dtype)
-    actnorm(x)
+    actnorm.initialize(x)
     rel = 1e-12 if dtype == torch.float64 else 1e-6
     expected = -0.5 * math.log(MIN_INIT_VARIANCE)
     assert actnorm.log_scale[0].item() == pytest.approx(expected, rel=rel)
@@ -97,23 +99,26 @@ def test_variance_floor(device, dtype):
     assert actnorm.log_scale[1].item() == pytest.approx(-0.5 * math.log(variance), rel=1e-5)
 
 
-def test_initialises_once_and_only_in_training_forward(device, dtype):
+def test_only_initialize_sets_the_layer(device, dtype):
     actnorm = ActNorm(2).to(device=device, dtype=dtype)
     x = torch.randn(8, 3, 2, device=device, dtype=dtype) * 3 + 2
     actnorm.eval()(x)
     actnorm.train().inverse(x)
-    assert not bool(actnorm.initialized)
+    assert not bool(actnorm.initialized) and not actnorm.is_initialized
     assert torch.count_nonzero(actnorm.shift) == 0
-    actnorm(x)
+    with pytest.raises(RuntimeError, match="initialize"):
+        actnorm(x)  # a training forward refuses an uninitialised layer
+    actnorm.initialize(x)
+    assert bool(actnorm.initialized) and actnorm.is_initialized
     first = (actnorm.shift.clone(), actnorm.log_scale.clone())
-    actnorm(x * 5 - 1)
+    actnorm(x * 5 - 1)  # forwards never initialise
     assert torch.equal(actnorm.shift, first[0]) and torch.equal(actnorm.log_scale, first[1])
 
 
 def test_state_dict_round_trip_does_not_reinitialise(device, dtype):
     actnorm = ActNorm(2).to(device=device, dtype=dtype).train()
     x = torch.randn(8, 3, 2, device=device, dtype=dtype) * 3 + 2
-    actnorm(x)
+    actnorm.initialize(x)
     state = actnorm.state_dict()
     assert "initialized" in state
     loaded = ActNorm(2).to(device=device, dtype=dtype).train()
@@ -123,7 +128,8 @@ def test_state_dict_round_trip_does_not_reinitialise(device, dtype):
     assert torch.equal(y_loaded, y) and torch.equal(logdet_loaded, logdet)
     # Loading an uninitialised state re-enables the initialisation.
     loaded.load_state_dict(ActNorm(2).to(device=device, dtype=dtype).state_dict())
-    loaded(x)
+    assert not loaded.is_initialized
+    SequenceCompositeTransform([loaded]).initialize(x)
     assert bool(loaded.initialized)
     torch.testing.assert_close(loaded.shift, actnorm.shift)
 

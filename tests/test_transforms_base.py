@@ -37,7 +37,7 @@ def padding_mask(lengths: list[int], n: int, device: torch.device) -> torch.Tens
 
 def make_chain(device: torch.device, logdet: str = "roulette") -> SequenceCompositeTransform:
     actnorm = ActNorm(D).to(device=device, dtype=F64)
-    actnorm(torch.randn(5, 3, D, device=device, dtype=F64) * 2 + 1)  # initialise
+    actnorm.initialize(torch.randn(5, 3, D, device=device, dtype=F64) * 2 + 1)
     blocks = [ResidualTransform(make_branch(kind, device), logdet=logdet)
               for kind in ("attention", "mlp", "mixing")]
     return SequenceCompositeTransform([actnorm.eval(), *blocks],
@@ -175,8 +175,9 @@ def test_chain_initialize_sets_the_data_layers_from_one_pass_and_nothing_else(de
     assert all(torch.equal(v, buffers[k]) for k, v in chain.named_buffers() if k in buffers)
     # The oracle: the layers one by one, in training mode, on the real frames.
     first, second = ActNorm(D).to(device, F64), ActNorm(D).to(device, F64)
+    first.initialize(x, mask)
     hidden = chain.steps[1](first(x, mask=mask)[0], mask=mask, logdet=False)[0]
-    second(hidden, mask=mask)
+    second.initialize(hidden, mask)
     for layer, reference in ((chain.steps[0], first), (chain.steps[2], second)):
         torch.testing.assert_close(layer.shift, reference.shift, atol=1e-12, rtol=0)
         torch.testing.assert_close(layer.log_scale, reference.log_scale, atol=1e-12, rtol=0)

@@ -92,7 +92,8 @@ def test_initialisation_standardises_every_position_of_the_batch() -> None:
     g = torch.Generator().manual_seed(0)
     split = _profile_split(50, 7, g)
     layer = PositionwiseAffine(1, max_len=9).to(F64)
-    y, _ = layer(split.x.double())  # training mode: the first forward initialises
+    layer.initialize(split.x.double())
+    y, _ = layer(split.x.double())
     torch.testing.assert_close(y.mean(0), torch.zeros(7, 1, dtype=F64), atol=1e-10, rtol=0)
     torch.testing.assert_close(y.var(0, unbiased=False), torch.ones(7, 1, dtype=F64))
     # the two positions no sequence reaches take the pooled moments of all frames

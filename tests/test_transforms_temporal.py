@@ -307,7 +307,8 @@ def test_ar_initialisation_is_the_fitted_gaussian_autoregression(device, shape):
     layer = AutoregressiveLinear(2, p).to(device=device, dtype=F64).train()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every sub-model is fitted
-        z, logdet = layer(x, mask=mask)
+        layer.initialize(x, mask)
+    z, logdet = layer(x, mask=mask)
     assert bool(layer.initialized)
     flow_log_prob = _standard_normal_log_prob(z, mask) + logdet
     expected = _fitted_log_prob(x, mask, p)
@@ -339,6 +340,7 @@ def test_ar_initialisation_floors_the_residual_covariance(device):
     x = _ar_process(12, 10, device)
     x = torch.cat([x, x[..., :1]], dim=-1)  # a third feature equal to the first: singular
     layer = AutoregressiveLinear(3, 1).to(device=device, dtype=F64).train()
+    layer.initialize(x)
     z, logdet = layer(x)
     assert torch.isfinite(z).all() and torch.isfinite(logdet).all()
     whitening = layer.whitening_matrix()
@@ -432,7 +434,7 @@ def test_ar_initialisation_without_enough_frames_starts_a_sub_model_as_the_ident
             for p in layer.parameters():
                 p.fill_(0.3)
         with pytest.warns(UserWarning, match=f"sub-models {identity[0]} "):
-            layer(data)
+            layer.initialize(data)
         assert bool(layer.initialized)
         for j in range(3):
             is_identity = torch.equal(
@@ -443,13 +445,15 @@ def test_ar_initialisation_without_enough_frames_starts_a_sub_model_as_the_ident
     assert torch.equal(z[:, 2:], x[:, 2:]) and not torch.equal(z[:, :2], x[:, :2])
 
 
-def test_ar_initialises_once_and_only_in_training_forward(device):
+def test_ar_only_initialize_sets_the_layer(device):
     x = _ar_process(4, 8, device)
     layer = AutoregressiveLinear(2, 1).to(device=device, dtype=F64)
     layer.eval()(x)
     layer.train().inverse(x)
     assert not bool(layer.initialized) and torch.count_nonzero(layer.lag_weights) == 0
-    layer(x)
+    with pytest.raises(RuntimeError, match="initialize"):
+        layer(x)  # a training forward refuses an uninitialised layer
+    layer.initialize(x)
     state = {k: v.clone() for k, v in layer.state_dict().items()}
     layer(3 * x + 1)
     for key, value in layer.state_dict().items():

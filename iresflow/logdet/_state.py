@@ -2,7 +2,7 @@
 
 Some branches update buffers in their training forward (e.g. the power-iteration vectors of a
 spectral normalisation). When an engine evaluates a branch more than once for the same estimate
-(batch chunks of the exact engine, the recomputation in the memory-efficient backward), the
+(the recomputation in the memory-efficient backward of :mod:`iresflow.logdet.neumann`), the
 repeated evaluations must see the buffers as they were before the first one, and must leave the
 module's buffers as the first evaluation left them. Repeated evaluations therefore run through
 :func:`torch.func.functional_call` on clones of a snapshot taken before the first evaluation.

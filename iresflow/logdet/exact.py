@@ -30,9 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from iresflow._validation import check_int
 from iresflow.logdet._hutchinson import needs_graph, repeated_input, repeated_mask
-from iresflow.logdet._state import buffer_snapshot, call_with_buffers
 from iresflow.logdet.base import LogDetEstimator
 from iresflow.nn.base import LipschitzBranch
 
@@ -67,11 +65,7 @@ def _slogdet(matrices: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def jacobian_blocks(
-    branch: LipschitzBranch,
-    x: Tensor,
-    mask: Tensor | None = None,
-    *,
-    chunk_size: int | None = None,
+    branch: LipschitzBranch, x: Tensor, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     r"""Branch output and the diagonal blocks of its Jacobian.
 
@@ -82,15 +76,14 @@ def jacobian_blocks(
     columns at padded tokens are zero by the branch contract.
 
     The result is differentiable with respect to ``x`` and the branch parameters when grad mode is
-    on. With ``chunk_size`` the batch is processed in chunks of that many sequences; every chunk
-    sees the branch buffers as they were before the call, and the buffers end as after one
-    ordinary forward.
+    on. The whole batch is evaluated at once (one forward of the branch on the repeated batch);
+    a flow bounds the memory by evaluating its exact log-density in chunks of sequences
+    (:func:`~iresflow.models.evaluation.exact_in_chunks`).
 
     Args:
         branch: The branch.
         x: Sequences ``(B, N, D)``.
         mask: Optional padding mask ``(B, N)``.
-        chunk_size: Sequences per chunk (``None``: the whole batch at once).
 
     Returns:
         ``(g(x), blocks)``: shapes ``(B, N, D)`` and ``(B, T, d, d)`` with ``(T, d) = (N, D)``
@@ -107,59 +100,48 @@ def jacobian_blocks(
         >>> blocks.shape, bool((blocks == torch.eye(4) / 2).all())
         (torch.Size([2, 3, 4, 4]), True)
     """
-    out, jac, banded = _jacobian(branch, x, mask, chunk_size)
+    out, jac, banded = _jacobian(branch, x, mask)
     return out, _banded_jacobian(jac).unsqueeze(1) if banded else jac
 
 
 def _jacobian(
-    branch: LipschitzBranch, x: Tensor, mask: Tensor | None, chunk_size: int | None
+    branch: LipschitzBranch, x: Tensor, mask: Tensor | None
 ) -> tuple[Tensor, Tensor, bool]:
     """:func:`jacobian_blocks`, with the band (:func:`_band`) of a finite-radius branch in place
     of its dense Jacobian; the flag says which."""
     batch, length, features = x.shape
-    size = chunk_size if chunk_size is not None else batch
     radius = getattr(branch, "receptive_radius", None)
     # Colouring pays once the band is narrower than the sequence.
     period = 2 * radius + 1 if radius is not None and 2 * radius + 1 < length else None
     graph = needs_graph(branch, x)
-    snapshot = buffer_snapshot(branch)
-    outputs, blocks = [], []
     with torch.enable_grad():
-        for start in range(0, batch, size):
-            xc = x[start : start + size]
-            mc = None if mask is None else mask[start : start + size]
-            if branch.position_wise:
-                copies = features
-                # copy d carries e_d at every token -> row d of every token's block
-                eye = torch.eye(features, dtype=x.dtype, device=x.device)
-                cot = eye[:, None, None, :].expand(copies, xc.shape[0], length, features)
-            elif period is not None:
-                copies = period * features
-                cot = _colored_cotangents(period, length, features, x).unsqueeze(1)
-                cot = cot.expand(copies, xc.shape[0], length, features)
-            else:
-                copies = length * features
-                eye = torch.eye(copies, dtype=x.dtype, device=x.device)
-                cot = eye[:, None, :].expand(copies, xc.shape[0], copies)
-            cot = cot.reshape(copies * xc.shape[0], length, features)
-            x_rep = repeated_input(xc, copies, graph)
-            m_rep = repeated_mask(mc, copies)
-            if start == 0:
-                y = branch(x_rep, m_rep)
-            else:
-                y = call_with_buffers(branch, snapshot, x_rep, m_rep)
-            (rows,) = torch.autograd.grad(y, x_rep, cot, create_graph=graph, materialize_grads=True)
-            if branch.position_wise:
-                # rows: (d_out, b, n, d_in) -> (b, n, d_out, d_in)
-                jac = rows.reshape(copies, -1, length, features).permute(1, 2, 0, 3)
-            elif period is not None:
-                jac = _band(rows.reshape(period, features, -1, length, features), radius)
-            else:
-                # rows: (i_out, b, i_in) -> (b, 1, i_out, i_in)
-                jac = rows.reshape(copies, -1, copies).permute(1, 0, 2).unsqueeze(1)
-            outputs.append(y[: xc.shape[0]])
-            blocks.append(jac)
-    out, jac = torch.cat(outputs), torch.cat(blocks)
+        if branch.position_wise:
+            copies = features
+            # copy d carries e_d at every token -> row d of every token's block
+            eye = torch.eye(features, dtype=x.dtype, device=x.device)
+            cot = eye[:, None, None, :].expand(copies, batch, length, features)
+        elif period is not None:
+            copies = period * features
+            cot = _colored_cotangents(period, length, features, x).unsqueeze(1)
+            cot = cot.expand(copies, batch, length, features)
+        else:
+            copies = length * features
+            eye = torch.eye(copies, dtype=x.dtype, device=x.device)
+            cot = eye[:, None, :].expand(copies, batch, copies)
+        cot = cot.reshape(copies * batch, length, features)
+        x_rep = repeated_input(x, copies, graph)
+        y = branch(x_rep, repeated_mask(mask, copies))
+        (rows,) = torch.autograd.grad(y, x_rep, cot, create_graph=graph, materialize_grads=True)
+        if branch.position_wise:
+            # rows: (d_out, b, n, d_in) -> (b, n, d_out, d_in), one contiguous copy for the
+            # factorisations
+            jac = rows.reshape(copies, -1, length, features).permute(1, 2, 0, 3).contiguous()
+        elif period is not None:
+            jac = _band(rows.reshape(period, features, -1, length, features), radius)
+        else:
+            # rows: (i_out, b, i_in) -> (b, 1, i_out, i_in), contiguous as above
+            jac = rows.reshape(copies, -1, copies).permute(1, 0, 2).unsqueeze(1).contiguous()
+    out = y[:batch]
     if not graph:
         out, jac = out.detach(), jac.detach()
     return out, jac, period is not None
@@ -283,11 +265,10 @@ class ExactLogDet(LogDetEstimator):
     For a contractive branch :math:`\det(I + J_g) > 0` always (G1); a non-positive determinant
     means the branch is not contractive and raises ``ValueError``.
 
-    Args:
-        chunk_size: Sequences per Jacobian chunk (bounds the memory of one call); ``None``
-            processes the whole batch at once. A model evaluates its exact log-density in
-            length-sorted chunks of its own (:mod:`iresflow.models.evaluation`) and leaves this
-            at ``None``.
+    The whole batch is evaluated at once; a flow evaluates its exact log-density in
+    length-sorted chunks of sequences (:func:`~iresflow.models.evaluation.exact_in_chunks`,
+    the ``chunk_size`` of :meth:`~iresflow.models.flow.SequenceFlow.log_prob`), which bounds
+    the memory.
 
     Example:
         >>> import torch
@@ -301,13 +282,10 @@ class ExactLogDet(LogDetEstimator):
         True
     """
 
-    def __init__(self, chunk_size: int | None = None) -> None:
-        self.chunk_size = None if chunk_size is None else check_int(chunk_size, "chunk_size", 1)
-
     def estimate(
         self, branch: LipschitzBranch, x: Tensor, mask: Tensor | None
     ) -> tuple[Tensor, Tensor]:
-        out, jac, banded = _jacobian(branch, x, mask, self.chunk_size)
+        out, jac, banded = _jacobian(branch, x, mask)
         if banded:
             sign, logabsdet = _banded_slogdet(jac)
         else:

@@ -3,10 +3,10 @@ r"""The log-determinant method of a density evaluation (docs/math.md#change-of-v
 A flow evaluates its density with a *method*: ``None`` (every residual step's configured
 estimator), ``"exact"`` or ``"roulette"`` (docs/math.md#roulette). :func:`logdet_policy` turns
 the method and the configured estimators of a chain's residual steps into a
-:class:`LogDetPolicy`: the ``logdet`` argument of the chain's call, whether the result is
-deterministic, and :meth:`LogDetPolicy.prepare_pass`, which sets the estimators' state before
-each pass (the roulette counts of the whole pass in one draw). :func:`set_generator` gives
-stochastic estimators one generator.
+:class:`LogDetPolicy`: which estimator every step uses, whether the result is deterministic,
+and :meth:`LogDetPolicy.pass_request`, the ``logdet`` argument of one pass through the chain,
+which hands every roulette step the count drawn for it (the counts of the whole pass in one
+draw). :func:`set_generator` gives stochastic estimators one generator.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from iresflow._validation import check_generator
 from iresflow.logdet.base import LogDetEstimator
 from iresflow.logdet.exact import ExactLogDet
-from iresflow.logdet.roulette import RouletteLogDet, predraw_counts
+from iresflow.logdet.roulette import RouletteCall, RouletteLogDet, draw_pass_counts
 
 __all__ = ["METHODS", "LogDetPolicy", "logdet_policy", "set_generator"]
 
@@ -42,16 +43,41 @@ class LogDetPolicy:
     calls: tuple[LogDetEstimator, ...]
     exact: bool
 
-    def prepare_pass(self) -> None:
-        """Set the estimators' state for the next pass through the chain.
+    def pass_request(
+        self, steps: Sequence[nn.Module]
+    ) -> bool | LogDetEstimator | dict[nn.Module, LogDetEstimator]:
+        """The ``logdet`` argument of one pass through the chain, with its random counts.
 
-        Draws the roulette counts of every residual step of the pass at once
-        (:func:`~iresflow.logdet.roulette.predraw_counts`: one host read per generator instead
-        of one per step); estimators without state are left alone.
+        Without a roulette estimator, :attr:`request` itself (nothing is drawn). Otherwise the
+        roulette counts of every step of the pass are drawn at once
+        (:func:`~iresflow.logdet.roulette.draw_pass_counts`: one host read per generator
+        instead of one per step) and every step is mapped to its estimator for the pass: a
+        :class:`~iresflow.logdet.roulette.RouletteCall` with its count for a roulette step,
+        the estimator itself for the others.
+
+        Args:
+            steps: The residual steps of the chain, in the order of :attr:`calls`.
+
+        Returns:
+            ``True``, an estimator, or a dict from every step to its estimator of the pass.
+
+        Example:
+            >>> gen = torch.Generator().manual_seed(0)
+            >>> policy = logdet_policy([RouletteLogDet(generator=gen), ExactLogDet()])
+            >>> first, second = nn.Identity(), nn.Identity()
+            >>> request = policy.pass_request([first, second])
+            >>> type(request[first]).__name__, type(request[second]).__name__
+            ('RouletteCall', 'ExactLogDet')
         """
         roulette = [estimator for estimator in self.calls if isinstance(estimator, RouletteLogDet)]
-        if roulette:
-            predraw_counts(roulette)
+        if not roulette:
+            return self.request
+        counts = iter(draw_pass_counts(roulette))
+        return {
+            step: RouletteCall(estimator, next(counts))
+            if isinstance(estimator, RouletteLogDet) else estimator
+            for step, estimator in zip(steps, self.calls, strict=True)
+        }
 
 
 def logdet_policy(

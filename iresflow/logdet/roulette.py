@@ -18,14 +18,17 @@ convention); each sample's estimate is unbiased, and repeated calls give indepen
 which a caller obtains per-sample means and standard errors.
 
 A count is a Python integer (it sets the number of terms), so drawing it reads a tensor on the
-host. :func:`predraw_counts` draws the counts of all calls of one pass through a flow at once,
-one host read per generator instead of one per residual block.
+host. A caller may draw it and pass it in (``count=`` of :meth:`RouletteLogDet.estimate`, or a
+:class:`RouletteCall`): :func:`draw_pass_counts` draws the counts of all calls of one pass
+through a flow at once, one host read per generator instead of one per residual block. The
+estimator itself holds no state between calls.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -41,7 +44,7 @@ from iresflow.logdet.base import LogDetEstimator
 from iresflow.logdet.neumann import neumann_logdet
 from iresflow.nn.base import LipschitzBranch
 
-__all__ = ["RouletteLogDet", "predraw_counts"]
+__all__ = ["RouletteCall", "RouletteLogDet", "draw_pass_counts"]
 
 DISTRIBUTIONS = ("geometric", "poisson")
 
@@ -122,7 +125,6 @@ class RouletteLogDet(LogDetEstimator):
         self.neumann_gradient = neumann_gradient
         self.memory_efficient = memory_efficient
         self.generator = check_generator(generator)
-        self._predrawn: list[int] = []
 
     def tail_probability(self, j: int) -> float:
         r""":math:`\mathbb P(N \ge j)` of the count distribution.
@@ -167,19 +169,17 @@ class RouletteLogDet(LogDetEstimator):
             >>> RouletteLogDet("geometric", p=0.5).weights(3, 2)
             [1.0, 1.0, 1.0, 1.0, 2.0, 4.0]
         """
-        return [1.0 if k <= m else 1.0 / self.tail_probability(k - m) for k in range(n + m + 1)]
+        weights = [1.0] * (m + 1)
+        for k in range(m + 1, n + m + 1):
+            weights.append(1.0 / self.tail_probability(k - m))
+        return weights
 
     def sample_count(self) -> int:
-        """The roulette count :math:`n` of the next call.
-
-        A count queued by :func:`predraw_counts` if there is one, else a fresh draw from
-        ``generator`` (on its device).
+        """Draw one roulette count :math:`n` from ``generator`` (on its device).
 
         Returns:
             A non-negative integer (at least 1 for the geometric distribution).
         """
-        if self._predrawn:
-            return self._predrawn.pop(0)
         return self.draw_counts(1)[0]
 
     def draw_counts(self, num: int) -> list[int]:
@@ -205,54 +205,102 @@ class RouletteLogDet(LogDetEstimator):
         else:
             rate = torch.full((num,), self.lam, dtype=torch.float64, device=device)
             draw = torch.poisson(rate, generator=self.generator)
-        return [int(c) for c in draw.tolist()]
+        return list(map(int, draw.tolist()))
 
     def estimate(
-        self, branch: LipschitzBranch, x: Tensor, mask: Tensor | None
+        self, branch: LipschitzBranch, x: Tensor, mask: Tensor | None, count: int | None = None
     ) -> tuple[Tensor, Tensor]:
+        """See :meth:`LogDetEstimator.estimate`.
+
+        Args:
+            branch: The residual branch :math:`g`.
+            x: Sequences ``(B, N, D)``, already validated by the caller.
+            mask: Optional boolean padding mask ``(B, N)`` on ``x``'s device, or ``None``.
+            count: The roulette count :math:`n` of this call, drawn by the caller (e.g. with
+                :func:`draw_pass_counts`); ``None`` draws it here (:meth:`sample_count`). The
+                probes are drawn here, after the count.
+
+        Returns:
+            ``(g(x), logdet)`` with shapes ``(B, N, D)`` and ``(B,)``.
+        """
         m = self.n_exact_terms if branch.training else self.eval_exact_terms
-        c = self.weights(self.sample_count(), m)
-        coeffs = [(-1) ** (k + 1) / k * c[k] for k in range(1, len(c))]
+        c = self.weights(self.sample_count() if count is None else count, m)
+        coeffs, neumann_coeffs = [], [c[0]]
+        for k in range(1, len(c)):
+            coeffs.append((-1) ** (k + 1) / k * c[k])
+            neumann_coeffs.append((-1) ** k * c[k])
         v = sample_probes(self.probe, self.n_probes, x, mask, self.generator)
         if self.neumann_gradient and needs_graph(branch, x):
-            neumann_coeffs = [(-1) ** k * c_k for k, c_k in enumerate(c)]
             return neumann_logdet(
                 branch, x, mask, v, coeffs, neumann_coeffs, memory_efficient=self.memory_efficient
             )
         return hutchinson_logdet(branch, x, mask, v, coeffs)
 
 
-def predraw_counts(calls: Sequence[RouletteLogDet]) -> None:
+@dataclass(frozen=True)
+class RouletteCall(LogDetEstimator):
+    """One call of a :class:`RouletteLogDet` whose count the caller drew already.
+
+    What a flow hands each residual block for one pass (see
+    :meth:`~iresflow.logdet.policy.LogDetPolicy.pass_request`): an immutable pairing of the
+    block's estimator with its count from :func:`draw_pass_counts`.
+
+    Attributes:
+        estimator: The roulette estimator (probes, weights and generator).
+        count: The roulette count :math:`n` of the call.
+
+    Example:
+        >>> call = RouletteCall(RouletteLogDet("poisson"), 3)
+        >>> call.count, call.estimator.distribution
+        (3, 'poisson')
+    """
+
+    estimator: RouletteLogDet
+    count: int
+
+    def estimate(
+        self, branch: LipschitzBranch, x: Tensor, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        return self.estimator.estimate(branch, x, mask, self.count)
+
+
+def draw_pass_counts(calls: Sequence[RouletteLogDet]) -> list[int]:
     """Draw the counts of several upcoming estimator calls at once.
 
     ``calls`` lists the estimator of every upcoming call in call order (an estimator used by
     ``k`` blocks appears ``k`` times). Estimators with the same generator and count
-    distribution get their counts from one draw, so a pass through a flow reads the host once
-    per generator; each estimator's queue is replaced by its new counts, which its next calls
-    consume (:meth:`RouletteLogDet.sample_count`). Every count is an independent draw from the
-    estimator's distribution, so each call stays unbiased.
+    distribution get their counts from one draw (:meth:`RouletteLogDet.draw_counts`), so a pass
+    through a flow reads the host once per generator; within a draw the counts go to the calls
+    in order. Every count is an independent draw from the estimator's distribution, so each
+    call stays unbiased.
 
     Args:
         calls: The estimators of the upcoming calls.
 
+    Returns:
+        One count per entry of ``calls``, in the same order.
+
+    Raises:
+        TypeError: an entry is not a :class:`RouletteLogDet`.
+
     Example:
         >>> gen = torch.Generator().manual_seed(0)
         >>> a, b = RouletteLogDet(generator=gen), RouletteLogDet(generator=gen)
-        >>> predraw_counts([a, b, a])
-        >>> counts = [a.sample_count(), b.sample_count(), a.sample_count()]
+        >>> counts = draw_pass_counts([a, b, a])
         >>> counts == RouletteLogDet(generator=torch.Generator().manual_seed(0)).draw_counts(3)
         True
     """
-    groups: dict[tuple[object, ...], list[RouletteLogDet]] = {}
-    for estimator in calls:
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for i, estimator in enumerate(calls):
         if not isinstance(estimator, RouletteLogDet):
             raise TypeError(
                 f"calls must hold RouletteLogDet estimators, got {type(estimator).__name__}"
             )
         key = (id(estimator.generator), estimator.distribution, estimator.p, estimator.lam)
-        groups.setdefault(key, []).append(estimator)
-    for estimator in set(calls):
-        estimator._predrawn = []
-    for members in groups.values():
-        for estimator, count in zip(members, members[0].draw_counts(len(members)), strict=True):
-            estimator._predrawn.append(count)
+        groups.setdefault(key, []).append(i)
+    counts = [0] * len(calls)
+    for positions in groups.values():
+        drawn = calls[positions[0]].draw_counts(len(positions))
+        for i, count in zip(positions, drawn, strict=True):
+            counts[i] = count
+    return counts

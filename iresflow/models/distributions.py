@@ -19,7 +19,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from iresflow._validation import check_float, check_generator, check_int, check_sequence
+from iresflow._validation import check_float, check_generator, check_int
 from iresflow.models.gamma import sample_gamma
 from iresflow.models.registry import Registry
 
@@ -53,8 +53,8 @@ class SequenceBase(nn.Module, ABC):
     real frames only: padded frames never enter :meth:`log_prob`, and :meth:`sample` returns
     zeros there. ``context`` is the context vector ``(B, C)`` of a conditional flow (the output
     of its context encoder, ``None`` for an unconditional flow); a base that does not depend on
-    it ignores it, as nflows' distributions do. The flow validates its inputs before calling
-    the base, so implementations need not.
+    it ignores it, as nflows' distributions do. The flow validates its inputs once, at its
+    door, before calling the base: :meth:`log_prob` trusts its caller and checks nothing.
 
     Subclasses set :attr:`features` and implement :meth:`log_prob` and :meth:`sample`.
     """
@@ -129,7 +129,6 @@ class StandardNormalSequence(SequenceBase):
         self, z: Tensor, mask: Tensor | None = None, context: Tensor | None = None
     ) -> Tensor:
         """See :meth:`SequenceBase.log_prob`; ``context`` is ignored."""
-        z = check_sequence(z, "z", features=self.features, allow_2d=False)
         per_frame = -0.5 * z.square().sum(-1) - 0.5 * z.shape[-1] * math.log(2 * math.pi)
         return _sum_real_frames(per_frame, mask)
 
@@ -226,7 +225,6 @@ class StudentTSequence(SequenceBase):
         self, z: Tensor, mask: Tensor | None = None, context: Tensor | None = None
     ) -> Tensor:
         """See :meth:`SequenceBase.log_prob`; ``context`` is ignored."""
-        z = check_sequence(z, "z", features=self.features, allow_2d=False)
         nu = self.nu
         if self.group == "sequence":
             frames = z.shape[1] if mask is None else mask.sum(-1).to(z.dtype)

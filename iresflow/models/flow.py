@@ -11,11 +11,15 @@ the real frames, so that
 (docs/math.md#change-of-variables, docs/math.md#masks).
 
 The flow only composes: every method validates once at the door and then calls the chain's
-unchecked entry (``check=False``, see :mod:`iresflow.transforms.base`) and the base; the
-log-determinant method is chosen by :func:`~iresflow.logdet.policy.logdet_policy`, and the
-data-dependent initialisation is the chain's
-(:meth:`~iresflow.transforms.base.SequenceTransform.initialize`). Ready-made models such as
-:class:`~iresflow.models.transformer.ResidualFlowTransformer` only build the chain.
+unchecked entry (``check=False``, see :mod:`iresflow.transforms.base`) and the base, which
+trust it; the log-determinant method is chosen by
+:func:`~iresflow.logdet.policy.logdet_policy`, whose
+:meth:`~iresflow.logdet.policy.LogDetPolicy.pass_request` hands every residual block the
+random counts drawn for it, and the data-dependent initialisation is the chain's
+(:meth:`~iresflow.transforms.base.SequenceTransform.initialize`), which the data-to-noise
+methods call at the door in training mode while the chain is not initialised. Ready-made models
+such as :class:`~iresflow.models.transformer.ResidualFlowTransformer` only build the chain.
+The path of one :meth:`SequenceFlow.log_prob`, step by step: docs/architecture.md#log-prob-path.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from torch import Tensor, nn
 from iresflow._validation import (
     check_float,
     check_generator,
+    check_inputs,
     check_int,
-    check_sequence,
     value_checks,
 )
 from iresflow.logdet.base import LogDetEstimator
@@ -38,7 +42,7 @@ from iresflow.logdet.policy import LogDetPolicy, logdet_policy, set_generator
 from iresflow.models import evaluation
 from iresflow.models.distributions import SequenceBase, StandardNormalSequence, sample_mask
 from iresflow.nn.conditional import ContextEncoder
-from iresflow.transforms.base import LogDetRequest, SequenceCompositeTransform
+from iresflow.transforms.base import SequenceCompositeTransform
 from iresflow.transforms.residual import ResidualTransform
 
 __all__ = ["SequenceFlow"]
@@ -51,7 +55,10 @@ class SequenceFlow(nn.Module):
     log-determinant to the base log-density, :meth:`sample` and :meth:`inverse` run it backwards.
     Padded frames pass through unchanged and never enter a density. Methods validate their
     inputs once (one host synchronisation, see :mod:`iresflow._validation`) and then call the
-    chain's unchecked path, so they also run under ``torch.func`` transforms.
+    chain's unchecked path, so they also run under ``torch.func`` transforms. The layers
+    initialised from data are set by :meth:`initialize`; :meth:`log_prob` and
+    :meth:`transform_to_noise` call it themselves, on their batch, when they run in training
+    mode on a chain that is not initialised yet.
 
     Args:
         transform: The chain from data to noise.
@@ -133,8 +140,8 @@ class SequenceFlow(nn.Module):
                 in length-sorted chunks (:func:`~iresflow.models.evaluation.exact_in_chunks`);
                 ``"roulette"`` the unbiased Russian-roulette estimator (20 exact terms in
                 ``eval()`` mode), the configured ones where all blocks have one. In training
-                mode the exact method first initialises data-dependent layers from the whole
-                batch (:meth:`initialize`).
+                mode an uninitialised chain is first initialised from the whole batch
+                (:meth:`initialize`), whatever the method.
             n_samples: Number of independent estimates averaged (stochastic estimators only;
                 must be 1 for ``"exact"``).
             return_stderr: Also return the standard error of the average
@@ -151,7 +158,8 @@ class SequenceFlow(nn.Module):
         Raises:
             ValueError: invalid inputs or options.
         """
-        policy = logdet_policy(self.estimators(), method)
+        blocks = self._residual_blocks()
+        policy = logdet_policy([block.logdet for block in blocks], method)
         n_samples = check_int(n_samples, "n_samples", 1)
         if chunk_size is not None:
             chunk_size = check_int(chunk_size, "chunk_size", 1)
@@ -160,20 +168,20 @@ class SequenceFlow(nn.Module):
                              f"got {n_samples}")
         if return_stderr and not policy.exact and n_samples < 2:
             raise ValueError("return_stderr needs n_samples >= 2 for a stochastic estimator")
-        x, mask, c = self._check(x, mask, "x", policy.request, context)
+        x, mask, c = self._check(x, mask, "x", policy.request, context, initialize=True)
 
         with value_checks(False):
+            if n_samples == 1 and not policy.exact:  # one stochastic pass (training)
+                return self._log_prob(x, mask, blocks, policy, c)
             if policy.exact:
-                if self.training:
-                    self.transform.initialize(x, mask, context=c, check=False)
                 value = evaluation.exact_in_chunks(
-                    lambda xc, mc, *cc: self._log_prob(xc, mc, policy, *cc), x, mask, chunk_size,
-                    () if c is None else (c,),
+                    lambda xc, mc, *cc: self._log_prob(xc, mc, blocks, policy, *cc), x, mask,
+                    chunk_size, () if c is None else (c,),
                 )
                 stderr = torch.zeros_like(value)
             else:
                 value, stderr = evaluation.average_estimates(
-                    lambda: self._log_prob(x, mask, policy, c), n_samples
+                    lambda: self._log_prob(x, mask, blocks, policy, c), n_samples
                 )
         return (value, stderr) if return_stderr else value
 
@@ -181,6 +189,9 @@ class SequenceFlow(nn.Module):
         self, x: Tensor, mask: Tensor | None = None, *, context: Tensor | None = None
     ) -> Tensor:
         """Map data to noise through the chain (no log-determinant, no random draws).
+
+        In training mode an uninitialised chain is first initialised from ``x``
+        (:meth:`initialize`).
 
         Args:
             x: Sequences ``(B, N, D)``.
@@ -190,7 +201,7 @@ class SequenceFlow(nn.Module):
         Returns:
             ``z`` of shape ``(B, N, D)``, equal to ``x`` at padded positions.
         """
-        x, mask, c = self._check(x, mask, "x", False, context)
+        x, mask, c = self._check(x, mask, "x", False, context, initialize=True)
         return self.transform(x, c, mask=mask, logdet=False, check=False)[0]
 
     def inverse(
@@ -271,7 +282,9 @@ class SequenceFlow(nn.Module):
         training mode without log-determinants; every other state is left as it was (buffers
         such as power-iteration vectors, the training flag, random generators). Call it with
         the first (global) batch before training, e.g. on every rank of a distributed run; a
-        single process may also leave it to the first training forward.
+        single process may also leave it to the first training-mode :meth:`log_prob` (or
+        :meth:`transform_to_noise`), which calls it on its own batch while the chain is not
+        initialised. No other call initialises anything.
 
         Args:
             x: Sequences ``(B, N, D)``.
@@ -292,7 +305,7 @@ class SequenceFlow(nn.Module):
 
     def estimators(self) -> list[LogDetEstimator]:
         """The configured log-determinant estimator of every residual block, in chain order."""
-        return [step.logdet for _, step in self.residual_steps()]
+        return [block.logdet for block in self._residual_blocks()]
 
     def residual_steps(self) -> list[tuple[str, ResidualTransform]]:
         """``(name, block)`` of every residual block of the chain, in order."""
@@ -358,29 +371,39 @@ class SequenceFlow(nn.Module):
                              "covariates (B, C))")
         return self.context_encoder(self.context_encoder.check(context, batch, reference))
 
+    def _residual_blocks(self) -> list[ResidualTransform]:
+        """The residual blocks of the chain, in order."""
+        return [step for step in self.transform.steps if isinstance(step, ResidualTransform)]
+
     def _check(
-        self, x: object, mask: object, name: str, logdet: LogDetRequest,
-        context: object = None,
+        self, x: object, mask: object, name: str, logdet: object, context: object = None,
+        *, initialize: bool = False,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """The one validation of a call: shapes, then one fused value check (chain's gate);
-        returns ``(x, mask, context vector or None)``."""
+        """The one validation of a call, at the door: the batch and its mask with one fused
+        value check, the length, the context, then the chain's option checks (which read no
+        values). With ``initialize`` (the data-to-noise methods), a chain that is not
+        initialised is then initialised from the batch in training mode: the one place where
+        the flow initialises by itself. Returns ``(x, mask, context vector or None)``."""
         reference = self._reference()
-        with value_checks(False):
-            check_sequence(x, name, features=self.features, allow_2d=False, like=reference)
-        c = self._context(context, x.shape[0], reference)
-        x, mask = self.transform.check_call(x, c, mask=mask, logdet=logdet, name=name)
+        x, mask = check_inputs(x, mask, name, features=self.features, allow_2d=False,
+                               like=reference)
         if self.max_len is not None and x.shape[1] > self.max_len:
             raise ValueError(
                 f"{name} has length {x.shape[1]} > max_len={self.max_len} (shape (B, N, D) "
                 f"with N <= max_len)"
             )
+        c = self._context(context, x.shape[0], reference)
+        self.transform.check_options(x, c, mask=mask, logdet=logdet)
+        if initialize and self.training and not self.transform.is_initialized:
+            self.transform.initialize(x, mask, context=c, check=False)
         return x, mask, c
 
     def _log_prob(
-        self, x: Tensor, mask: Tensor | None, policy: LogDetPolicy,
-        context: Tensor | None = None,
+        self, x: Tensor, mask: Tensor | None, blocks: list[ResidualTransform],
+        policy: LogDetPolicy, context: Tensor | None = None,
     ) -> Tensor:
-        """One pass: base log-density of the noise plus the chain's log-determinant."""
-        policy.prepare_pass()
-        z, logabsdet = self.transform(x, context, mask=mask, logdet=policy.request, check=False)
+        """One pass: the chain maps data to noise with its log-determinant (every residual
+        block handed its estimator and roulette count of the pass), then the base density."""
+        logdet = policy.pass_request(blocks)
+        z, logabsdet = self.transform(x, context, mask=mask, logdet=logdet, check=False)
         return self.base.log_prob(z, mask, context) + logabsdet

@@ -22,6 +22,7 @@ tap separately, and is exact for the circular operator.
 from __future__ import annotations
 
 import math
+from operator import methodcaller
 
 import torch
 import torch.nn.functional as F
@@ -384,7 +385,7 @@ class TemporalConvBranch(LipschitzBranch):
             >>> bool(torch.allclose(point.vjp(w), pullback(w)[0], atol=1e-12))
             True
         """
-        weights = stack_parameters(self.net, lambda layer: layer.weight_normalized())
+        weights = stack_parameters(self.net, methodcaller("weight_normalized"))
         return ConvStackLinearization(*weights, shift=shift, max_len=self.max_len)
 
     def extra_repr(self) -> str:

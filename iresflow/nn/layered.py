@@ -4,8 +4,11 @@ The linearizations of the position-wise MLP branch (:class:`~iresflow.nn.mlp.Lip
 :class:`LayerStackLinearization`) and of the temporal-convolution branch
 (:class:`~iresflow.nn.conv.TemporalConvBranch`, :class:`ConvStackLinearization`): the branch's
 map with its effective parameters fixed, its vector-Jacobian products and the gradient of the
-Neumann surrogate (docs/math.md#neumann-gradient, #lipswish), written once in terms of four
-layer operations (:class:`LayerStackPoint`) that the convolutional stack replaces.
+Neumann surrogate (docs/math.md#neumann-gradient, #lipswish), written once. A token-wise
+layer is a convolution over time with one tap: every layer's adjoint is a product of the windows
+of its cotangent (:func:`_windows`, the cotangent itself for one tap) with a matrix, and the
+convolutional stack replaces only the forward map and the weight gradient of a layer
+(:class:`ConvStackPoint`) and masks the inputs of its hidden layers.
 """
 
 from __future__ import annotations
@@ -79,7 +82,8 @@ def stack_parameters(
 
     Args:
         net: Layers (with ``bias``) alternating with :class:`~iresflow.nn.activations.LipSwish`.
-        weight: The effective weight of a layer (e.g. its normalised weight).
+        weight: The effective weight of a layer (e.g. its normalised weight), for example
+            ``operator.methodcaller("weight_normalized")``.
 
     Returns:
         ``(weights, biases, betas)``, in the order of the stack.
@@ -101,7 +105,10 @@ class LayerStackLinearization(Linearization):
 
     Returned by :meth:`~iresflow.nn.mlp.LipschitzMLP.linearize` (a convolutional subclass by
     :meth:`~iresflow.nn.conv.TemporalConvBranch.linearize`). ``params`` lists the weights, the
-    biases that exist, the LipSwish slopes, then the shift if there is one.
+    biases that exist, the LipSwish slopes, then the shift if there is one. The adjoint of
+    layer ``l`` is ``_windows(g, taps[l]) @ adjoints[l]``: here one tap and the weight itself;
+    ``masks_hidden`` says whether padded frames are zeroed at the input of every hidden layer
+    (not needed token by token).
 
     Args:
         weights: Effective weights of the layers, in order (with their graphs).
@@ -112,6 +119,8 @@ class LayerStackLinearization(Linearization):
             shift of sequence ``r mod B``.
     """
 
+    masks_hidden = False
+
     def __init__(
         self,
         weights: list[Tensor],
@@ -119,12 +128,18 @@ class LayerStackLinearization(Linearization):
         betas: list[Tensor],
         shift: Tensor | None = None,
     ) -> None:
-        shifts = () if shift is None else (shift,)
-        self.params = (*weights, *[b for b in biases if b is not None], *betas, *shifts)
-        self.weights = [w.detach() for w in weights]
-        self.biases = [None if b is None else b.detach() for b in biases]
-        self.betas = [b.detach() for b in betas]
+        self.weights = list(map(Tensor.detach, weights))
+        self.betas = list(map(Tensor.detach, betas))
+        self.biases: list[Tensor | None] = []
+        present: list[Tensor] = []  # the biases that exist, for ``params``
+        for bias in biases:
+            self.biases.append(None if bias is None else bias.detach())
+            if bias is not None:
+                present.append(bias)
         self.shift = None if shift is None else shift.detach()
+        self.params = (*weights, *present, *betas, *(() if shift is None else (shift,)))
+        self.taps = [1] * len(weights)
+        self.adjoints = self.weights
 
     def at(self, x: Tensor, mask: Tensor | None = None) -> LayerStackPoint:
         """The stack at ``x`` ``(R, N, D)`` with an optional padding mask ``(R, N)``."""
@@ -141,8 +156,9 @@ class LayerStackPoint(LinearizedPoint):
     The products are written in terms of four layer operations: :meth:`apply_layer` (the
     linear map), :meth:`adjoint_layer` (its transpose), :meth:`layer_weight_grad` and
     :meth:`hidden_input` (what the map does to a hidden layer's input). They act token by token
-    here (the MLP); the temporal-convolution branch replaces them with convolutions over time
-    (:class:`~iresflow.nn.conv.TemporalConvBranch`).
+    here (the MLP); the temporal-convolution branch replaces the linear map and the weight
+    gradient with convolutions over time (:class:`ConvStackPoint`). :meth:`vjp`, the product
+    of the power series, applies the adjoints and the masks inline.
 
     Args:
         lin: The linearization.
@@ -155,12 +171,15 @@ class LayerStackPoint(LinearizedPoint):
         # Masking multiplies by the boolean mask (one kernel in the dtype of the product, no
         # scalar promotion); the products are finite, so padded entries become exactly 0.
         self.keep = None if mask is None else mask.unsqueeze(-1)
+        #: The mask of the hidden layers' inputs (``None``: they are not masked).
+        self.keep_hidden = self.keep if lin.masks_hidden else None
+        keep = self.keep_hidden
         self.inputs: list[Tensor] = []
         self.pre: list[Tensor] = []
         self.sigmoids: list[Tensor] = []
         self.slopes: list[Tensor] = []
         with torch.no_grad():
-            h = self.hidden_input(x.detach())
+            h = x.detach() if keep is None else x.detach() * keep
             for i, bias in enumerate(lin.biases):
                 a = self.apply_layer(i, h, bias)
                 if i == 0 and lin.shift is not None:
@@ -169,10 +188,11 @@ class LayerStackPoint(LinearizedPoint):
                 self.pre.append(a)
                 if i < len(lin.betas):
                     h, slope, sigmoid = _lipswish_slope(lin.betas[i], a)
-                    h, slope = self.hidden_input(h), self.hidden_input(slope)
+                    if keep is not None:
+                        h, slope = h * keep, slope * keep
                     self.slopes.append(slope)
                     self.sigmoids.append(sigmoid)
-        self.output = self._masked(a)
+        self.output = a if self.keep is None else a * self.keep
 
     def apply_layer(self, l: int, h: Tensor, bias: Tensor | None = None) -> Tensor:
         r"""Layer ``l``'s linear map :math:`\tilde W_l h + b`, shape ``(R, N, H_{l+1})``."""
@@ -180,7 +200,7 @@ class LayerStackPoint(LinearizedPoint):
 
     def adjoint_layer(self, l: int, g: Tensor) -> Tensor:
         r"""Its adjoint :math:`g \mapsto g \tilde W_l`, shape ``(R, N, H_l)``."""
-        return g @ self.lin.weights[l]
+        return _windows(g, self.lin.taps[l]) @ self.lin.adjoints[l]
 
     def layer_weight_grad(self, l: int, g: Tensor, h: Tensor, k: Tensor, t: Tensor) -> Tensor:
         r""":math:`\partial/\partial\tilde W_l` of :math:`\langle g, \tilde W_l h\rangle +
@@ -188,8 +208,9 @@ class LayerStackPoint(LinearizedPoint):
         return torch.addmm(as_rows(g).T @ as_rows(h), as_rows(k).T, as_rows(t))
 
     def hidden_input(self, t: Tensor) -> Tensor:
-        """A hidden layer's input ``(R, N, H_l)`` as the map sees it (token-wise: unchanged)."""
-        return t
+        """A hidden layer's input ``(R, N, H_l)`` as the map sees it (masked where the stack
+        masks its hidden layers, else unchanged)."""
+        return t if self.keep_hidden is None else t * self.keep_hidden
 
     @staticmethod
     def _shift_rows(shift: Tensor, rows: int) -> Tensor:
@@ -200,12 +221,14 @@ class LayerStackPoint(LinearizedPoint):
         return w if self.keep is None else w * self.keep
 
     def vjp(self, w: Tensor) -> Tensor:
-        n = len(self.lin.weights)
-        g = self.adjoint_layer(n - 1, self._masked(w))
-        for l in range(n - 2, -1, -1):
-            # g is a fresh product: scaled in place
-            g = self.adjoint_layer(l, g.mul_(self.slopes[l]))
-        return self.hidden_input(g)
+        # adjoint_layer and hidden_input written out: this is the hot loop of the power series
+        taps, adjoints = self.lin.taps, self.lin.adjoints
+        g = w if self.keep is None else w * self.keep
+        for l in range(len(adjoints) - 1, -1, -1):
+            if l < len(self.slopes):
+                g = g.mul_(self.slopes[l])  # g is a fresh product: scaled in place
+            g = (g if taps[l] == 1 else _windows(g, taps[l])) @ adjoints[l]
+        return g if self.keep_hidden is None else g * self.keep_hidden
 
     def surrogate_backward(
         self, grad_out: Tensor, u: Tensor, v: Tensor
@@ -255,8 +278,9 @@ class ConvStackLinearization(LayerStackLinearization):
     ``params`` lists the taps, the biases, then the LipSwish slopes. Each convolution is applied
     as a matrix product with the windows of its input (small channel counts make that cheaper
     than a convolution call); ``forward_matrices[l]`` (``(C_in k, C_out)``) and
-    ``adjoint_matrices[l]`` (``(C_out k, C_in)``, the flipped taps) are those of layer ``l``.
-    :meth:`at` rejects sequences longer than the branch's ``max_len``.
+    ``adjoints[l]`` (``(C_out k, C_in)``, the flipped taps) are those of layer ``l``, and
+    padded frames are zeroed at the input of every layer. :meth:`at` rejects sequences longer
+    than the branch's ``max_len``.
 
     Args:
         weights: Effective taps ``(C_out, C_in, k)`` of the layers, in order.
@@ -266,6 +290,8 @@ class ConvStackLinearization(LayerStackLinearization):
             frame), as for :class:`LayerStackLinearization`.
         max_len: Longest sequence the branch's certificate holds for (``None``: any).
     """
+
+    masks_hidden = True
 
     def __init__(
         self,
@@ -278,9 +304,11 @@ class ConvStackLinearization(LayerStackLinearization):
     ) -> None:
         super().__init__(weights, biases, betas, shift)
         self.max_len = max_len
-        self.forward_matrices = [w.reshape(w.shape[0], -1).T for w in self.weights]
-        self.adjoint_matrices = [w.flip(-1).transpose(1, 2).reshape(-1, w.shape[1])
-                                 for w in self.weights]
+        self.taps, self.forward_matrices, self.adjoints = [], [], []
+        for w in self.weights:
+            self.taps.append(w.shape[-1])
+            self.forward_matrices.append(w.reshape(w.shape[0], -1).T)
+            self.adjoints.append(w.flip(-1).transpose(1, 2).reshape(-1, w.shape[1]))
 
     def at(self, x: Tensor, mask: Tensor | None = None) -> ConvStackPoint:
         """The stack at ``x`` ``(R, N, D)``, ``N <= max_len``, with an optional mask ``(R, N)``."""
@@ -310,18 +338,11 @@ class ConvStackPoint(LayerStackPoint):
     lin: ConvStackLinearization
 
     def apply_layer(self, l: int, h: Tensor, bias: Tensor | None = None) -> Tensor:
-        matrix = self.lin.forward_matrices[l]
-        out = _windows(h, self.lin.weights[l].shape[-1]) @ matrix
+        out = _windows(h, self.lin.taps[l]) @ self.lin.forward_matrices[l]
         return out if bias is None else out.add_(bias)
-
-    def adjoint_layer(self, l: int, g: Tensor) -> Tensor:
-        return _windows(g, self.lin.weights[l].shape[-1]) @ self.lin.adjoint_matrices[l]
 
     def layer_weight_grad(self, l: int, g: Tensor, h: Tensor, k: Tensor, t: Tensor) -> Tensor:
         weight = self.lin.weights[l]
         # Both terms in one product of the stacked output cotangents with the input windows.
         windows = _windows(torch.cat([h, t]), weight.shape[-1])
         return (as_rows(torch.cat([g, k])).T @ as_rows(windows)).view(weight.shape)
-
-    def hidden_input(self, t: Tensor) -> Tensor:
-        return self._masked(t)

@@ -65,8 +65,8 @@ def _normalize_or_keep(vector: Tensor, previous: Tensor) -> Tensor:
 class _NormalizedLinear(nn.Module, ABC):
     r"""Shared body of the normalised linear maps: :math:`x \mapsto \tilde W x + b`.
 
-    Subclasses define the exact operator norm of ``weight`` (:meth:`_norm`) and, if it differs,
-    the norm used for the rescaling (:meth:`_scaling_norm`).
+    Subclasses define the exact operator norm of ``weight`` (:meth:`_norm`) and, if the
+    rescaling divides by another norm, the divisor :meth:`_scale`.
     """
 
     def __init__(
@@ -97,12 +97,9 @@ class _NormalizedLinear(nn.Module, ABC):
     def _norm(self) -> Tensor:
         """Exact operator norm of ``weight`` (0-dim, differentiable)."""
 
-    def _scaling_norm(self) -> Tensor:
-        """The norm :math:`\\|W\\|` that the rescaling divides by (default: the exact one)."""
-        return self._norm()
-
     def _scale(self) -> Tensor:
-        return torch.clamp(self._scaling_norm() / self.coeff, min=1.0)
+        """The divisor :math:`\\max(1, \\|W\\| / c)` of the effective weight (0-dim)."""
+        return torch.clamp(self._norm() / self.coeff, min=1.0)
 
     def weight_normalized(self) -> Tensor:
         r"""The effective weight :math:`\tilde W = W / \max(1, \|W\| / c)`.
@@ -298,11 +295,15 @@ class SpectralLinear(_NormalizedLinear):
             self.u.copy_(u)
             self.v.copy_(v)
 
-    def _scaling_norm(self) -> Tensor:
+    def _scale(self) -> Tensor:
+        """As for every normalised layer, with the power-iteration estimate in training mode
+        when ``sigma="power"``."""
         if self.training and self.sigma == "power":
             # Clones: a later forward's in-place update must not alter tensors saved for backward.
-            return torch.dot(self.u.clone(), torch.mv(self.weight, self.v.clone()))
-        return self._norm()
+            sigma = torch.dot(self.u.clone(), torch.mv(self.weight, self.v.clone()))
+        else:
+            sigma = self._norm()
+        return torch.clamp(sigma / self.coeff, min=1.0)
 
     def forward_weight(self) -> Tensor:
         """The effective weight of one forward; in training mode first advance ``u``, ``v``.

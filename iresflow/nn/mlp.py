@@ -4,6 +4,7 @@ r"""Position-wise Lipschitz feed-forward branch (docs/math.md#conventions, #lips
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import methodcaller
 from typing import Literal
 
 import torch
@@ -182,5 +183,5 @@ class LipschitzMLP(LipschitzBranch):
             >>> bool(torch.allclose(point.vjp(w), ref, atol=1e-12))
             True
         """
-        weights = stack_parameters(self.net, lambda layer: layer.forward_weight())
+        weights = stack_parameters(self.net, methodcaller("forward_weight"))
         return LayerStackLinearization(*weights, shift)

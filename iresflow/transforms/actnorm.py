@@ -17,20 +17,22 @@ MIN_INIT_VARIANCE = 0.2
 
 
 class DataInitializedTransform(SequenceTransform):
-    r"""A sequence transform whose parameters are set from the first batch it maps to noise.
+    r"""A sequence transform whose parameters are set from a batch of data.
 
-    The shared initialisation mechanism of :class:`ActNorm` and
-    :class:`~iresflow.transforms.temporal.AutoregressiveLinear`: the first forward (data to
-    noise) in training mode calls :meth:`_initialize` on that batch under ``torch.no_grad``, or
-    :meth:`initialize` (of the layer, or of a chain holding it) does so explicitly. This is the
-    one in-forward state change of the
-    library. It is recorded in the boolean buffer ``initialized``, which is part of the
-    ``state_dict`` so that a loaded model is not re-initialised, and mirrored in a host-side
-    flag (:attr:`is_initialized`) so that a forward never synchronises with the device. In
-    evaluation mode, or in ``inverse``, no initialisation happens.
+    The shared initialisation mechanism of :class:`ActNorm`,
+    :class:`~iresflow.transforms.temporal.AutoregressiveLinear` and
+    :class:`~iresflow.transforms.positionwise.PositionwiseAffine`: :meth:`initialize` (of the
+    layer, or of a chain or flow holding it) calls :meth:`_initialize` on a batch under
+    ``torch.no_grad``; a forward never does. Whether it has happened is recorded in the boolean
+    buffer ``initialized``, which is part of the ``state_dict`` so that a loaded model is not
+    re-initialised, and mirrored in a host-side flag (read by
+    :attr:`~iresflow.transforms.base.SequenceTransform.is_initialized`) so that no call
+    synchronises with the device to read it. The checked forward of a layer in training mode
+    refuses to run before its initialisation (see
+    :meth:`~iresflow.transforms.base.SequenceTransform.forward`); in evaluation mode the
+    current parameters are used as they are.
 
-    Subclasses call :meth:`_initialize_if_needed` at the start of ``_forward`` and implement
-    :meth:`_initialize`.
+    Subclasses implement :meth:`_initialize`.
     """
 
     initialized: Tensor
@@ -38,14 +40,9 @@ class DataInitializedTransform(SequenceTransform):
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("initialized", torch.tensor(False))
-        # Host-side mirror of the buffer, so that forward never synchronises with the device.
+        # Host-side mirror of the buffer, so that no call synchronises with the device.
         self._initialized = False
         self.register_load_state_dict_post_hook(_sync_initialized)
-
-    @property
-    def is_initialized(self) -> bool:
-        """Whether the data-dependent initialisation has happened (read without a host sync)."""
-        return self._initialized
 
     def initialize(
         self,
@@ -72,10 +69,12 @@ class DataInitializedTransform(SequenceTransform):
         with value_checks(False):
             self._run_initialization(inputs, mask)
 
-    def _initialize_if_needed(self, inputs: Tensor, mask: Tensor | None) -> None:
-        """Initialise from this (validated) batch if in training mode and not yet initialised."""
-        if self.training and not self._initialized:
+    def _initialization_pass(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None
+    ) -> Tensor:
+        if not self._initialized:
             self._run_initialization(inputs, mask)
+        return self._forward(inputs, context, mask, False)[0]
 
     def _run_initialization(self, inputs: Tensor, mask: Tensor | None) -> None:
         with torch.no_grad():
@@ -101,11 +100,10 @@ class ActNorm(DataInitializedTransform):
     ``False``) are returned unchanged and do not enter the log-determinant. A ``(B, D)`` batch of
     vectors is treated as sequences of length 1.
 
-    Initialisation (:class:`DataInitializedTransform`): the first forward (data to noise) in
-    training mode sets, from the real tokens of that batch only, :math:`b = -\mathrm{mean}` and
+    Initialisation (:class:`DataInitializedTransform`): :meth:`initialize` sets, from the real
+    tokens of a batch only, :math:`b = -\mathrm{mean}` and
     :math:`s = -\tfrac12 \log \max(\mathrm{var}, 0.2)` per feature (biased variance), so that the
-    outputs have zero mean and unit variance unless the variance floor applies. In evaluation
-    mode, or in :meth:`inverse`, no initialisation happens.
+    outputs have zero mean and unit variance unless the variance floor applies.
 
     ``forward``/``inverse`` are those of :class:`~iresflow.transforms.base.SequenceTransform`
     (``inputs (B, N, D)`` or ``(B, D)``, optional ``mask (B, N)``, ``logdet``); the context is
@@ -117,6 +115,7 @@ class ActNorm(DataInitializedTransform):
     Example:
         >>> actnorm = ActNorm(3)
         >>> x = torch.randn(4, 5, 3) * 2 + 1
+        >>> actnorm.initialize(x)
         >>> y, logabsdet = actnorm(x)
         >>> bool(actnorm.initialized), y.shape, logabsdet.shape
         (True, torch.Size([4, 5, 3]), torch.Size([4]))
@@ -133,8 +132,7 @@ class ActNorm(DataInitializedTransform):
     def _forward(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
     ) -> tuple[Tensor, Tensor | None]:
-        r"""Data to noise, :math:`y = (x + b)\odot e^{s}` on real tokens (initialises first)."""
-        self._initialize_if_needed(inputs, mask)
+        r"""Data to noise, :math:`y = (x + b)\odot e^{s}` on real tokens."""
         outputs = (inputs + self.shift) * torch.exp(self.log_scale)
         return tokenwise_result(inputs, outputs, mask, self.log_scale.sum(), logdet)
 

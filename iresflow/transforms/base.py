@@ -20,18 +20,22 @@ through, for variable-length batches.
 host synchronisation for the values, see :mod:`iresflow._validation`) and then run the
 ``_forward`` / ``_inverse`` that subclasses implement, with value checks switched off for the
 layers they call. ``check=False`` is the unchecked entry for callers that validated the batch
-already: a composite calls its members that way, and a model its chain, so a batch is validated
-once per call of the outermost entry point.
+already (a model calls its chain that way); a chain calls the ``_forward`` / ``_inverse`` of its
+members directly, so a batch is validated once per call of the outermost entry point.
 
-**Data-dependent initialisation.** :meth:`~SequenceTransform.initialize` sets the layers whose
-parameters come from data (:class:`~iresflow.transforms.actnorm.ActNorm`, the autoregressive
-layer) from a whole batch, in one pass, and leaves every other state as it was.
+**Data-dependent initialisation.** Layers whose parameters come from data
+(:class:`~iresflow.transforms.actnorm.ActNorm`, the autoregressive layer) are set by
+:meth:`~SequenceTransform.initialize` only, from a whole batch, in one pass that leaves every
+other state as it was; a forward never initialises. The checked :meth:`~SequenceTransform.forward`
+of a transform refuses to run while such a layer is in training mode but not initialised (a
+:class:`~iresflow.models.flow.SequenceFlow` initialises its chain itself, see its
+:meth:`~iresflow.models.flow.SequenceFlow.log_prob`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from nflows.transforms.base import Transform
@@ -43,18 +47,22 @@ from iresflow.logdet.base import LogDetEstimator
 __all__ = ["LogDetRequest", "SequenceCompositeTransform", "SequenceTransform", "check_logdet"]
 
 #: The ``logdet`` argument of a transform: ``True`` (the transform's own log-determinant),
-#: ``False`` (none: the map only) or a log-determinant estimator (instance or name, see
+#: ``False`` (none: the map only), a log-determinant estimator (instance or name, see
 #: :func:`~iresflow.logdet.factory.make_logdet`) that residual blocks use instead of their
-#: configured one for this call; other transforms treat an estimator like ``True``.
-LogDetRequest = bool | str | LogDetEstimator
+#: configured one for this call, or a mapping from residual blocks to the estimator each uses
+#: in this call (how a flow hands every block its share of the random draws of a pass, see
+#: :meth:`~iresflow.logdet.policy.LogDetPolicy.pass_request`; blocks it does not name use their
+#: configured one). Other transforms treat anything but ``False`` like ``True``.
+LogDetRequest = bool | str | LogDetEstimator | Mapping["SequenceTransform", LogDetEstimator]
 
 
 def check_logdet(logdet: object) -> LogDetRequest:
     """Validate the ``logdet`` argument of a transform call.
 
     Args:
-        logdet: ``True``, ``False``, an estimator name or a
-            :class:`~iresflow.logdet.base.LogDetEstimator`.
+        logdet: ``True``, ``False``, an estimator name, a
+            :class:`~iresflow.logdet.base.LogDetEstimator` or a mapping from blocks to
+            estimators (:data:`LogDetRequest`).
 
     Returns:
         ``logdet`` unchanged.
@@ -66,10 +74,10 @@ def check_logdet(logdet: object) -> LogDetRequest:
         >>> check_logdet(False)
         False
     """
-    if not isinstance(logdet, (bool, str, LogDetEstimator)):
+    if not isinstance(logdet, (bool, str, LogDetEstimator, Mapping)):
         raise TypeError(
-            f"logdet must be a bool, an estimator name or a LogDetEstimator, got "
-            f"{type(logdet).__name__}"
+            f"logdet must be a bool, an estimator name, a LogDetEstimator or a mapping from "
+            f"blocks to estimators, got {type(logdet).__name__}"
         )
     return logdet
 
@@ -86,11 +94,14 @@ class SequenceTransform(Transform, ABC):
     (same arguments, inputs already validated, returning ``(outputs, logabsdet or None)``),
     which only :class:`SequenceTransform` calls, may set ``features`` (the feature size ``D``
     they require) and may extend ``_check_options(inputs, context, logdet)`` with checks that
-    read no tensor values. Layers initialised from data override :attr:`is_initialized`.
+    read no tensor values. Layers initialised from data are
+    :class:`~iresflow.transforms.actnorm.DataInitializedTransform` s.
     """
 
     #: Feature size ``D`` the transform requires, or ``None`` for any.
     features: int | None = None
+    #: ``False`` while a layer initialised from data waits for :meth:`initialize` (host flag).
+    _initialized: bool = True
 
     def forward(
         self,
@@ -119,6 +130,7 @@ class SequenceTransform(Transform, ABC):
         """
         if check:
             inputs, mask = self.check_call(inputs, context, mask=mask, logdet=logdet)
+            self._refuse_uninitialized_training()
         with value_checks(False):
             return self._forward(inputs, context, mask, logdet)
 
@@ -181,22 +193,46 @@ class SequenceTransform(Transform, ABC):
             ValueError: wrong shapes, non-finite values, an all-padding sequence or an option
                 the transform does not support.
         """
-        check_logdet(logdet)
         inputs, mask = check_inputs(
             inputs, mask, name, features=self.features, like=next(self.parameters(), None)
         )
-        self._check_options(inputs, context, logdet)
+        self.check_options(inputs, context, mask=mask, logdet=logdet)
         return inputs, mask
+
+    def check_options(
+        self,
+        inputs: Tensor,
+        context: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        logdet: object = True,
+    ) -> None:
+        """The checks of a call that read no values: ``logdet``, then the transform's options.
+
+        :meth:`check_call` runs them after :func:`~iresflow._validation.check_inputs`; a caller
+        that validated the batch itself (a flow) runs them alone.
+
+        Args:
+            inputs: Validated batch ``(B, N, D)`` or ``(B, D)``.
+            context: Conditioning input.
+            mask: Validated padding mask ``(B, N)`` or ``None``.
+            logdet: Candidate ``logdet`` argument.
+
+        Raises:
+            TypeError: an invalid ``logdet``.
+            ValueError: an option the transform does not support.
+        """
+        check_logdet(logdet)
+        self._check_options(inputs, context, logdet)
 
     @property
     def is_initialized(self) -> bool:
-        """Whether every layer of the transform that is initialised from data has been.
-
-        True for a transform without such layers; a chain is initialised when all its
-        members are.
-        """
-        return all(m.is_initialized for m in self.modules()
-                   if m is not self and isinstance(m, SequenceTransform))
+        """Whether every layer of the transform that is initialised from data has been (True
+        without such layers; a chain when all its members are). Reads host flags only."""
+        for module in self.modules():
+            if isinstance(module, SequenceTransform) and not module._initialized:
+                return False
+        return True
 
     @torch.no_grad()
     def initialize(
@@ -211,10 +247,11 @@ class SequenceTransform(Transform, ABC):
 
         One pass from data to noise in training mode, without log-determinants and gradients,
         in which every such layer sets its parameters from its inputs (e.g.
-        :class:`~iresflow.transforms.actnorm.ActNorm`); the buffers of every other module
-        (e.g. power-iteration vectors) and the training flags are restored afterwards. Does
-        nothing when :attr:`is_initialized`. Call it with the first (global) batch before
-        training, e.g. on every rank of a distributed run.
+        :class:`~iresflow.transforms.actnorm.ActNorm`) before mapping them; the buffers of
+        every other module (e.g. power-iteration vectors) and the training flags are restored
+        afterwards. Does nothing when :attr:`is_initialized`. This is the only place where
+        such layers are set: call it with the first (global) batch before training, e.g. on
+        every rank of a distributed run.
 
         Args:
             inputs: Sequences ``(B, N, D)`` or vectors ``(B, D)``.
@@ -227,7 +264,7 @@ class SequenceTransform(Transform, ABC):
         if self.is_initialized:
             return
         waiting = {id(m) for m in self.modules()
-                   if isinstance(m, SequenceTransform) and not m.is_initialized}
+                   if isinstance(m, SequenceTransform) and not m._initialized}
         saved = {(module, name): buffer.clone()
                  for module in self.modules() if id(module) not in waiting
                  for name, buffer in module.named_buffers(recurse=False)}
@@ -235,12 +272,31 @@ class SequenceTransform(Transform, ABC):
         self.train()
         try:
             with value_checks(False):
-                self._forward(inputs, context, mask, False)
+                self._initialization_pass(inputs, context, mask)
         finally:
             for module, training in modes.items():
                 module.training = training
             for (module, name), value in saved.items():
                 getattr(module, name).copy_(value)
+
+    def _refuse_uninitialized_training(self) -> None:
+        """Refuse a layer initialised from data in training mode but not initialised (only
+        :meth:`initialize` sets it, never a forward): ``RuntimeError``."""
+        for module in self.modules():
+            waiting = isinstance(module, SequenceTransform) and not module._initialized
+            if waiting and module.training:
+                raise RuntimeError(
+                    f"{type(module).__name__} is not initialised from data yet: call "
+                    "initialize(inputs, mask) (of the layer, or of the chain or flow holding "
+                    "it) with a training batch before a training-mode forward"
+                )
+
+    def _initialization_pass(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None
+    ) -> Tensor:
+        """The pass of :meth:`initialize`: map validated inputs to noise (no log-determinant),
+        setting the layers initialised from data that are not yet, in order, on the way."""
+        return self._forward(inputs, context, mask, False)[0]
 
     def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
         """Checks of a call specific to the transform; must not read tensor values."""
@@ -267,7 +323,8 @@ class SequenceCompositeTransform(SequenceTransform):
     Any nflows ``Transform`` may be part of the chain; with a ``mask`` every member must be a
     :class:`SequenceTransform`, since only those honour the padding contract. The context is
     passed on to every member. The members are :attr:`steps` (an ``nn.ModuleList``), with
-    names from :meth:`named_steps`.
+    names from :meth:`named_steps`. The chain validates a call at its door and then runs the
+    unchecked ``_forward`` / ``_inverse`` of its :class:`SequenceTransform` members directly.
 
     Args:
         transforms: Iterable of nflows ``Transform`` objects.
@@ -329,16 +386,16 @@ class SequenceCompositeTransform(SequenceTransform):
             if isinstance(t, SequenceTransform):
                 t._check_options(inputs, context, logdet)
 
-    def check_call(
+    def check_options(
         self,
-        inputs: object,
+        inputs: Tensor,
         context: Tensor | None = None,
         *,
-        mask: object = None,
+        mask: Tensor | None = None,
         logdet: object = True,
-        name: str = "inputs",
-    ) -> tuple[Tensor, Tensor | None]:
-        """See :meth:`SequenceTransform.check_call`; a mask needs :class:`SequenceTransform` s."""
+    ) -> None:
+        """See :meth:`SequenceTransform.check_options`; a mask needs
+        :class:`SequenceTransform` members."""
         if mask is not None:
             for t in self.steps:
                 if not isinstance(t, SequenceTransform):
@@ -346,7 +403,18 @@ class SequenceCompositeTransform(SequenceTransform):
                         f"a mask needs every member to be a SequenceTransform, got "
                         f"{type(t).__name__}"
                     )
-        return super().check_call(inputs, context, mask=mask, logdet=logdet, name=name)
+        super().check_options(inputs, context, mask=mask, logdet=logdet)
+
+    def _initialization_pass(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None
+    ) -> Tensor:
+        outputs = inputs
+        for t in self.steps:
+            if isinstance(t, SequenceTransform):
+                outputs = t._initialization_pass(outputs, context, mask)
+            else:
+                outputs = t(outputs, context)[0]
+        return outputs
 
     def _forward(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
@@ -371,9 +439,9 @@ class SequenceCompositeTransform(SequenceTransform):
         outputs = inputs
         total = None if logdet is False else inputs.new_zeros(inputs.shape[0])
         for t in members:
-            if isinstance(t, SequenceTransform):  # validated by the chain's own entry point
-                call = t.inverse if inverse else t
-                outputs, logabsdet = call(outputs, context, mask=mask, logdet=logdet, check=False)
+            if isinstance(t, SequenceTransform):  # validated at the chain's door: unchecked
+                call = t._inverse if inverse else t._forward
+                outputs, logabsdet = call(outputs, context, mask, logdet)
             else:  # a plain nflows transform (mask is None here): its own public call
                 outputs, logabsdet = (t.inverse if inverse else t)(outputs, context)
             if total is not None:

@@ -83,8 +83,8 @@ class PositionwiseAffine(DataInitializedTransform):
     do not enter the log-determinant; a ``(B, D)`` batch of vectors is treated as sequences of
     length 1 (position 0). Sequences longer than ``max_len`` are refused.
 
-    Initialisation (:class:`~iresflow.transforms.actnorm.DataInitializedTransform`): the first
-    forward in training mode sets :math:`b_t = -\mathrm{mean}_t` and
+    Initialisation (:class:`~iresflow.transforms.actnorm.DataInitializedTransform`):
+    :meth:`initialize` sets :math:`b_t = -\mathrm{mean}_t` and
     :math:`s_t = -\tfrac12\log\mathrm{var}_t` from :func:`positionwise_moments` of that batch,
     so that every position of it has zero mean and unit variance.
 
@@ -95,6 +95,7 @@ class PositionwiseAffine(DataInitializedTransform):
     Example:
         >>> layer = PositionwiseAffine(2, max_len=5)
         >>> x = torch.randn(8, 5, 2) * torch.arange(1.0, 6.0).view(1, 5, 1)
+        >>> layer.initialize(x)
         >>> y, logabsdet = layer(x)
         >>> y.shape, logabsdet.shape, torch.allclose(layer.inverse(y)[0], x, atol=1e-5)
         (torch.Size([8, 5, 2]), torch.Size([8]), True)
@@ -130,8 +131,7 @@ class PositionwiseAffine(DataInitializedTransform):
     def _forward(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
     ) -> tuple[Tensor, Tensor | None]:
-        r"""Data to noise, :math:`y_t = (x_t + b_t)\odot e^{s_t}` (initialises first)."""
-        self._initialize_if_needed(inputs, mask)
+        r"""Data to noise, :math:`y_t = (x_t + b_t)\odot e^{s_t}`."""
         shift, log_scale = self._table(inputs)
         outputs = (inputs + shift) * torch.exp(log_scale)
         return tokenwise_result(inputs, outputs, mask, self._per_token(inputs, log_scale),

@@ -3,7 +3,7 @@ r"""The invertible residual block :math:`x \mapsto x + g(x)` (docs/math.md#contr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import torch
@@ -11,7 +11,6 @@ from torch import Tensor
 
 from iresflow.inverse.fixed_point import InverseStats, fixed_point_inverse
 from iresflow.logdet.base import LogDetEstimator, check_logdet_dtype
-from iresflow.logdet.exact import ExactLogDet
 from iresflow.logdet.factory import make_logdet
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.conditional import check_context
@@ -51,7 +50,8 @@ class ResidualTransform(SequenceTransform):
 
     ``forward`` and ``inverse`` are those of :class:`~iresflow.transforms.base.SequenceTransform`:
     ``logdet=False`` evaluates the map only (no estimator, no random draws), and an estimator
-    (instance or name) replaces the configured one for the call.
+    (instance or name, or this block's entry of a mapping from blocks to estimators) replaces
+    the configured one for the call.
 
     ``inverse`` is meant for sampling and evaluation: it runs without gradient tracking and its
     outputs are detached. The diagnostics of the last call are kept in
@@ -165,15 +165,17 @@ class ResidualTransform(SequenceTransform):
                     f"is required"
                 )
             check_context(context, inputs.shape[0], self.context_features, inputs)
-            estimator = self._estimator(logdet) if logdet is not False else None
-            if isinstance(estimator, ExactLogDet) and estimator.chunk_size is not None:
-                raise ValueError("a context needs an ExactLogDet without chunk_size")
         if logdet is not False:
             check_logdet_dtype(inputs, "inputs")
 
     def _estimator(self, logdet: LogDetRequest) -> LogDetEstimator:
-        """The configured estimator (``logdet=True``) or the per-call override."""
-        return self.logdet if logdet is True else make_logdet(logdet)
+        """The estimator of a call: the configured one (``logdet=True``), the override, or this
+        block's entry of a per-block mapping (the configured one if it has none)."""
+        if logdet is True:
+            return self.logdet
+        if isinstance(logdet, Mapping):
+            return logdet.get(self, self.logdet)
+        return make_logdet(logdet)
 
     def _forward(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest

@@ -57,8 +57,8 @@ class AutoregressiveLinear(DataInitializedTransform):
     :math:`\Sigma_h = (L_h^\top L_h)^{-1}`, :math:`h = h(t)`: the AR(p) Gaussian whose frames with
     fewer than :math:`p` real predecessors use their own lower-order conditional.
 
-    Initialisation (:class:`~iresflow.transforms.actnorm.DataInitializedTransform`): the first
-    forward in training mode, or :meth:`initialize`, fits every sub-model :math:`j` by
+    Initialisation (:class:`~iresflow.transforms.actnorm.DataInitializedTransform`):
+    :meth:`initialize` fits every sub-model :math:`j` by
     conditional maximum likelihood: :math:`(A_{j,1..j}, b_j)` by least squares of :math:`x_t` on
     :math:`[x_{t-1}, \dots, x_{t-j}, 1]` (minimum-norm solution if the regressors are
     collinear), :math:`\Sigma_j` the mean outer product of the residuals, and
@@ -107,7 +107,8 @@ class AutoregressiveLinear(DataInitializedTransform):
     Example:
         >>> layer = AutoregressiveLinear(2, order=1)
         >>> x = torch.cumsum(torch.randn(8, 10, 2), dim=1)  # random walks: strongly AR(1)
-        >>> z, logabsdet = layer(x)  # training mode: fits the sub-models first
+        >>> layer.initialize(x)  # fits the sub-models
+        >>> z, logabsdet = layer(x)
         >>> bool(layer.initialized), z.shape, logabsdet.shape
         (True, torch.Size([8, 10, 2]), torch.Size([8]))
         >>> torch.allclose(layer.inverse(z)[0], x, atol=1e-4)
@@ -208,7 +209,6 @@ class AutoregressiveLinear(DataInitializedTransform):
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
     ) -> tuple[Tensor, Tensor | None]:
         r"""Map data to noise, :math:`z_t = L_h(x_t - b_h - \sum_k A_{h,k} x_{t-k})`."""
-        self._initialize_if_needed(inputs, mask)
         x = inputs.unsqueeze(1) if inputs.dim() == 2 else inputs
         lags, bias, whitening, log_diag = self._sub_models(context)
         windows = _history_windows(x, mask, self.order)
