@@ -29,12 +29,12 @@ from torch import Tensor
 
 from benchmarks.timing import fastest
 from iresflow.data.datasets import load_dataset
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.train.likelihood import trimmed_batch
 from iresflow.transforms.residual import ResidualTransform
 
 
-def compile_branches(model: ResidualFlowTransformer) -> ResidualFlowTransformer:
+def compile_branches(model: ResidualSequenceFlow) -> ResidualSequenceFlow:
     """A copy of ``model`` whose residual branches run through ``torch.compile``."""
     compiled = copy.deepcopy(model)
     for module in compiled.modules():
@@ -56,12 +56,12 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     ds = load_dataset("japanese_vowels")
-    model = ResidualFlowTransformer(features=ds.features, max_len=ds.max_len).to(device)
+    model = ResidualSequenceFlow(features=ds.features, max_len=ds.max_len).to(device)
     model.initialize(*trimmed_batch(ds.train, torch.arange(len(ds.train)), device))
     lengths = ds.test.mask[: args.num].sum(1).to(device)
     results: dict[str, object] = {}
 
-    def sampler(flow: ResidualFlowTransformer) -> Callable[[], Tensor]:
+    def sampler(flow: ResidualSequenceFlow) -> Callable[[], Tensor]:
         def draw() -> Tensor:
             flow.eval()
             generator = torch.Generator(device).manual_seed(1)
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 
     batch = trimmed_batch(ds.train, torch.arange(args.batch_size), device)
 
-    def stepper(flow: ResidualFlowTransformer) -> Callable[[], None]:
+    def stepper(flow: ResidualSequenceFlow) -> Callable[[], None]:
         optimizer = torch.optim.Adam(flow.parameters(), lr=1e-4)
 
         def step() -> None:

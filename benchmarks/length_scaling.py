@@ -27,7 +27,7 @@ import torch
 from benchmarks import cli
 from benchmarks.timing import device_clock, fastest, length_sweep
 from iresflow.models.config import ModelConfig
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 
 FEATURES = 12
 
@@ -38,7 +38,7 @@ def step_seconds(
     """Fastest of ``repeats`` training steps at length ``N`` (after one warm-up step)."""
     generator = torch.Generator().manual_seed(length)
     config = ModelConfig(features=FEATURES, max_len=length, logdet=method)
-    model = ResidualFlowTransformer(config).to(device).train()
+    model = ResidualSequenceFlow(config).to(device).train()
     x = torch.randn(batch, length, FEATURES, generator=generator).to(device)
     mask = torch.ones(batch, length, dtype=torch.bool, device=device)
     model.initialize(x, mask)
@@ -54,7 +54,7 @@ def step_seconds(
 def sampling(length: int, num: int, device: torch.device) -> dict[str, tuple[float, float, int]]:
     """Sequences/s and the iterations per sequence and block (mean, largest) of each solver."""
     config = ModelConfig(features=FEATURES, max_len=length)
-    model = ResidualFlowTransformer(config).to(device)
+    model = ResidualSequenceFlow(config).to(device)
     with torch.no_grad():  # residual weights at their bounds, as after training (Lip ~ coeff)
         for _, step in model.residual_steps():
             for p in step.branch.parameters():

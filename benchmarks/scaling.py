@@ -5,7 +5,7 @@
    sequences per second of the epoch itself (process start-up excluded); printed as the ratio of
    2 processes to 1 process.
 2. Sequence-length scaling: one training step (``log_prob`` + backward) of a
-   ``ResidualFlowTransformer`` for every training log-determinant (``roulette``, ``series``,
+   ``ResidualSequenceFlow`` for every training log-determinant (``roulette``, ``series``,
    ``exact``) at lengths ``N = 16, 32, ..., 1024``; a method stops at the first length whose step
    takes longer than ``--max-step`` seconds (the dense ``exact`` Jacobian stops early). Memory is
    the peak allocated CUDA memory on a GPU and, on the CPU, the bytes autograd saves for the
@@ -29,7 +29,7 @@ import torch
 
 from benchmarks import cli
 from benchmarks.timing import length_sweep
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.train.config import TrainConfig
 from iresflow.train.loop import train
 
@@ -54,7 +54,7 @@ def step_cost(
 ) -> tuple[float, float]:
     """Seconds (fastest of ``repeats``) and memory (MiB) of a training step at length ``N``."""
     generator = torch.Generator().manual_seed(length)
-    model = ResidualFlowTransformer(
+    model = ResidualSequenceFlow(
         features=FEATURES, n_blocks=1, hidden=32, max_len=length, logdet=method
     ).to(device)
     model.train()
@@ -65,7 +65,7 @@ def step_cost(
 
 
 def _timed_step(
-    model: ResidualFlowTransformer, x: torch.Tensor, mask: torch.Tensor, device: torch.device
+    model: ResidualSequenceFlow, x: torch.Tensor, mask: torch.Tensor, device: torch.device
 ) -> tuple[float, float]:
     saved = [0]
 

@@ -12,7 +12,7 @@ off for a block (see :mod:`iresflow._validation`).
 from iresflow._validation import value_checks
 from iresflow.data import load_dataset
 from iresflow.inverse import InversionError, fixed_point_inverse
-from iresflow.models import ModelConfig, ResidualFlowTransformer, SequenceFlow
+from iresflow.models import ModelConfig, ResidualSequenceFlow, SequenceFlow
 from iresflow.transforms import ActNorm, ResidualTransform, SequenceCompositeTransform
 
 __version__ = "0.1.0"
@@ -21,7 +21,7 @@ __all__ = [
     "ActNorm",
     "InversionError",
     "ModelConfig",
-    "ResidualFlowTransformer",
+    "ResidualSequenceFlow",
     "ResidualTransform",
     "SequenceCompositeTransform",
     "SequenceFlow",

@@ -25,7 +25,7 @@ import torch
 from iresflow.logdet.exact import ExactLogDet
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.logdet.series import SeriesLogDet
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.transforms.actnorm import ActNorm
 from iresflow.transforms.residual import ResidualTransform
@@ -67,8 +67,8 @@ def estimator(name: str):
     return RouletteLogDet(n_probes=2, generator=gen)
 
 
-def make_model(device: torch.device, dtype: torch.dtype) -> ResidualFlowTransformer:
-    model = ResidualFlowTransformer(features=4, n_blocks=1, hidden=8, max_len=512)
+def make_model(device: torch.device, dtype: torch.dtype) -> ResidualSequenceFlow:
+    model = ResidualSequenceFlow(features=4, n_blocks=1, hidden=8, max_len=512)
     model = model.to(device=device, dtype=dtype)
     x, mask = inputs(device, dtype)
     with torch.no_grad():

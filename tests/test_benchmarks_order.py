@@ -14,7 +14,7 @@ from benchmarks import cli
 from benchmarks.order import lag1_autocorrelation, order_metrics, shuffle_frames
 from iresflow.data.datasets import SequenceDataset, SequenceSplit
 from iresflow.models.reference import AutoregressiveGaussian
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 
 MASK = torch.tensor([[True, True, True, True], [True, False, False, False],
                      [False, True, True, False], [True, True, False, True]])
@@ -104,14 +104,14 @@ def test_order_metrics_of_the_ar_gaussian() -> None:
 def test_order_metrics_of_the_iresflow_model_with_variable_lengths() -> None:
     mask = torch.arange(5) < torch.randint(2, 6, (30,))[:, None]
     ds = _dataset(torch.randn(30, 5, 2, dtype=torch.float64), mask)
-    frames = ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=5,
+    frames = ResidualSequenceFlow(features=2, n_blocks=1, hidden=8, max_len=5,
                                      layers=("mlp",), ar_order=0).double().eval()
     metrics = order_metrics(frames, ds, method="exact", batch_size=4,
                             generator=torch.Generator().manual_seed(0))
     exact = frames.log_prob(ds.test.x, ds.test.mask, method="exact").detach()
     assert metrics["test_nll"] == pytest.approx(ds.nll(exact, ds.test), rel=1e-10)
     assert metrics["order_gain"] == pytest.approx(0.0, abs=1e-10)  # frame-wise: no order
-    attention = ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=5
+    attention = ResidualSequenceFlow(features=2, n_blocks=1, hidden=8, max_len=5
                                         ).double().eval()
     with torch.no_grad():  # leave the identity start of ActNorm/attention outputs
         for p in attention.parameters():

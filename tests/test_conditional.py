@@ -10,7 +10,7 @@ from nflows.flows import Flow
 
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.models.config import ConfigError, ModelConfig
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.nn.attention import (
     ContractiveL2MultiheadAttention,
     ContractiveLipschitzNormAttention,
@@ -277,7 +277,7 @@ def test_neumann_gradient_reaches_context(device, kind):
 def _model(device, *, mask=None, **settings):
     options = {"features": 3, "n_blocks": 1, "hidden": 8, "max_len": 6, "ar_order": 1,
                "layers": ("conv", "mlp"), "logdet": "exact", "base": "normal"} | settings
-    model = ResidualFlowTransformer(**options).to(device=device, dtype=F64)
+    model = ResidualSequenceFlow(**options).to(device=device, dtype=F64)
     _randomize_context_nets(model, scale=0.5)
     return model.eval()
 
@@ -443,9 +443,9 @@ def test_conditional_inputs_are_rejected(device):
 
 def test_unconditional_model_has_no_context_parts():
     torch.manual_seed(1)
-    plain = ResidualFlowTransformer(features=3, max_len=6, n_blocks=1, hidden=8)
+    plain = ResidualSequenceFlow(features=3, max_len=6, n_blocks=1, hidden=8)
     torch.manual_seed(1)
-    explicit = ResidualFlowTransformer(features=3, max_len=6, n_blocks=1, hidden=8,
+    explicit = ResidualSequenceFlow(features=3, max_len=6, n_blocks=1, hidden=8,
                                        context_features=0, num_classes=0)
     assert plain.context_encoder is None
     assert not any("context" in k for k in plain.state_dict())

@@ -817,11 +817,11 @@ def test_gap_density_keeps_time_positions() -> None:
     # positions: the values at the gap never matter, the exact log-density equals the
     # dense-Jacobian oracle over the observed frames, and it differs from the density of the
     # same frames moved together.
-    from iresflow.models.transformer import ResidualFlowTransformer
+    from iresflow.models.residual_flow import ResidualSequenceFlow
 
     torch.manual_seed(0)
     # After the keyword-settings change of the model constructor: features=2 as a keyword.
-    model = ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=6,
+    model = ResidualSequenceFlow(features=2, n_blocks=1, hidden=8, max_len=6,
                                     base="normal").double()
     model.train().log_prob(torch.randn(8, 4, 2, dtype=torch.float64) + 0.3, method="exact")
     model.eval()

@@ -44,7 +44,7 @@ from iresflow.inverse.fixed_point import default_tolerance, fixed_point_inverse
 from iresflow.logdet.exact import ExactLogDet
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.logdet.series import SeriesLogDet
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.nn.attention import (
     ContractiveL2MultiheadAttention,
     ContractiveLipschitzNormAttention,
@@ -98,11 +98,11 @@ def _entry(call: Callable[[Any, Any], Any], arg: str = "x", **kwargs: Any) -> En
     return EntryPoint(call, arg, kwargs.pop("shape_arg", arg), **kwargs)
 
 
-def _tiny_model(device: torch.device, dtype: torch.dtype, **kwargs: Any) -> ResidualFlowTransformer:
+def _tiny_model(device: torch.device, dtype: torch.dtype, **kwargs: Any) -> ResidualSequenceFlow:
     """One-block model with a learned positional table of MAX_LEN rows and initialised ActNorm."""
     options = {"n_blocks": 1, "hidden": 4, "heads": HEADS, "max_len": MAX_LEN,
                "positional": "learned"} | kwargs
-    model = ResidualFlowTransformer(features=FEATURES, **options).to(device=device, dtype=dtype)
+    model = ResidualSequenceFlow(features=FEATURES, **options).to(device=device, dtype=dtype)
     data = torch.randn(6, MAX_LEN, FEATURES, device=device, dtype=dtype) * 1.5 + 0.3
     model.train().log_prob(data, method="exact")
     return model.eval()
@@ -181,13 +181,13 @@ def build_zoo(device: torch.device, dtype: torch.dtype) -> dict[str, EntryPoint]
             lambda x, m: composite.inverse(x, mask=m), "inputs", ranks=(2, 3), solves=True,
             max_len=MAX_LEN,
         ),
-        "ResidualFlowTransformer.log_prob": _entry(
+        "ResidualSequenceFlow.log_prob": _entry(
             lambda x, m: model.log_prob(x, m, method="exact"), max_len=MAX_LEN
         ),
-        "ResidualFlowTransformer.transform_to_noise": _entry(
+        "ResidualSequenceFlow.transform_to_noise": _entry(
             lambda x, m: model.transform_to_noise(x, m), max_len=MAX_LEN
         ),
-        "ResidualFlowTransformer.inverse": _entry(
+        "ResidualSequenceFlow.inverse": _entry(
             lambda z, m: model.inverse(z, m), "z", solves=True, max_len=MAX_LEN
         ),
     }
@@ -201,8 +201,8 @@ ENTRY_POINTS = (
     "SeriesLogDet", "RouletteLogDet", "fixed_point_inverse", "ResidualTransform.forward",
     "ResidualTransform.inverse", "ActNorm.forward", "ActNorm.inverse",
     "SequenceCompositeTransform.forward", "SequenceCompositeTransform.inverse",
-    "ResidualFlowTransformer.log_prob", "ResidualFlowTransformer.transform_to_noise",
-    "ResidualFlowTransformer.inverse",
+    "ResidualSequenceFlow.log_prob", "ResidualSequenceFlow.transform_to_noise",
+    "ResidualSequenceFlow.inverse",
 )
 MASKED = tuple(name for name in ENTRY_POINTS if not name.endswith("Linear"))
 
@@ -215,7 +215,7 @@ def zoo(device: torch.device, dtype: torch.dtype) -> dict[str, EntryPoint]:
 
 
 @pytest.fixture(scope="module")
-def model(device: torch.device, dtype: torch.dtype) -> ResidualFlowTransformer:
+def model(device: torch.device, dtype: torch.dtype) -> ResidualSequenceFlow:
     torch.manual_seed(0)
     return _tiny_model(device, dtype)
 
@@ -474,7 +474,7 @@ def test_all_true_mask_equals_no_mask(zoo, device, dtype, name):
     _assert_same(entry.call(x, mask), entry.call(x, None), dtype, entry.solves)
 
 
-@pytest.mark.parametrize("name", ["ResidualTransform.inverse", "ResidualFlowTransformer.inverse"])
+@pytest.mark.parametrize("name", ["ResidualTransform.inverse", "ResidualSequenceFlow.inverse"])
 def test_inverse_accuracy_ignores_padded_values(zoo, device, dtype, name):
     entry = zoo[name]
     z = torch.randn(2, 3, FEATURES, device=device, dtype=dtype)
@@ -575,7 +575,7 @@ def test_autocast_is_not_rejected_by_the_dtype_gate(device):
 # hand-edited weights: the certificate is structural
 
 
-def _edit_weights(model: ResidualFlowTransformer, how: str) -> None:
+def _edit_weights(model: ResidualSequenceFlow, how: str) -> None:
     """Make every raw weight violate its constraint by far (scaled or replaced, times 100)."""
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():

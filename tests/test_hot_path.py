@@ -18,7 +18,7 @@ import torch
 
 import iresflow
 from iresflow.logdet.roulette import RouletteLogDet
-from iresflow.models import ResidualFlowTransformer
+from iresflow.models import ResidualSequenceFlow
 
 PACKAGE = Path(iresflow.__file__).parent
 
@@ -48,10 +48,10 @@ def _profile(call: Callable[[], object]) -> list[tuple[str, str]]:
     return calls
 
 
-def _default_model() -> tuple[ResidualFlowTransformer, torch.Tensor, torch.Tensor]:
+def _default_model() -> tuple[ResidualSequenceFlow, torch.Tensor, torch.Tensor]:
     """The default model in training mode, initialised, after one warm-up evaluation."""
     torch.manual_seed(0)
-    model = ResidualFlowTransformer(features=4, max_len=12).double()
+    model = ResidualSequenceFlow(features=4, max_len=12).double()
     x = torch.randn(3, 10, 4, dtype=torch.float64)
     mask = torch.ones(3, 10, dtype=torch.bool)
     model.initialize(x, mask)

@@ -20,7 +20,7 @@ from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.models.config import ModelConfig
 from iresflow.models.distributions import SequenceBase, StandardNormalSequence
 from iresflow.models.flow import SequenceFlow
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.nn.conditional import ConditionalBranch, ContextEncoder
 from iresflow.nn.linear import SpectralLinear
 from iresflow.nn.mlp import LipschitzMLP
@@ -81,10 +81,10 @@ def _conditional_chain(device, dtype, *tail) -> SequenceCompositeTransform:
     return SequenceCompositeTransform(steps).to(device=device, dtype=dtype)
 
 
-def _model(device, dtype, **settings) -> ResidualFlowTransformer:
+def _model(device, dtype, **settings) -> ResidualSequenceFlow:
     options = {"features": 2, "n_blocks": 1, "hidden": 8, "max_len": 5, "ar_order": 0,
                "layers": ("attention", "mlp")} | settings
-    model = ResidualFlowTransformer(**options).to(device=device, dtype=dtype)
+    model = ResidualSequenceFlow(**options).to(device=device, dtype=dtype)
     model.initialize(torch.randn(6, 4, 2, device=device, dtype=dtype) * 1.5 + 0.3)
     return model
 
@@ -271,7 +271,7 @@ def test_set_generator_reaches_every_estimator_and_reproduces_log_prob(device, d
 
 
 def test_initialize_sets_actnorm_from_the_whole_batch_and_nothing_else(device, dtype):
-    model = ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=5,
+    model = ResidualSequenceFlow(features=2, n_blocks=1, hidden=8, max_len=5,
                                     spectral_norm="power").to(device=device, dtype=dtype).eval()
     x = torch.randn(5, 4, 2, device=device, dtype=dtype) * 3 + 1
     mask = _mask([4, 1, 2, 3, 4], 4, device)
@@ -306,7 +306,7 @@ def test_a_training_call_initialises_the_chain_at_the_door_as_initialize_does(de
     models = []
     for _ in range(3):
         torch.manual_seed(0)
-        models.append(ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=5,
+        models.append(ResidualSequenceFlow(features=2, n_blocks=1, hidden=8, max_len=5,
                                               ar_order=1)
                       .to(device=device, dtype=dtype))
     explicit, lazy, evaluated = models
@@ -350,7 +350,7 @@ def test_jacrev_of_transform_to_noise_matches_autograd_jacobian(device, recipe):
 def test_a_default_training_step_reads_the_host_at_most_four_times():
     data = load_dataset("japanese_vowels")
     config = ModelConfig(features=data.features, max_len=data.max_len)
-    model = ResidualFlowTransformer(config)
+    model = ResidualSequenceFlow(config)
     optimiser = torch.optim.Adam(model.parameters())
     x, mask = data.train.x[:8], data.train.mask[:8]
 

@@ -26,7 +26,7 @@ from iresflow.models.distributions import (
     register_base,
 )
 from iresflow.models.registry import LAYERS, Registry, register_branch, register_step
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.nn.conditional import ConditionalBranch
 from tests.oracles import MixingBranch, jacobian_logdet
 
@@ -90,7 +90,7 @@ def test_a_registered_kind_and_base_build_an_exact_invertible_flow(registered, c
     config = ModelConfig(features=3, max_len=5, n_blocks=2, hidden=8, ar_order=1,
                          layers=("soft-mixing", "mix", "mlp"), base="logistic",
                          num_classes=2 if conditional else 0)
-    model = ResidualFlowTransformer(config).to(device=device, dtype=F64)
+    model = ResidualSequenceFlow(config).to(device=device, dtype=F64)
     steps = dict(model.residual_steps())
     assert set(steps) == {"block0.soft-mixing", "block0.mlp", "block1.soft-mixing", "block1.mlp"}
     branch = steps["block1.soft-mixing"].branch

@@ -8,13 +8,13 @@ from nflows.distributions import StandardNormal
 from nflows.flows import Flow
 from nflows.transforms import CompositeTransform, InverseTransform
 
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 
 
 @pytest.mark.parametrize("attention", ["l2", "lipschitznorm"])
 def test_flow_trains_and_samples_on_fixed_length_data(device, dtype, attention):
     n, d = 3, 2
-    model = ResidualFlowTransformer(features=d, n_blocks=1, hidden=8, max_len=n,
+    model = ResidualSequenceFlow(features=d, n_blocks=1, hidden=8, max_len=n,
                                     attention=attention, logdet="exact", base="normal")
     model = model.to(device=device, dtype=dtype)
     flow = Flow(model.transform, StandardNormal([n, d])).to(device=device, dtype=dtype)
@@ -55,7 +55,7 @@ def test_flow_trains_and_samples_on_fixed_length_data(device, dtype, attention):
 
 
 def test_inverse_then_forward_is_identity_with_zero_logdet(device, dtype):
-    model = ResidualFlowTransformer(features=2, n_blocks=2, hidden=8, max_len=4, logdet="exact")
+    model = ResidualSequenceFlow(features=2, n_blocks=2, hidden=8, max_len=4, logdet="exact")
     model = model.to(device=device, dtype=dtype)
     x = torch.randn(5, 4, 2, device=device, dtype=dtype) * 2 + 1
     model.transform.initialize(x)  # initialise the ActNorms

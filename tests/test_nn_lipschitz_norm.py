@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.nn.attention import ContractiveLipschitzNormAttention, DotProductMultiheadAttention
 from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
 from iresflow.nn.lipschitz_norm import (
@@ -285,7 +285,7 @@ def test_zero_tokens_give_finite_training_gradients(device, logdet, masked):
 
 
 def test_zero_tokens_give_finite_model_gradients(device):
-    model = ResidualFlowTransformer(
+    model = ResidualSequenceFlow(
         features=1, n_blocks=1, hidden=8, max_len=6, attention="lipschitznorm"
     )
     model = model.to(device=device, dtype=torch.float64).train()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from iresflow.models.config import ModelConfig
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
 from iresflow.nn.relative import SCORE_SCALE, RelativeMixingBranch
 
@@ -77,13 +77,13 @@ def test_a_sharp_offset_copies_the_frame_that_far_back() -> None:
 
 
 def test_model_setting_builds_relative_layers() -> None:
-    model = ResidualFlowTransformer(features=2, max_len=9, layers=("relative", "mlp"), n_blocks=1)
+    model = ResidualSequenceFlow(features=2, max_len=9, layers=("relative", "mlp"), n_blocks=1)
     (relative,) = [s.branch for s in model.transform.steps
                    if isinstance(getattr(s, "branch", None), RelativeMixingBranch)]
     assert relative.window == 8  # the longest sequence minus one
     config = ModelConfig(features=2, max_len=9, layers=("relative", "mlp"), relative_window=3,
                          attention="lipschitznorm")  # no attention layer: the kind is irrelevant
-    model = ResidualFlowTransformer(config)
+    model = ResidualSequenceFlow(config)
     assert [s.branch.window for s in model.transform.steps
             if isinstance(getattr(s, "branch", None), RelativeMixingBranch)] == [3] * 3
     with pytest.raises(ValueError, match="window"):

@@ -316,8 +316,8 @@ def test_training_and_runs_see_only_the_flow_contract() -> None:
         if path == PACKAGE / "train" / "factories.py":
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
-            if "ResidualFlowTransformer" in line and not line.lstrip().startswith((">>>", "...")):
+            if "ResidualSequenceFlow" in line and not line.lstrip().startswith((">>>", "...")):
                 offenders.append(f"{path.relative_to(PACKAGE)}:{number}")
     assert offenders == []
     factory = (PACKAGE / "train" / "factories.py").read_text()
-    assert "ResidualFlowTransformer(" in factory  # the test looks where the name is
+    assert "ResidualSequenceFlow(" in factory  # the test looks where the name is

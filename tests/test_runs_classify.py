@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from iresflow.data.splits import SequenceSplit
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.runs.classify import (
     bayes_classify,
     class_log_likelihoods,
@@ -17,9 +17,9 @@ from iresflow.runs.classify import (
 )
 
 
-def _labelled(batch: int = 5) -> tuple[ResidualFlowTransformer, SequenceSplit]:
+def _labelled(batch: int = 5) -> tuple[ResidualSequenceFlow, SequenceSplit]:
     """A label-conditional model whose context net is random (classes give distinct densities)."""
-    model = ResidualFlowTransformer(features=2, max_len=4, n_blocks=1, hidden=8, ar_order=0,
+    model = ResidualSequenceFlow(features=2, max_len=4, n_blocks=1, hidden=8, ar_order=0,
                                     num_classes=3, logdet="exact").double()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -53,7 +53,7 @@ def test_roulette_class_scores_share_their_draws_and_are_reproducible() -> None:
 
 
 def test_class_log_likelihoods_refuse_an_unconditional_model() -> None:
-    model = ResidualFlowTransformer(features=2, max_len=4, n_blocks=1, hidden=8)
+    model = ResidualSequenceFlow(features=2, max_len=4, n_blocks=1, hidden=8)
     _, split = _labelled()
     with pytest.raises(ValueError, match="label-conditional"):
         class_log_likelihoods(model, split)

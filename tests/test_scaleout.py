@@ -20,7 +20,7 @@ import torch
 from iresflow.cli import main
 from iresflow.data.datasets import SequenceSplit
 from iresflow.models.config import ModelConfig
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.runs.evaluate import evaluate_run
 from iresflow.runs.load import load_run
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint
@@ -113,7 +113,7 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_from_its_config(
 
 # -- sharded evaluation -----------------------------------------------------------------------
 def test_sharded_log_prob_is_split_log_prob_in_one_process() -> None:
-    model = ResidualFlowTransformer(features=2, max_len=5, n_blocks=1, hidden=4)
+    model = ResidualSequenceFlow(features=2, max_len=5, n_blocks=1, hidden=4)
     generator = torch.Generator().manual_seed(0)
     mask = torch.arange(5) < torch.randint(1, 6, (7, 1), generator=generator)
     x = torch.where(mask.unsqueeze(-1), torch.randn(7, 5, 2, generator=generator), 0.0)
@@ -131,7 +131,7 @@ def test_sharded_log_prob_is_split_log_prob_in_one_process() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_sharded_log_prob_on_cuda_matches_the_cpu() -> None:
-    model = ResidualFlowTransformer(features=2, max_len=4, n_blocks=1, hidden=4)
+    model = ResidualSequenceFlow(features=2, max_len=4, n_blocks=1, hidden=4)
     split = SequenceSplit(torch.randn(5, 4, 2, generator=torch.Generator().manual_seed(1)),
                           torch.ones(5, 4, dtype=torch.bool), torch.zeros(5, dtype=torch.float64))
     on_cpu, _ = sharded_log_prob(model, split, method="exact", batch_size=2)

@@ -12,7 +12,7 @@ import torch
 from iresflow.data.datasets import load_dataset
 from iresflow.data.store import write_store
 from iresflow.models.config import ModelConfig, default_heads
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.factories import (
     build_model,
@@ -54,10 +54,10 @@ def test_resolve_model_config_completes_settings_from_the_data() -> None:
     )
     wider = config.replace(model=config.model.replace(max_len=40, heads=2))
     assert resolve_model_config(wider, dataset).max_len == 40
-    reference = ResidualFlowTransformer(**resolved.to_dict())
+    reference = ResidualSequenceFlow(**resolved.to_dict())
     assert build_model(config, dataset).state_dict().keys() == reference.state_dict().keys()
     with pytest.raises(ConfigError, match="features must be set"):
-        ResidualFlowTransformer(config.model)
+        ResidualSequenceFlow(config.model)
 
 
 def test_a_conditional_model_needs_a_condition() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from iresflow.data.splits import SequenceSplit
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.train.factories import build_model, load_data
 from iresflow.train.likelihood import (
     batch_context,
@@ -33,9 +33,9 @@ def test_split_log_prob_matches_full_padded_batch() -> None:
     assert estimate.shape == stderr.shape == (len(dataset.val),)
 
 
-def _conditional(**settings: object) -> tuple[ResidualFlowTransformer, SequenceSplit]:
+def _conditional(**settings: object) -> tuple[ResidualSequenceFlow, SequenceSplit]:
     """A conditional model with a random context net, and labelled data with covariates."""
-    model = ResidualFlowTransformer(features=2, max_len=4, n_blocks=1, hidden=8, ar_order=0,
+    model = ResidualSequenceFlow(features=2, max_len=4, n_blocks=1, hidden=8, ar_order=0,
                                     **settings).double()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -71,7 +71,7 @@ def test_batch_context_follows_the_model() -> None:
     assert batch_context(model, split, index, cpu, label=0).tolist() == [0, 0]
     covariate_model, _ = _conditional(context_features=3)
     assert torch.equal(batch_context(covariate_model, split, index, cpu), split.covariates[index])
-    plain = ResidualFlowTransformer(features=2, max_len=4, n_blocks=1, hidden=8)
+    plain = ResidualSequenceFlow(features=2, max_len=4, n_blocks=1, hidden=8)
     assert batch_context(plain, split, index, cpu) is None
     with pytest.raises(ValueError, match="label-conditional"):
         batch_context(plain, split, index, cpu, label=0)

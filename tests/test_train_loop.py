@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.epoch import TrainingDivergedError
@@ -118,10 +118,10 @@ def test_the_run_records_the_automatic_val_fraction(tmp_path: Path) -> None:
 
 def _inject_nan(monkeypatch: pytest.MonkeyPatch, *, training: bool, call: int) -> None:
     """Make the ``call``-th log_prob of the model in training (or evaluation) mode return NaN."""
-    original = ResidualFlowTransformer.log_prob
+    original = ResidualSequenceFlow.log_prob
     calls = {"n": 0}
 
-    def log_prob(self: ResidualFlowTransformer, *args: object, **kwargs: object) -> torch.Tensor:
+    def log_prob(self: ResidualSequenceFlow, *args: object, **kwargs: object) -> torch.Tensor:
         value = original(self, *args, **kwargs)
         if self.training == training:
             calls["n"] += 1
@@ -129,7 +129,7 @@ def _inject_nan(monkeypatch: pytest.MonkeyPatch, *, training: bool, call: int) -
                 return value * torch.nan
         return value
 
-    monkeypatch.setattr(ResidualFlowTransformer, "log_prob", log_prob)
+    monkeypatch.setattr(ResidualSequenceFlow, "log_prob", log_prob)
 
 
 def test_nan_loss_skips_the_step_with_a_warning(

@@ -17,7 +17,7 @@ from iresflow.models.reference import (
     AutoregressiveGaussian,
     positionwise_evidence,
 )
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.runs.load import load_run
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.factories import load_data, resolve_model_config
@@ -177,12 +177,12 @@ def test_auto_decides_from_the_data_and_the_run_records_the_decision(tmp_path: P
     assert profiles.model.position_norm == "auto"
     model = resolve_model_config(profiles, load_data(profiles))
     assert model.position_norm == "on"
-    names = [name for name, _ in ResidualFlowTransformer(model).transform.named_steps()]
+    names = [name for name, _ in ResidualSequenceFlow(model).transform.named_steps()]
     assert names[:2] == ["input.positionwise", "input.autoregressive"]
-    off = ResidualFlowTransformer(model.replace(position_norm="off"))
+    off = ResidualSequenceFlow(model.replace(position_norm="off"))
     assert [name for name, _ in off.transform.named_steps()][:2] == ["input.actnorm",
                                                                      "input.autoregressive"]
-    assert ResidualFlowTransformer(model.replace(position_norm="auto")).state_dict().keys() \
+    assert ResidualSequenceFlow(model.replace(position_norm="auto")).state_dict().keys() \
         == off.state_dict().keys()  # a model built without data: off
     train(profiles, tmp_path / "run", progress=False)
     assert 'position_norm = "on"' in RunPaths(tmp_path / "run").config.read_text()

@@ -1,6 +1,6 @@
 """The model's settings: one record, the single source of every model default.
 
-:class:`ModelConfig` is what :class:`~iresflow.models.transformer.ResidualFlowTransformer` is
+:class:`ModelConfig` is what :class:`~iresflow.models.residual_flow.ResidualSequenceFlow` is
 built from, what the training configuration embeds (as its field ``model``), what the command
 line turns into flags and what a checkpoint stores. Every check of a model setting lives in
 :meth:`ModelConfig.check`.
@@ -44,7 +44,7 @@ def default_heads(features: int) -> int:
 
 @dataclass(frozen=True)
 class ModelConfig(SettingsRecord):
-    """Every setting of a residual-flow Transformer, validated on construction.
+    """Every setting of a residual sequence flow, validated on construction.
 
     ``features`` and ``max_len`` describe the data; they may be left ``None`` while the data is
     not known yet (the training configuration fills them from the dataset), but a model can only

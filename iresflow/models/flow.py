@@ -18,7 +18,7 @@ trust it; the log-determinant method is chosen by
 random counts drawn for it, and the data-dependent initialisation is the chain's
 (:meth:`~iresflow.transforms.base.SequenceTransform.initialize`), which the data-to-noise
 methods call at the door in training mode while the chain is not initialised. Ready-made models
-such as :class:`~iresflow.models.transformer.ResidualFlowTransformer` only build the chain.
+such as :class:`~iresflow.models.residual_flow.ResidualSequenceFlow` only build the chain.
 The path of one :meth:`SequenceFlow.log_prob`, step by step: docs/architecture.md#log-prob-path.
 """
 

@@ -53,8 +53,8 @@ def class_log_likelihoods(
         ValueError: the model is not label-conditional.
 
     Example:
-        >>> from iresflow.models.transformer import ResidualFlowTransformer
-        >>> model = ResidualFlowTransformer(features=1, max_len=3, n_blocks=1, hidden=4,
+        >>> from iresflow.models.residual_flow import ResidualSequenceFlow
+        >>> model = ResidualSequenceFlow(features=1, max_len=3, n_blocks=1, hidden=4,
         ...                                 num_classes=2)
         >>> split = SequenceSplit(torch.randn(5, 3, 1), torch.ones(5, 3, dtype=torch.bool),
         ...                       torch.zeros(5))

@@ -163,8 +163,8 @@ def check_guarantees(model: SequenceFlow, source: str | os.PathLike) -> None:
         CheckpointError: a non-finite tensor or a certified bound ``>= 1``.
 
     Example:
-        >>> from iresflow.models.transformer import ResidualFlowTransformer
-        >>> model = ResidualFlowTransformer(features=2, max_len=4, n_blocks=1, hidden=4)
+        >>> from iresflow.models.residual_flow import ResidualSequenceFlow
+        >>> model = ResidualSequenceFlow(features=2, max_len=4, n_blocks=1, hidden=4)
         >>> check_guarantees(model, "fresh model")
     """
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):

@@ -20,7 +20,7 @@ from iresflow.data.store import StoredSplit
 from iresflow.models.config import ModelConfig
 from iresflow.models.flow import SequenceFlow
 from iresflow.models.reference import positionwise_evidence
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.distributed import current_world
 
@@ -198,4 +198,4 @@ def build_model(config: TrainConfig, dataset: SequenceDataset) -> SequenceFlow:
         >>> build_model(config, load_data(config)).max_len
         29
     """
-    return ResidualFlowTransformer(resolve_model_config(config, dataset))
+    return ResidualSequenceFlow(resolve_model_config(config, dataset))

@@ -137,8 +137,8 @@ def batch_context(
             model that is not label-conditional.
 
     Example:
-        >>> from iresflow.models.transformer import ResidualFlowTransformer
-        >>> model = ResidualFlowTransformer(features=1, max_len=3, n_blocks=1, hidden=4,
+        >>> from iresflow.models.residual_flow import ResidualSequenceFlow
+        >>> model = ResidualSequenceFlow(features=1, max_len=3, n_blocks=1, hidden=4,
         ...                                 num_classes=2)
         >>> mask = torch.ones(3, 3, dtype=torch.bool)
         >>> split = SequenceSplit(torch.zeros(3, 3, 1), mask, torch.zeros(3),
@@ -189,8 +189,8 @@ def split_log_prob(
         standard error of the roulette average) is ``None`` unless ``n_samples > 1``.
 
     Example:
-        >>> from iresflow.models.transformer import ResidualFlowTransformer
-        >>> model = ResidualFlowTransformer(features=2, max_len=3, n_blocks=1, hidden=4)
+        >>> from iresflow.models.residual_flow import ResidualSequenceFlow
+        >>> model = ResidualSequenceFlow(features=2, max_len=3, n_blocks=1, hidden=4)
         >>> split = SequenceSplit(torch.randn(5, 3, 2), torch.ones(5, 3, dtype=torch.bool),
         ...                       torch.zeros(5, dtype=torch.float64))
         >>> log_prob, stderr = split_log_prob(model.double(), split, method="exact")
@@ -302,8 +302,8 @@ def sharded_log_prob(
 
     Example:
         >>> from iresflow.models.config import ModelConfig
-        >>> from iresflow.models.transformer import ResidualFlowTransformer
-        >>> model = ResidualFlowTransformer(features=2, max_len=3, n_blocks=1, hidden=4)
+        >>> from iresflow.models.residual_flow import ResidualSequenceFlow
+        >>> model = ResidualSequenceFlow(features=2, max_len=3, n_blocks=1, hidden=4)
         >>> split = SequenceSplit(torch.randn(5, 3, 2), torch.ones(5, 3, dtype=torch.bool),
         ...                       torch.zeros(5, dtype=torch.float64))
         >>> log_prob, _ = sharded_log_prob(model, split, method="exact", batch_size=2)

@@ -44,9 +44,9 @@ from iresflow.transforms.conditional import ConditionalAffine
 from iresflow.transforms.positionwise import PositionwiseAffine
 from iresflow.transforms.temporal import AutoregressiveLinear
 
-__all__ = ["ResidualFlowTransformer"]
+__all__ = ["ResidualSequenceFlow"]
 
-class ResidualFlowTransformer(SequenceFlow):
+class ResidualSequenceFlow(SequenceFlow):
     r"""Residual flow for (variable-length) sequences, built from a block recipe.
 
     An ``ActNorm`` and an autoregressive linear layer of order ``ar_order`` at the data end
@@ -99,8 +99,8 @@ class ResidualFlowTransformer(SequenceFlow):
 
     Every setting, with its default, is a field of
     :class:`~iresflow.models.config.ModelConfig`; :attr:`config` holds the one the model was
-    built from, so ``ResidualFlowTransformer(model.config)`` (or
-    ``ResidualFlowTransformer(**model.config.to_dict())``) rebuilds the architecture for a
+    built from, so ``ResidualSequenceFlow(model.config)`` (or
+    ``ResidualSequenceFlow(**model.config.to_dict())``) rebuilds the architecture for a
     saved ``state_dict``.
 
     The MLP layers normalise with exact spectral norms (``spectral_norm="exact"``, the default;
@@ -121,7 +121,7 @@ class ResidualFlowTransformer(SequenceFlow):
 
     Example:
         >>> import torch
-        >>> model = ResidualFlowTransformer(features=3, n_blocks=1, hidden=8, max_len=6)
+        >>> model = ResidualSequenceFlow(features=3, n_blocks=1, hidden=8, max_len=6)
         >>> model = model.double().eval()
         >>> x = torch.randn(2, 5, 3, dtype=torch.float64)
         >>> mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])

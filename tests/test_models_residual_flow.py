@@ -1,4 +1,4 @@
-"""The sequence residual-flow Transformer and its positional encodings
+"""The residual sequence flow (ResidualSequenceFlow) and its positional encodings
 (docs/math.md#contractive-attention, #change-of-variables, #actnorm)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from iresflow.models.config import ConfigError, ModelConfig, default_heads
 from iresflow.models.distributions import StandardNormalSequence, StudentTSequence
-from iresflow.models.transformer import ResidualFlowTransformer
+from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.nn.positional import (
     LearnedPositionalEncoding,
@@ -26,7 +26,7 @@ def _mask(lengths: list[int], n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
 
 
-def _model(device, dtype, *, features=2, seq_len=3, **kwargs) -> ResidualFlowTransformer:
+def _model(device, dtype, *, features=2, seq_len=3, **kwargs) -> ResidualSequenceFlow:
     """A tiny model with ActNorm initialised on shifted, scaled data, in eval mode.
 
     The recipe is the attention Transformer (``attention`` and ``mlp`` layers, no autoregressive
@@ -35,7 +35,7 @@ def _model(device, dtype, *, features=2, seq_len=3, **kwargs) -> ResidualFlowTra
     """
     options = {"n_blocks": 1, "hidden": 8, "max_len": 6, "ar_order": 0,
                "layers": ("attention", "mlp"), "base": "normal"} | kwargs
-    model = ResidualFlowTransformer(features=features, **options).to(device=device, dtype=dtype)
+    model = ResidualSequenceFlow(features=features, **options).to(device=device, dtype=dtype)
     data = torch.randn(8, seq_len, features, device=device, dtype=dtype) * 1.7 + 0.3
     model.train().log_prob(data, method="exact")
     return model.eval()
@@ -123,7 +123,7 @@ def test_inverse_of_forward_is_identity(device, dtype, config):
 
 
 def test_chunked_exact_training_initialises_actnorm_from_the_whole_batch(device, dtype):
-    model = ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=4).to(device=device,
+    model = ResidualSequenceFlow(features=2, n_blocks=1, hidden=8, max_len=4).to(device=device,
                                                                             dtype=dtype)
     x = torch.randn(5, 4, 2, device=device, dtype=dtype) * 3 + 1
     mask = _mask([4, 1, 2, 3, 4], 4, device)
@@ -217,7 +217,7 @@ def test_sample_shapes_masks_and_reproducibility(device, dtype):
 @pytest.mark.parametrize("method", [None, "exact"])
 @pytest.mark.parametrize("config", CONFIGS[1:3] + CONFIGS[4:], ids=_config_id)
 def test_every_parameter_gets_a_gradient(device, dtype, method, config):
-    model = ResidualFlowTransformer(features=2, hidden=8, max_len=4, **(config | {"n_blocks": 2}))
+    model = ResidualSequenceFlow(features=2, hidden=8, max_len=4, **(config | {"n_blocks": 2}))
     model = model.to(device=device, dtype=dtype)
     x = torch.randn(4, 3, 2, device=device, dtype=dtype)
     mask = _mask([3, 2, 3, 1], 3, device)
@@ -232,7 +232,7 @@ def test_save_load_round_trip(device, dtype):
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     config = json.loads(json.dumps(model.config.to_dict()))
-    rebuilt = ResidualFlowTransformer(**config).to(device=device, dtype=dtype)
+    rebuilt = ResidualSequenceFlow(**config).to(device=device, dtype=dtype)
     rebuilt.load_state_dict(model.state_dict())
     x = torch.randn(3, 4, 2, device=device, dtype=dtype)
     mask = _mask([4, 2, 3], 4, device)
@@ -257,7 +257,7 @@ def test_transform_is_the_flow(device, dtype):
 
 
 def test_exact_and_roulette_agree_within_four_standard_errors(device, dtype):
-    model = ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=4).to(device=device,
+    model = ResidualSequenceFlow(features=2, n_blocks=1, hidden=8, max_len=4).to(device=device,
                                                                             dtype=dtype)
     data = torch.randn(16, 4, 2, device=device, dtype=dtype) @ torch.tensor(
         [[1.0, 0.8], [0.0, 0.5]], device=device, dtype=dtype)
@@ -298,7 +298,7 @@ def test_lipschitz_report(device, dtype):
 
 
 def test_lipschitz_report_describes_the_evaluation_mode_model(device, dtype):
-    model = ResidualFlowTransformer(features=2, n_blocks=1, hidden=8, max_len=4, coeff=0.8,
+    model = ResidualSequenceFlow(features=2, n_blocks=1, hidden=8, max_len=4, coeff=0.8,
                                     spectral_norm="power", ar_order=0,
                                     layers=("attention", "mlp"))
     model = model.to(device=device, dtype=dtype).train()
@@ -318,7 +318,7 @@ def test_lipschitz_report_describes_the_evaluation_mode_model(device, dtype):
 
 
 def test_config_and_defaults(device, dtype):
-    model = ResidualFlowTransformer(features=12, n_blocks=4, max_len=512,
+    model = ResidualSequenceFlow(features=12, n_blocks=4, max_len=512,
                                     layers=("attention", "mlp"), ar_order=0, base="normal")
     assert model.config.to_dict() == {
         "features": 12, "n_blocks": 4, "hidden": 64, "heads": None, "coeff": 0.9,
@@ -329,18 +329,18 @@ def test_config_and_defaults(device, dtype):
         "position_norm": "auto",
     }
     assert type(model.base) is StandardNormalSequence
-    heavy = ResidualFlowTransformer(model.config, base="multivariate-t").base
+    heavy = ResidualSequenceFlow(model.config, base="multivariate-t").base
     assert isinstance(heavy, StudentTSequence) and heavy.group == "frame"
     assert model.config.resolved_heads == 4
     assert model.config == ModelConfig(features=12, n_blocks=4, max_len=512,
                                        layers=("attention", "mlp"), ar_order=0, base="normal")
-    default = ResidualFlowTransformer(features=12, max_len=8).base
+    default = ResidualSequenceFlow(features=12, max_len=8).base
     assert isinstance(default, StudentTSequence) and default.group == "sequence"
-    assert ResidualFlowTransformer(**model.config.to_dict()).config == model.config
-    assert ResidualFlowTransformer(model.config, hidden=8).config == model.config.replace(hidden=8)
+    assert ResidualSequenceFlow(**model.config.to_dict()).config == model.config
+    assert ResidualSequenceFlow(model.config, hidden=8).config == model.config.replace(hidden=8)
     assert [default_heads(d) for d in (1, 2, 3, 4, 5, 6, 12)] == [1, 2, 3, 4, 1, 3, 4]
     assert len(model.lipschitz_report(seq_len=2, n_inputs=1)) == 8
-    none = ResidualFlowTransformer(features=3, n_blocks=3, layers=("mlp",), ar_order=0,
+    none = ResidualSequenceFlow(features=3, n_blocks=3, layers=("mlp",), ar_order=0,
                                    max_len=16)
     assert len(none.lipschitz_report()) == 3
 
@@ -379,23 +379,23 @@ def test_bad_inputs_raise(device, dtype):
     with pytest.raises(ValueError, match="max_len"):
         model.lipschitz_report(seq_len=7)
     with pytest.raises(ValueError, match="heads"):
-        ResidualFlowTransformer(features=4, heads=3)
+        ResidualSequenceFlow(features=4, heads=3)
     with pytest.raises(ValueError, match="attention"):
-        ResidualFlowTransformer(features=4, attention="dot")
+        ResidualSequenceFlow(features=4, attention="dot")
     with pytest.raises(ValueError, match="positional"):
-        ResidualFlowTransformer(features=4, positional="rotary")
+        ResidualSequenceFlow(features=4, positional="rotary")
     with pytest.raises(ValueError, match="coeff"):
-        ResidualFlowTransformer(features=4, coeff=1.0)
+        ResidualSequenceFlow(features=4, coeff=1.0)
     with pytest.raises(ValueError, match="logdet"):
-        ResidualFlowTransformer(features=4, logdet="hutchinson")
+        ResidualSequenceFlow(features=4, logdet="hutchinson")
     with pytest.raises(ConfigError, match="features"):
-        ResidualFlowTransformer(features=4.0, max_len=4)
+        ResidualSequenceFlow(features=4.0, max_len=4)
     with pytest.raises(ConfigError, match="max_len"):
-        ResidualFlowTransformer(features=4)
+        ResidualSequenceFlow(features=4)
     with pytest.raises(ConfigError, match="unknown option"):
-        ResidualFlowTransformer(features=4, max_len=4, blocks=2)
+        ResidualSequenceFlow(features=4, max_len=4, blocks=2)
     with pytest.raises(TypeError, match="config"):
-        ResidualFlowTransformer(4)
+        ResidualSequenceFlow(4)
 
 
 # ------------------------------------------------------------------------------------------
@@ -454,7 +454,7 @@ def test_positional_branch_rejects_non_branches():
 def test_autoregressive_layers_mix_with_residual_steps(device, dtype, conditional):
     # The autoregressive step kind in a block recipe: exact log-density against the dense
     # Jacobian of the whole flow, an exact inverse by Jacobi sweeps, gradients everywhere.
-    model = ResidualFlowTransformer(
+    model = ResidualSequenceFlow(
         features=2, hidden=8, max_len=5, n_blocks=2, ar_order=1, base="normal",
         layers=("autoregressive", "conv"), num_classes=2 if conditional else 0,
     ).to(device=device, dtype=dtype)
@@ -490,3 +490,13 @@ def test_autoregressive_layers_mix_with_residual_steps(device, dtype, conditiona
     torch.testing.assert_close(x_back, x, atol=1e3 * tol, rtol=1e3 * tol)
     sweeps = steps["block1.autoregressive"].last_inverse_stats.iterations
     assert int(sweeps.max()) <= 6  # at most N + 1 sweeps
+
+
+def test_the_former_name_still_builds_the_model_with_a_warning():
+    import iresflow.models
+
+    with pytest.warns(DeprecationWarning, match="now ResidualSequenceFlow"):
+        cls = iresflow.models.ResidualFlowTransformer
+    assert cls is ResidualSequenceFlow
+    with pytest.raises(AttributeError, match="no attribute 'ResidualFlowTransformers'"):
+        iresflow.models.ResidualFlowTransformers  # noqa: B018
