@@ -490,6 +490,9 @@ def test_autoregressive_layers_mix_with_residual_steps(device, dtype, conditiona
     torch.testing.assert_close(x_back, x, atol=1e3 * tol, rtol=1e3 * tol)
     sweeps = steps["block1.autoregressive"].last_inverse_stats.iterations
     assert int(sweeps.max()) <= 6  # at most N + 1 sweeps
+    reported = {block["name"]: block for block in model.inverse_diagnostics()["blocks"]}
+    assert reported["block1.autoregressive"]["max_iterations"] == int(sweeps.max())
+    assert {"block0.autoregressive", "block0.conv", "block1.conv"} <= set(reported)
 
 
 def test_the_former_name_still_builds_the_model_with_a_warning():

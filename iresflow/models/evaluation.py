@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from iresflow.nn.base import BranchWrapper
 from iresflow.nn.diagnostics import jacobian_norm
@@ -121,11 +121,13 @@ def average_estimates(estimate: Callable[[], Tensor], n_samples: int) -> tuple[T
     return stacked.mean(0), stacked.detach().std(0) / math.sqrt(n_samples)
 
 
-def inverse_diagnostics(steps: Sequence[tuple[str, ResidualTransform]]) -> dict[str, Any]:
-    """Convergence of the last fixed-point inverses of residual blocks.
+def inverse_diagnostics(steps: Sequence[tuple[str, nn.Module]]) -> dict[str, Any]:
+    """Convergence of the last fixed-point inverses of the steps of a chain.
 
     Args:
-        steps: ``(name, block)`` pairs.
+        steps: ``(name, step)`` pairs of steps with the ``last_inverse_stats``
+            (:class:`~iresflow.inverse.fixed_point.InverseStats` or ``None``) of their last
+            inverse: residual blocks and autoregressive steps.
 
     Returns:
         ``{"max_iterations": int, "max_residual": float, "converged": bool, "blocks":

@@ -318,9 +318,14 @@ class SequenceFlow(nn.Module):
     def inverse_diagnostics(self) -> dict[str, Any]:
         """Convergence of the fixed-point inverses of the last :meth:`inverse` / :meth:`sample`.
 
-        See :func:`~iresflow.models.evaluation.inverse_diagnostics`.
+        Every step inverted by the fixed-point engine reports (the residual blocks and the
+        autoregressive steps, whose ``last_inverse_stats`` the engine fills); see
+        :func:`~iresflow.models.evaluation.inverse_diagnostics`.
         """
-        return evaluation.inverse_diagnostics(self.residual_steps())
+        return evaluation.inverse_diagnostics([
+            (name, step) for name, step in self.transform.named_steps()
+            if hasattr(step, "last_inverse_stats")
+        ])
 
     @torch.no_grad()
     def lipschitz_report(
