@@ -46,6 +46,13 @@ class Columns:
         """Number of rows."""
         return len(next(iter(self.columns.values()))) if self.columns else 0
 
+    def cell(self, name: str, row: int) -> Any:
+        """The cell of column ``name`` in row ``row`` as a Python value, for messages."""
+        value = self.columns[name][row]
+        if isinstance(value, np.datetime64):
+            return str(value)
+        return value.item() if isinstance(value, np.generic) else value
+
     def where(self, row: int) -> str:
         """Where row ``row`` is, for messages: ``line 7`` of a CSV file, else ``row 5``."""
         return f"line {self.lines[row]}" if self.lines is not None else f"row {row}"

@@ -231,7 +231,7 @@ def _numeric_columns(table: Columns, layout: TableLayout) -> tuple[str, ...]:
             row = texts[0]
             raise ValueError(
                 f"{table.where(row)}: column {name!r} holds numbers and text "
-                f"({column[row]!r}); name the value columns (value_columns) to choose"
+                f"({table.cell(name, row)!r}); name the value columns (value_columns) to choose"
             )
     if not chosen:
         raise ValueError(f"no column of numbers besides the id and time columns (the columns: "
@@ -252,8 +252,8 @@ def _numbers(table: Columns, name: str) -> np.ndarray:
         parsed = [number(cell) for cell in column]
         if None in parsed:
             row = parsed.index(None)
-            raise ValueError(f"{table.where(row)}: column {name!r}: {column[row]!r} is not a "
-                             "number")
+            raise ValueError(f"{table.where(row)}: column {name!r}: {table.cell(name, row)!r} "
+                             "is not a number")
         values = np.array(parsed, dtype=np.float64)
     infinite = np.flatnonzero(np.isinf(values))
     if infinite.size:
@@ -269,7 +269,7 @@ def _series_codes(table: Columns, id_column: str | None) -> tuple[np.ndarray, li
     index: dict[Any, int] = {}
     codes = np.empty(table.rows, dtype=np.int64)
     for row, key in enumerate(table.columns[id_column].tolist()):
-        if missing(key):
+        if missing(key) or key == "":
             raise ValueError(f"{table.where(row)}: column {id_column!r}: missing series id")
         codes[row] = index.setdefault(key, len(index))
     return codes, list(index)
@@ -304,7 +304,7 @@ def _positions(table: Columns, layout: TableLayout, series: np.ndarray,
     if off_grid.any():
         row = int(order[np.flatnonzero(off_grid)[0]])
         raise ValueError(
-            f"{table.where(row)}: time {table.columns[layout.time_column][row]!r} of series "
+            f"{table.where(row)}: time {table.cell(layout.time_column, row)!r} of series "
             f"{keys[series[row]]!r} is not a whole number of steps of {_describe(step, unit)} "
             "after the series' first time (the step is the most common difference between "
             "consecutive times of a series); irregular times are not supported"
@@ -314,7 +314,7 @@ def _positions(table: Columns, layout: TableLayout, series: np.ndarray,
         earlier, row = sorted(order[repeated[0] : repeated[0] + 2])
         raise ValueError(
             f"{table.where(row)}: series {keys[series[row]]!r} has two rows at time "
-            f"{table.columns[layout.time_column][row]!r} (also {table.where(earlier)})"
+            f"{table.cell(layout.time_column, row)!r} (also {table.where(earlier)})"
         )
     positions = np.empty(table.rows, dtype=np.int64)
     positions[order] = steps
@@ -348,8 +348,8 @@ def _ticks(table: Columns, name: str) -> tuple[np.ndarray, str]:
         bad = next((k for k, numeric in enumerate(kinds) if numeric != kinds[0]), None)
     if bad is not None:
         raise ValueError(
-            f"{table.where(bad)}: column {name!r}: {column[bad]!r} is not a time (every row "
-            "needs a number or an ISO date or datetime, all of one kind)"
+            f"{table.where(bad)}: column {name!r}: {table.cell(name, bad)!r} is not a time "
+            "(every row needs a number or an ISO date or datetime, all of one kind)"
         )
     if column.dtype.kind == "M":
         return _calendar_ticks(column.astype("datetime64[ns]"))
