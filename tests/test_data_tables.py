@@ -357,7 +357,9 @@ def test_train_config_holds_the_table_settings() -> None:
         TrainConfig(window=8)
     with pytest.raises(ConfigError, match="stride = 2 needs a window"):
         TrainConfig(data="s.csv", stride=2)
-    TrainConfig(data="s.parquet", test_data="t.csv")  # any two user files
+    TrainConfig(data="s.parquet", test_data="t.csv")  # two tables
+    with pytest.raises(ConfigError, match="test_data = 't.npz' is not a file of the kind of data"):
+        TrainConfig(data="s.csv", test_data="t.npz")
 
 
 def test_csv_parquet_and_data_frame_train_bit_identically(tmp_path: Path) -> None:

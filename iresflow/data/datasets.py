@@ -223,9 +223,13 @@ def _warn_small_splits(name: str, indices: tuple[Tensor, Tensor, Tensor]) -> Non
 
 
 def _load_user(
-    kind: str, file: Path | Any, test_file: Path | Any | None, seed: int,
-    val_fraction: float | None, layout: TableLayout,
+    kind: str, path: str | os.PathLike | Any | None, test_path: str | os.PathLike | Any | None,
+    seed: int, val_fraction: float | None, layout: TableLayout,
 ) -> SequenceDataset:
+    if path is None:
+        raise ValueError(f"load_dataset({kind!r}) needs path= pointing to {USER_SOURCES[kind]}")
+    file, test_file = (value if value is None or is_data_frame(value)
+                       else Path(value).expanduser() for value in (path, test_path))
     raw, mask = read_user_file(kind, file, layout)
     names = read_user_labels(kind, file)
     covariates = read_npz_covariates(file) if kind == "npz" else None
@@ -319,7 +323,7 @@ def load_dataset(
     name: str,
     *,
     seed: int = 0,
-    path: str | os.PathLike | None = None,
+    path: str | os.PathLike | Any | None = None,
     val_fraction: float | None = None,
     test_path: str | os.PathLike | Any | None = None,
     memory_cap: int = 0,
@@ -343,9 +347,8 @@ def load_dataset(
       training split's observed frames; nats/frame.
       Missing frames (a boolean ``mask`` in ``.npz``, ``?``/``NaN`` in ``.ts``) are unobserved.
       A ``UserWarning`` names every split with fewer than :data:`MIN_SPLIT_SEQUENCES` sequences.
-    * ``table``: a long-format ``.csv`` or ``.parquet`` file or a pandas DataFrame at ``path``
-      (a file also as ``name``), read as ``table`` says (:func:`~iresflow.data.tables.read_table`),
-      then split and standardised like an ``npz`` file.
+    * ``table``: a long-format table at ``path`` (or a file as ``name``), read as ``table``
+      says (:func:`~iresflow.data.tables.read_table`), then split like an ``npz`` file.
     * a sequence-store folder (:mod:`iresflow.data.store`) as ``name``: data larger than memory,
       read from disk (:class:`~iresflow.data.store.StoredSplit`), split like a user file without
       a test file, standardised in one streaming pass; nats/frame.
@@ -375,30 +378,17 @@ def load_dataset(
         (640, torch.Size([370, 29, 12]))
     """
     _check_load_arguments(name, seed, val_fraction, path, test_path, memory_cap, table)
-    table = None if table == TableLayout() else table  # the defaults: no setting given
     if is_store(name):
-        if path is not None or test_path is not None or table is not None:
-            raise ValueError(f"a store folder takes no path, test_path or table ({name!r})")
+        if path is not None or test_path is not None:
+            raise ValueError(f"a store folder takes no path or test_path ({name!r})")
         return _load_store(Path(name).expanduser(), seed, val_fraction, memory_cap)
     kind = user_file_kind(name)
     if kind is not None:
         if path is not None:
             raise ValueError(f"give the file either as name or as path, not both ({name!r})")
         name, path = kind, name
-    if name != "table":
-        if table is not None:
-            raise ValueError(f"table is only used by table data (.csv, .parquet, a pandas "
-                             f"DataFrame), not {name!r}")
-        if any(is_data_frame(value) for value in (path, test_path)):
-            raise ValueError(f"a DataFrame is table data (load_dataset('table', path=frame)), "
-                             f"not {name!r}")
     if name in _USER_KINDS:
-        if path is None:
-            raise ValueError(f"load_dataset({name!r}) needs path= pointing to "
-                             f"{USER_SOURCES[name]}")
-        file, test_file = (value if value is None or is_data_frame(value)
-                           else Path(value).expanduser() for value in (path, test_path))
-        return _load_user(name, file, test_file, seed, val_fraction, table or TableLayout())
+        return _load_user(name, path, test_path, seed, val_fraction, table or TableLayout())
     for label, value in (("path", path), ("test_path", test_path)):
         if value is not None:
             raise ValueError(f"{label} is only used by user files, not {name!r}")
@@ -408,6 +398,18 @@ def load_dataset(
             f"in {', '.join(USER_FILE_SUFFIXES)}, or a sequence-store folder)"
         )
     return _LOADERS[name](seed, val_fraction)
+
+
+def _check_table_arguments(name: str, path: object, test_path: object, table: object) -> None:
+    """Table settings and DataFrames are for table data only (``ValueError``)."""
+    if name == "table" or user_file_kind(name) == "table":
+        return
+    if table not in (None, TableLayout()):
+        raise ValueError(f"table is only used by table data (.csv, .parquet, a pandas DataFrame), "
+                         f"not {name!r}")
+    if any(is_data_frame(value) for value in (path, test_path)):
+        raise ValueError(f"a DataFrame is table data (load_dataset('table', path=frame)), not "
+                         f"{name!r}")
 
 
 def _check_load_arguments(
@@ -439,5 +441,6 @@ def _check_load_arguments(
                             f"{type(value).__name__}")
     if table is not None and not isinstance(table, TableLayout):
         raise TypeError(f"table must be a TableLayout or None, got {type(table).__name__}")
+    _check_table_arguments(name, path, test_path, table)
     if isinstance(memory_cap, bool) or not isinstance(memory_cap, int) or memory_cap < 0:
         raise ValueError(f"memory_cap must be an int >= 0 (megabytes), got {memory_cap!r}")

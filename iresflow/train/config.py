@@ -223,12 +223,16 @@ class TrainConfig(SettingsRecord):
             raise ConfigError("data must name a dataset or a file")
         self._validate_condition()
         if self.test_data is not None:
-            for name in ("data", "test_data"):
-                if not getattr(self, name).lower().endswith(USER_FILE_SUFFIXES):
+            kinds = [user_file_kind(getattr(self, name)) for name in ("data", "test_data")]
+            for name, kind in zip(("data", "test_data"), kinds, strict=True):
+                if kind is None:
                     raise ConfigError(
-                        f"test_data needs data and test_data to be .npz, .ts, .csv or .parquet "
-                        f"files, got {name} = {getattr(self, name)!r}"
+                        f"test_data needs data and test_data to be .npz or .ts files, or tables "
+                        f"(.csv, .parquet), got {name} = {getattr(self, name)!r}"
                     )
+            if kinds[0] != kinds[1]:
+                raise ConfigError(f"test_data = {self.test_data!r} is not a file of the kind of "
+                                  f"data = {self.data!r}")
         if self.table != TableLayout() and user_file_kind(self.data) != "table":
             name = next(name for name in TABLE_SETTINGS if getattr(self, name) is not None)
             raise ConfigError(f"{name} is a setting of table data (a .csv or .parquet file), "
