@@ -27,7 +27,14 @@ from torch import Tensor
 
 from iresflow._settings import ConfigError, SettingsRecord, check_minimum, setting
 from iresflow.data.readers import observed_frames, pad_sequences
-from iresflow.data.table_columns import Columns, is_data_frame, missing, number, read_columns
+from iresflow.data.table_columns import (
+    Columns,
+    is_data_frame,
+    missing,
+    number,
+    numbers,
+    read_columns,
+)
 
 __all__ = ["TABLE_SETTINGS", "TABLE_SUFFIXES", "TableLayout", "read_table", "table_setting"]
 
@@ -187,18 +194,17 @@ def _sequences(table: Columns, layout: TableLayout) -> tuple[Tensor, Tensor]:
             raise ValueError(f"no column {name!r} (the columns: {', '.join(names)})")
     if table.rows == 0:
         raise ValueError("no rows (an empty table)")
-    value_names = layout.value_columns or _numeric_columns(table, layout)
-    values = np.stack([_numbers(table, name) for name in value_names], axis=1)  # (rows, D)
-    series, keys = _series_codes(table, layout.id_column)
-    positions = _positions(table, layout, series, keys)
+    values = _values(table, layout)  # (rows, D)
+    series, labels = _series_codes(table, layout.id_column)
+    positions = _positions(table, layout, series, labels)
     by_series = np.split(np.argsort(series, kind="stable"), np.cumsum(np.bincount(series))[:-1])
     sequences = []
-    for key, rows in zip(keys, by_series, strict=True):
-        frames = np.full((int(positions[rows].max()) + 1, len(value_names)), np.nan)
+    for label, rows in zip(labels, by_series, strict=True):
+        frames = np.full((int(positions[rows].max()) + 1, values.shape[1]), np.nan)
         frames[positions[rows]] = values[rows]
         observed = ~np.isnan(frames).any(axis=1)
         if not observed.any():
-            raise ValueError(f"series {key!r} has no frame without a missing value")
+            raise ValueError(f"{label} has no frame without a missing value")
         sequences += _windows(torch.from_numpy(frames), torch.from_numpy(observed), layout)
     if not sequences:
         raise ValueError(f"no window of {layout.window} frames (stride {layout.stride}) holds "
@@ -207,76 +213,62 @@ def _sequences(table: Columns, layout: TableLayout) -> tuple[Tensor, Tensor]:
     return observed_frames(x, mask)
 
 
-def _numeric_columns(table: Columns, layout: TableLayout) -> tuple[str, ...]:
-    """The default value columns: every column of numbers but the id and time columns.
+def _values(table: Columns, layout: TableLayout) -> np.ndarray:
+    """The values ``(rows, D)``, float64, NaN at missing values: of ``value_columns``, or of
+    every column of numbers but the id and time columns.
 
-    A column counts when its values are numbers; one that holds numbers and text is an error
-    rather than left out silently (it may be a column of numbers with a typing mistake).
+    Raises:
+        ValueError: a named column with a cell that is not a number, an unnamed one that holds
+            numbers and text (it may be a column of numbers with a typing mistake), Inf, or no
+            column of numbers.
     """
+    named = layout.value_columns is not None
+    names = layout.value_columns or [name for name in table.columns
+                                      if name not in (layout.id_column, layout.time_column)]
     chosen = []
-    for name, column in table.columns.items():
-        if name in (layout.id_column, layout.time_column):
+    for name in names:
+        values, text = numbers(table.columns[name])
+        all_missing = bool(np.isnan(values).all())
+        if text.any():
+            row = int(np.flatnonzero(text)[0])
+            if named:
+                raise ValueError(f"{table.where(row)}: column {name!r}: "
+                                 f"{table.cell(name, row)!r} is not a number")
+            if not all_missing:
+                raise ValueError(
+                    f"{table.where(row)}: column {name!r} holds numbers and text "
+                    f"({table.cell(name, row)!r}); name the value columns (value_columns) to "
+                    "choose"
+                )
+        if text.any() or all_missing and not named:  # text, or a column of empty cells
             continue
-        if column.dtype.kind in "iuf":
-            chosen.append(name)
-            continue
-        parsed = [number(cell) for cell in column]
-        texts = [k for k, value in enumerate(parsed) if value is None]
-        if not texts:
-            if any(not np.isnan(value) for value in parsed):  # not a column of empty cells
-                chosen.append(name)
-        elif len(texts) < len(parsed) and any(
-            value is not None and not np.isnan(value) for value in parsed
-        ):
-            row = texts[0]
-            raise ValueError(
-                f"{table.where(row)}: column {name!r} holds numbers and text "
-                f"({table.cell(name, row)!r}); name the value columns (value_columns) to choose"
-            )
+        infinite = np.flatnonzero(np.isinf(values))
+        if infinite.size:
+            raise ValueError(f"{table.where(int(infinite[0]))}: column {name!r}: Inf values are "
+                             "not allowed (leave a value empty to mark it missing)")
+        chosen.append(values)
     if not chosen:
         raise ValueError(f"no column of numbers besides the id and time columns (the columns: "
                          f"{', '.join(table.columns)})")
-    return tuple(chosen)
+    return np.stack(chosen, axis=1)
 
 
-def _numbers(table: Columns, name: str) -> np.ndarray:
-    """A value column as float64, NaN at missing values.
-
-    Raises:
-        ValueError: a cell that is not a number, or Inf, naming its row and the column.
-    """
-    column = table.columns[name]
-    if column.dtype.kind in "iuf":
-        values = column.astype(np.float64)
-    else:
-        parsed = [number(cell) for cell in column]
-        if None in parsed:
-            row = parsed.index(None)
-            raise ValueError(f"{table.where(row)}: column {name!r}: {table.cell(name, row)!r} "
-                             "is not a number")
-        values = np.array(parsed, dtype=np.float64)
-    infinite = np.flatnonzero(np.isinf(values))
-    if infinite.size:
-        raise ValueError(f"{table.where(int(infinite[0]))}: column {name!r}: Inf values are not "
-                         "allowed (leave a value empty to mark it missing)")
-    return values
-
-
-def _series_codes(table: Columns, id_column: str | None) -> tuple[np.ndarray, list[Any]]:
-    """The series of every row (an index into the keys) and the keys, in order of first row."""
+def _series_codes(table: Columns, id_column: str | None) -> tuple[np.ndarray, list[str]]:
+    """The series of every row (an index, in order of first rows) and the series' names for
+    messages (``series 'a'``)."""
     if id_column is None:
-        return np.zeros(table.rows, dtype=np.int64), ["(the only series)"]
+        return np.zeros(table.rows, dtype=np.int64), ["the series"]
     index: dict[Any, int] = {}
     codes = np.empty(table.rows, dtype=np.int64)
     for row, key in enumerate(table.columns[id_column].tolist()):
         if missing(key) or key == "":
             raise ValueError(f"{table.where(row)}: column {id_column!r}: missing series id")
         codes[row] = index.setdefault(key, len(index))
-    return codes, list(index)
+    return codes, [f"series {key!r}" for key in index]
 
 
 def _positions(table: Columns, layout: TableLayout, series: np.ndarray,
-               keys: list[Any]) -> np.ndarray:
+               labels: list[str]) -> np.ndarray:
     """Every row's frame within its series: its rank in the table's order without a time column,
     else its number of steps after the series' first time.
 
@@ -304,8 +296,8 @@ def _positions(table: Columns, layout: TableLayout, series: np.ndarray,
     if off_grid.any():
         row = int(order[np.flatnonzero(off_grid)[0]])
         raise ValueError(
-            f"{table.where(row)}: time {table.cell(layout.time_column, row)!r} of series "
-            f"{keys[series[row]]!r} is not a whole number of steps of {_describe(step, unit)} "
+            f"{table.where(row)}: time {table.cell(layout.time_column, row)!r} of "
+            f"{labels[series[row]]} is not a whole number of steps of {_describe(step, unit)} "
             "after the series' first time (the step is the most common difference between "
             "consecutive times of a series); irregular times are not supported"
         )
@@ -313,7 +305,7 @@ def _positions(table: Columns, layout: TableLayout, series: np.ndarray,
     if repeated.size:
         earlier, row = sorted(order[repeated[0] : repeated[0] + 2])
         raise ValueError(
-            f"{table.where(row)}: series {keys[series[row]]!r} has two rows at time "
+            f"{table.where(row)}: {labels[series[row]]} has two rows at time "
             f"{table.cell(layout.time_column, row)!r} (also {table.where(earlier)})"
         )
     positions = np.empty(table.rows, dtype=np.int64)
