@@ -52,8 +52,8 @@ from iresflow.data.user_files import (
     user_file_kind,
 )
 
-__all__ = ["USER_FILE_SUFFIXES", "SequenceDataset", "SequenceSplit", "available_datasets",
-           "class_indices", "default_val_fraction", "load_dataset", "user_file_kind"]
+__all__ = ["SequenceDataset", "SequenceSplit", "available_datasets", "class_indices",
+           "default_val_fraction", "load_dataset"]
 
 _FILES = Path(__file__).resolve().parent / "files"
 
