@@ -71,7 +71,8 @@ def co2_differences_oracle() -> np.ndarray:
 
 def test_available_datasets() -> None:
     assert available_datasets() == ["japanese_vowels", "digits_rows", "co2_windows",
-                                    "repeated_motif", "nonlinear_seasonal", "npz", "ts"]
+                                    "repeated_motif", "nonlinear_seasonal", "npz", "ts",
+                                    "table"]
 
 
 @pytest.mark.parametrize(

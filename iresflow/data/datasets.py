@@ -13,11 +13,12 @@ import warnings
 from collections.abc import Callable
 from functools import lru_cache, partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from iresflow.data.npz import read_npz, read_npz_covariates, read_npz_labels
+from iresflow.data.npz import read_npz_covariates
 from iresflow.data.preprocessing import (
     LogitTransform,
     Preprocessing,
@@ -26,15 +27,30 @@ from iresflow.data.preprocessing import (
     uniform_dequantize,
 )
 from iresflow.data.readers import (
-    observed_frames,
     pad_sequences,
     pad_to,
     read_ts,
     read_weekly_csv,
 )
-from iresflow.data.splits import SequenceDataset, SequenceSplit, default_val_fraction
+from iresflow.data.splits import (
+    SequenceDataset,
+    SequenceSplit,
+    default_val_fraction,
+    random_split,
+    split_sizes,
+)
 from iresflow.data.store import SequenceStore, StoredSplit, is_store
 from iresflow.data.synthetic import load_synthetic, synthetic_names
+from iresflow.data.table_columns import is_data_frame
+from iresflow.data.tables import TableLayout
+from iresflow.data.user_files import (
+    USER_FILE_SUFFIXES,
+    USER_SOURCES,
+    read_user_file,
+    read_user_labels,
+    source_name,
+    user_file_kind,
+)
 
 __all__ = ["SequenceDataset", "SequenceSplit", "available_datasets", "class_indices",
            "default_val_fraction", "load_dataset"]
@@ -62,27 +78,6 @@ CO2_RESOLUTION = 0.1
 def _val_fraction(val_fraction: float | None, total: int) -> float:
     """``val_fraction``, or :func:`default_val_fraction` of ``total`` sequences if ``None``."""
     return default_val_fraction(total) if val_fraction is None else val_fraction
-
-
-def _split_sizes(total: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
-    n_val = max(1, round(val_fraction * total))
-    n_test = max(1, round(test_fraction * total)) if test_fraction > 0 else 0
-    n_train = total - n_val - n_test
-    if n_train < 2:
-        raise ValueError(
-            f"{total} sequences are too few to split with val_fraction={val_fraction} and "
-            f"test_fraction={test_fraction} (the training split needs at least 2)"
-        )
-    return n_train, n_val, n_test
-
-
-def _random_split(
-    total: int, val_fraction: float, test_fraction: float, generator: torch.Generator
-) -> tuple[Tensor, Tensor, Tensor]:
-    n_train, n_val, _ = _split_sizes(total, val_fraction, test_fraction)
-    perm = torch.randperm(total, generator=generator)
-    train, val, test = perm[:n_train], perm[n_train : n_train + n_val], perm[n_train + n_val :]
-    return train.sort().values, val.sort().values, test.sort().values
 
 
 def _dataset(
@@ -163,7 +158,7 @@ def _load_japanese_vowels(seed: int, val_fraction: float | None) -> SequenceData
     generator = torch.Generator().manual_seed(seed)
     n_official = len(train_cases)
     val_fraction = _val_fraction(val_fraction, n_official)
-    train, val, _ = _random_split(n_official, val_fraction, 0.0, generator)
+    train, val, _ = random_split(n_official, val_fraction, 0.0, generator)
     test = torch.arange(n_official, raw.shape[0])
     return _standardised("japanese_vowels", raw, mask, (train, val, test), speakers,
                          val_fraction=val_fraction)
@@ -186,7 +181,7 @@ def _load_digits_rows(seed: int, val_fraction: float | None) -> SequenceDataset:
     raw = uniform_dequantize(images, 1.0, centred=False, generator=generator)
     mask = torch.ones(raw.shape[:2], dtype=torch.bool)
     val_fraction = _val_fraction(val_fraction, raw.shape[0])
-    indices = _random_split(raw.shape[0], val_fraction, TEST_FRACTION, generator)
+    indices = random_split(raw.shape[0], val_fraction, TEST_FRACTION, generator)
     parts = tuple((raw[i], mask[i]) for i in indices)
     return _dataset("digits_rows", "bits/dim", parts, LogitTransform(DIGITS_LEVELS, DIGITS_ALPHA),
                     val_fraction=val_fraction)
@@ -199,7 +194,7 @@ def _load_co2_windows(seed: int, val_fraction: float | None) -> SequenceDataset:
     noisy = uniform_dequantize(filled, CO2_RESOLUTION, centred=True, generator=generator)
     diffs = noisy.diff()  # (T - 1,) weekly differences in ppm
     val_fraction = _val_fraction(val_fraction, diffs.shape[0])
-    n_train, n_val, _ = _split_sizes(diffs.shape[0], val_fraction, CO2_TEST_FRACTION)
+    n_train, n_val, _ = split_sizes(diffs.shape[0], val_fraction, CO2_TEST_FRACTION)
     segments = diffs[:n_train], diffs[n_train : n_train + n_val], diffs[n_train + n_val :]
     parts: list[tuple[Tensor, Tensor]] = []
     for segment in segments:
@@ -215,22 +210,6 @@ def _load_co2_windows(seed: int, val_fraction: float | None) -> SequenceDataset:
                     val_fraction=val_fraction)
 
 
-def _read_user_file(kind: str, file: Path) -> tuple[Tensor, Tensor]:
-    """Padded raw sequences ``(B, N, D)`` and the mask of observed frames of a user file."""
-    if kind == "npz":
-        return read_npz(file)
-    raw, mask = pad_sequences(read_ts(file).series)
-    try:
-        return observed_frames(raw, mask)
-    except ValueError as error:
-        raise ValueError(f"{file}: {error}") from None
-
-
-def _read_user_labels(kind: str, file: Path) -> list[str] | None:
-    """Class labels of a user file: ``y`` of an ``.npz``, the ``:label`` fields of a ``.ts``."""
-    return read_npz_labels(file) if kind == "npz" else read_ts(file).labels
-
-
 def _warn_small_splits(name: str, indices: tuple[Tensor, Tensor, Tensor]) -> None:
     """``UserWarning`` for every split with fewer than :data:`MIN_SPLIT_SEQUENCES` sequences."""
     for label, index in zip(("train", "val", "test"), indices, strict=True):
@@ -244,14 +223,19 @@ def _warn_small_splits(name: str, indices: tuple[Tensor, Tensor, Tensor]) -> Non
 
 
 def _load_user(
-    kind: str, file: Path, test_file: Path | None, seed: int, val_fraction: float | None
+    kind: str, path: str | os.PathLike | Any | None, test_path: str | os.PathLike | Any | None,
+    seed: int, val_fraction: float | None, layout: TableLayout,
 ) -> SequenceDataset:
-    raw, mask = _read_user_file(kind, file)
-    names = _read_user_labels(kind, file)
+    if path is None:
+        raise ValueError(f"load_dataset({kind!r}) needs path= pointing to {USER_SOURCES[kind]}")
+    file, test_file = (value if value is None or is_data_frame(value)
+                       else Path(value).expanduser() for value in (path, test_path))
+    raw, mask = read_user_file(kind, file, layout)
+    names = read_user_labels(kind, file)
     covariates = read_npz_covariates(file) if kind == "npz" else None
-    test = None if test_file is None else _read_user_file(kind, test_file)
+    test = None if test_file is None else read_user_file(kind, test_file, layout)
     if test_file is not None and names is not None:
-        test_names = _read_user_labels(kind, test_file)
+        test_names = read_user_labels(kind, test_file)
         names = None if test_names is None else names + test_names
     if test_file is not None and covariates is not None:
         test_covariates = read_npz_covariates(test_file)
@@ -261,26 +245,27 @@ def _load_user(
     try:
         if test is None:
             val_fraction = _val_fraction(val_fraction, raw.shape[0])
-            indices = _random_split(raw.shape[0], val_fraction, TEST_FRACTION, generator)
+            indices = random_split(raw.shape[0], val_fraction, TEST_FRACTION, generator)
         else:
             test_raw, test_mask = test
             if test_raw.shape[2] != raw.shape[2]:
                 raise ValueError(
-                    f"the test file {test_file} has {test_raw.shape[2]} features per frame, "
-                    f"the training file {raw.shape[2]}"
+                    f"the test file {source_name(test_file)} has {test_raw.shape[2]} features "
+                    f"per frame, the training file {raw.shape[2]}"
                 )
             length = max(raw.shape[1], test_raw.shape[1])
             parts = (pad_to(raw, mask, length), pad_to(test_raw, test_mask, length))
             n_train_file = raw.shape[0]
             val_fraction = _val_fraction(val_fraction, n_train_file)
             raw, mask = (torch.cat(pair) for pair in zip(*parts, strict=True))
-            train, val, _ = _random_split(n_train_file, val_fraction, 0.0, generator)
+            train, val, _ = random_split(n_train_file, val_fraction, 0.0, generator)
             indices = (train, val, torch.arange(n_train_file, raw.shape[0]))
-        _warn_small_splits(file.name, indices)
+        name = file.name if isinstance(file, Path) else "DataFrame"
+        _warn_small_splits(name, indices)
         labels = None if names is None else class_indices(names)
-        return _standardised(file.name, raw, mask, indices, labels, covariates, val_fraction)
+        return _standardised(name, raw, mask, indices, labels, covariates, val_fraction)
     except ValueError as error:
-        raise ValueError(f"{file}: {error}") from None
+        raise ValueError(f"{source_name(file)}: {error}") from None
 
 
 def _load_store(
@@ -290,7 +275,7 @@ def _load_store(
     generator = torch.Generator().manual_seed(seed)
     val_fraction = _val_fraction(val_fraction, len(store))
     try:
-        indices = _random_split(len(store), val_fraction, TEST_FRACTION, generator)
+        indices = random_split(len(store), val_fraction, TEST_FRACTION, generator)
     except ValueError as error:
         raise ValueError(f"{folder}: {error}") from None
     _warn_small_splits(folder.name, indices)
@@ -316,15 +301,16 @@ _LOADERS: dict[str, Callable[[int, float | None], SequenceDataset]] = {
     "co2_windows": _load_co2_windows,
     **{name: partial(load_synthetic, name) for name in synthetic_names()},
 }
-_USER_KINDS = ("npz", "ts")
+_USER_KINDS = tuple(USER_SOURCES)
 
 
 def available_datasets() -> list[str]:
-    """Names accepted by :func:`load_dataset` (besides a path ending in ``.npz``/``.ts``).
+    """Names accepted by :func:`load_dataset` (besides a path ending in one of
+    :data:`USER_FILE_SUFFIXES`).
 
     Returns:
         ``["japanese_vowels", "digits_rows", "co2_windows", "repeated_motif",
-        "nonlinear_seasonal", "npz", "ts"]``.
+        "nonlinear_seasonal", "npz", "ts", "table"]``.
 
     Example:
         >>> "japanese_vowels" in available_datasets()
@@ -337,12 +323,13 @@ def load_dataset(
     name: str,
     *,
     seed: int = 0,
-    path: str | os.PathLike | None = None,
+    path: str | os.PathLike | Any | None = None,
     val_fraction: float | None = None,
-    test_path: str | os.PathLike | None = None,
+    test_path: str | os.PathLike | Any | None = None,
     memory_cap: int = 0,
+    table: TableLayout | None = None,
 ) -> SequenceDataset:
-    """Load a dataset by name, user sequences from an ``.npz``/``.ts`` file, or a store folder.
+    """Load a dataset by name, user sequences from a file or a DataFrame, or a store folder.
 
     Every loader is offline and deterministic given ``seed`` (random splits, dequantisation):
     * ``japanese_vowels``: official 270/370 train/test split; ``val_fraction`` of the official
@@ -360,20 +347,23 @@ def load_dataset(
       training split's observed frames; nats/frame.
       Missing frames (a boolean ``mask`` in ``.npz``, ``?``/``NaN`` in ``.ts``) are unobserved.
       A ``UserWarning`` names every split with fewer than :data:`MIN_SPLIT_SEQUENCES` sequences.
+    * ``table``: a long-format table at ``path`` (or a file as ``name``), read as ``table``
+      says (:func:`~iresflow.data.tables.read_table`), then split like an ``npz`` file.
     * a sequence-store folder (:mod:`iresflow.data.store`) as ``name``: data larger than memory,
       read from disk (:class:`~iresflow.data.store.StoredSplit`), split like a user file without
       a test file, standardised in one streaming pass; nats/frame.
 
     Args:
-        name: One of :func:`available_datasets`, or a path ending in ``.npz``, ``.ts`` or
-            ``.ts.gz``.
+        name: One of :func:`available_datasets`, or a path ending in one of
+            :data:`USER_FILE_SUFFIXES`.
         seed: Seed of the torch generator for splits and dequantisation.
-        path: The user file for ``"npz"`` and ``"ts"``.
+        path: The user file for ``"npz"``, ``"ts"`` and ``"table"`` (also a DataFrame).
         val_fraction: Fraction in ``(0, 1)`` for validation; ``None``: :func:`default_val_fraction`.
         test_path: Optional test file of a user dataset, in the format of the training file.
         memory_cap: For a store, megabytes its memory map may keep resident before it is
             re-opened, which bounds the memory the data occupy (0: no cap; see
             :class:`~iresflow.data.store.SequenceStore`).
+        table: For table data, its columns and windows (default: ``TableLayout()``).
 
     Returns:
         The dataset.
@@ -387,32 +377,39 @@ def load_dataset(
         >>> len(ds.train) + len(ds.val) + len(ds.test), ds.test.x.shape
         (640, torch.Size([370, 29, 12]))
     """
-    _check_load_arguments(name, seed, val_fraction, path, test_path, memory_cap)
+    _check_load_arguments(name, seed, val_fraction, path, test_path, memory_cap, table)
     if is_store(name):
         if path is not None or test_path is not None:
             raise ValueError(f"a store folder takes no path or test_path ({name!r})")
         return _load_store(Path(name).expanduser(), seed, val_fraction, memory_cap)
-    key = name
-    lowered = name.lower()
-    if lowered.endswith((".npz", ".ts", ".ts.gz")):
+    kind = user_file_kind(name)
+    if kind is not None:
         if path is not None:
             raise ValueError(f"give the file either as name or as path, not both ({name!r})")
-        key, path = ("npz" if lowered.endswith(".npz") else "ts"), name
-    if key in _USER_KINDS:
-        if path is None:
-            raise ValueError(f"load_dataset({key!r}) needs path= pointing to a .{key} file")
-        file = Path(path).expanduser()
-        test_file = Path(test_path).expanduser() if test_path is not None else None
-        return _load_user(key, file, test_file, seed, val_fraction)
-    if key not in _LOADERS:
-        raise ValueError(
-            f"unknown dataset {name!r}; available: {available_datasets()} "
-            "(or a path ending in .npz, .ts or .ts.gz, or a sequence-store folder)"
-        )
+        name, path = kind, name
+    if name in _USER_KINDS:
+        return _load_user(name, path, test_path, seed, val_fraction, table or TableLayout())
     for label, value in (("path", path), ("test_path", test_path)):
         if value is not None:
-            raise ValueError(f"{label} is only used by the 'npz' and 'ts' loaders, not {name!r}")
-    return _LOADERS[key](seed, val_fraction)
+            raise ValueError(f"{label} is only used by user files, not {name!r}")
+    if name not in _LOADERS:
+        raise ValueError(
+            f"unknown dataset {name!r}; available: {available_datasets()} (or a path ending "
+            f"in {', '.join(USER_FILE_SUFFIXES)}, or a sequence-store folder)"
+        )
+    return _LOADERS[name](seed, val_fraction)
+
+
+def _check_table_arguments(name: str, path: object, test_path: object, table: object) -> None:
+    """Table settings and DataFrames are for table data only (``ValueError``)."""
+    if name == "table" or user_file_kind(name) == "table":
+        return
+    if table not in (None, TableLayout()):
+        raise ValueError(f"table is only used by table data (.csv, .parquet, a pandas DataFrame), "
+                         f"not {name!r}")
+    if any(is_data_frame(value) for value in (path, test_path)):
+        raise ValueError(f"a DataFrame is table data (load_dataset('table', path=frame)), not "
+                         f"{name!r}")
 
 
 def _check_load_arguments(
@@ -422,6 +419,7 @@ def _check_load_arguments(
     path: object,
     test_path: object,
     memory_cap: object,
+    table: object,
 ) -> None:
     """Types and ranges of :func:`load_dataset`'s arguments (``TypeError``/``ValueError``)."""
     if not isinstance(name, str):
@@ -436,7 +434,13 @@ def _check_load_arguments(
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
     for label, value in (("path", path), ("test_path", test_path)):
-        if value is not None and not isinstance(value, str | os.PathLike):
-            raise TypeError(f"{label} must be a str or os.PathLike, got {type(value).__name__}")
+        if value is not None and not isinstance(value, str | os.PathLike) and not is_data_frame(
+            value
+        ):
+            raise TypeError(f"{label} must be a str, os.PathLike or a pandas DataFrame, got "
+                            f"{type(value).__name__}")
+    if table is not None and not isinstance(table, TableLayout):
+        raise TypeError(f"table must be a TableLayout or None, got {type(table).__name__}")
+    _check_table_arguments(name, path, test_path, table)
     if isinstance(memory_cap, bool) or not isinstance(memory_cap, int) or memory_cap < 0:
         raise ValueError(f"memory_cap must be an int >= 0 (megabytes), got {memory_cap!r}")

@@ -27,7 +27,9 @@ from iresflow._validation import check_finite, check_mask, check_sequence
 from iresflow.data.preprocessing import Preprocessing
 from iresflow.data.store import StoredSplit
 
-__all__ = ["SequenceDataset", "SequenceSplit", "default_val_fraction"]
+__all__ = [
+    "SequenceDataset", "SequenceSplit", "default_val_fraction", "random_split", "split_sizes",
+]
 
 _UNITS = ("nats/frame", "bits/dim")
 
@@ -64,6 +66,42 @@ def default_val_fraction(total: int) -> float:
     if isinstance(total, bool) or not isinstance(total, int) or total < 1:
         raise ValueError(f"total must be an int >= 1, got {total!r}")
     return min(max(VAL_FRACTION, MIN_VAL_SEQUENCES / total), MAX_VAL_FRACTION)
+
+
+def split_sizes(total: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
+    """Sizes of the training, validation and test splits of ``total`` sequences: at least one
+    for validation, one for test unless ``test_fraction`` is 0, the rest (at least 2) training.
+
+    Raises:
+        ValueError: fewer than two sequences left for training.
+
+    Example:
+        >>> split_sizes(100, 0.1, 0.1), split_sizes(20, 0.25, 0.0)
+        ((80, 10, 10), (15, 5, 0))
+    """
+    n_val = max(1, round(val_fraction * total))
+    n_test = max(1, round(test_fraction * total)) if test_fraction > 0 else 0
+    n_train = total - n_val - n_test
+    if n_train < 2:
+        raise ValueError(
+            f"{total} sequences are too few to split with val_fraction={val_fraction} and "
+            f"test_fraction={test_fraction} (the training split needs at least 2)"
+        )
+    return n_train, n_val, n_test
+
+
+def random_split(
+    total: int, val_fraction: float, test_fraction: float, generator: torch.Generator
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A random split of ``total`` sequences into the sizes of :func:`split_sizes`.
+
+    Returns:
+        The sorted int64 indices of the training, validation and test sequences.
+    """
+    n_train, n_val, _ = split_sizes(total, val_fraction, test_fraction)
+    perm = torch.randperm(total, generator=generator)
+    train, val, test = perm[:n_train], perm[n_train : n_train + n_val], perm[n_train + n_val :]
+    return train.sort().values, val.sort().values, test.sort().values
 
 
 @dataclass

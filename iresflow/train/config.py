@@ -43,6 +43,8 @@ from iresflow._settings import (
     setting,
 )
 from iresflow.data.splits import MAX_VAL_FRACTION, MIN_VAL_SEQUENCES, VAL_FRACTION
+from iresflow.data.tables import TABLE_SETTINGS, TableLayout, table_setting
+from iresflow.data.user_files import USER_FILE_SUFFIXES, user_file_kind
 from iresflow.models.config import ModelConfig
 
 __all__ = [
@@ -68,9 +70,6 @@ MODEL_SETTINGS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name
 #: noise density was standard normal before ``base`` existed, and no layer was per position
 #: before ``position_norm``.
 SETTINGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"base": "normal", "position_norm": "off"}
-
-#: Endings of ``data`` (and ``test_data``) that name a user file rather than a dataset.
-USER_FILE_SUFFIXES = (".npz", ".ts", ".ts.gz")
 
 
 @dataclass(frozen=True)
@@ -100,8 +99,8 @@ class TrainConfig(SettingsRecord):
 
     # data
     data: str = setting(
-        "japanese_vowels", "dataset name (docs/datasets.md), path to a .npz/.ts file, or a "
-        "sequence-store folder"
+        "japanese_vowels", "dataset name (docs/datasets.md), path to a .npz, .ts, .csv or "
+        ".parquet file, or a sequence-store folder"
     )
     val_fraction: float | None = setting(
         None, "fraction of the training sequences held out for validation",
@@ -113,6 +112,12 @@ class TrainConfig(SettingsRecord):
         "test file of data given as a file, in its format (e.g. the _TEST.ts of a UEA _TRAIN.ts)",
         unset="10% of the data file",
     )
+    # table data (.csv, .parquet): the settings of TableLayout (docs/datasets.md#tables)
+    id_column: str | None = table_setting("id_column")
+    time_column: str | None = table_setting("time_column")
+    value_columns: tuple[str, ...] | None = table_setting("value_columns")
+    window: int | None = table_setting("window")
+    stride: int | None = table_setting("stride")
     max_train: int | None = setting(
         None, "use at most this many training sequences (smoke tests)", unset="all"
     )
@@ -218,12 +223,29 @@ class TrainConfig(SettingsRecord):
             raise ConfigError("data must name a dataset or a file")
         self._validate_condition()
         if self.test_data is not None:
-            for name in ("data", "test_data"):
-                if not getattr(self, name).lower().endswith(USER_FILE_SUFFIXES):
+            kinds = [user_file_kind(getattr(self, name)) for name in ("data", "test_data")]
+            for name, kind in zip(("data", "test_data"), kinds, strict=True):
+                if kind is None:
                     raise ConfigError(
-                        f"test_data needs data and test_data to be .npz or .ts files, got "
-                        f"{name} = {getattr(self, name)!r}"
+                        f"test_data needs data and test_data to be .npz or .ts files, or tables "
+                        f"(.csv, .parquet), got {name} = {getattr(self, name)!r}"
                     )
+            if kinds[0] != kinds[1]:
+                raise ConfigError(f"test_data = {self.test_data!r} is not a file of the kind of "
+                                  f"data = {self.data!r}")
+        if self.table != TableLayout() and user_file_kind(self.data) != "table":
+            name = next(name for name in TABLE_SETTINGS if getattr(self, name) is not None)
+            raise ConfigError(f"{name} is a setting of table data (a .csv or .parquet file), "
+                              f"not of data = {self.data!r}")
+
+    @property
+    def table(self) -> TableLayout:
+        """The settings of table data as a :class:`~iresflow.data.tables.TableLayout`.
+
+        Raises:
+            ConfigError: settings that do not go together (a stride without a window).
+        """
+        return TableLayout(**{name: getattr(self, name) for name in TABLE_SETTINGS})
 
     def _validate_condition(self) -> None:
         """The model's context settings against ``condition`` (those the data decide are checked
@@ -252,7 +274,7 @@ class TrainConfig(SettingsRecord):
 
         Example:
             >>> names = [f.name for f, _ in TrainConfig.settings()]
-            >>> tuple(names[4:7])
+            >>> tuple(names[9:12])
             ('max_eval', 'condition', 'max_len')
         """
         model_fields = [

@@ -60,7 +60,7 @@ def load_data(config: TrainConfig) -> SequenceDataset:
     """Load the dataset of a configuration, with random subsets of ``max_train``/``max_eval``.
 
     A ``test_data`` file becomes the test split (:func:`~iresflow.data.datasets.load_dataset`
-    with ``test_path``).
+    with ``test_path``); table data are read as the table settings say (``table``).
 
     Raises:
         ConfigError: unknown dataset, missing or malformed file (the message of
@@ -74,8 +74,7 @@ def load_data(config: TrainConfig) -> SequenceDataset:
     try:
         dataset = load_dataset(
             config.data, seed=config.seed, val_fraction=config.val_fraction,
-            test_path=config.test_data,
-            memory_cap=config.memory_cap,
+            test_path=config.test_data, memory_cap=config.memory_cap, table=config.table,
         )
     except (ValueError, OSError, ImportError) as error:
         raise ConfigError(f"cannot load dataset {config.data!r}: {error}") from None
