@@ -32,6 +32,7 @@ from iresflow._validation import (
     check_int,
     check_mask,
     check_sequence,
+    is_transformed,
     under_functorch_transform,
 )
 from iresflow.nn.activations import LipSwish
@@ -149,8 +150,7 @@ class SpectralConv1d(nn.Module):
         :math:`\max(1, \|\cdot\| / c)` of the effective taps, both 0-dim and differentiable: the
         one definition of the normalisation (one call per forward)."""
         weight = self.weight
-        # A weight wrapped by a torch.func transform (is_transformed) hides its values: no cache.
-        if torch._C._functorch.is_functorch_wrapped_tensor(weight):
+        if is_transformed(weight):  # a torch.func transform hides its values: no cache
             norm = circular_conv_norm(weight, self.period)
         else:
             cache = self._cache

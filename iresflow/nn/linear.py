@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from iresflow._validation import (
     check_dtype_device,
     check_int,
+    is_transformed,
     under_functorch_transform,
 )
 
@@ -268,7 +269,7 @@ class SpectralLinear(_NormalizedLinear):
     def _norm(self) -> Tensor:
         """Exact :math:`\\|W\\|_2` with gradient, from the value-keyed SVD cache."""
         weight = self.weight
-        if torch._C._functorch.is_functorch_wrapped_tensor(weight):  # is_transformed
+        if is_transformed(weight):
             # Parameters passed through a transform (e.g. per-sample gradients): no caching.
             return torch.linalg.matrix_norm(weight, 2)
         cache = self._svd_cache
