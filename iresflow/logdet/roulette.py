@@ -127,10 +127,7 @@ class RouletteLogDet(LogDetEstimator):
         self.generator = check_generator(generator)
 
     def tail_probability(self, j: int) -> float:
-        r""":math:`\mathbb P(N \ge j)` of the count distribution.
-
-        The Poisson tail is summed upwards, :math:`\sum_{i \ge j} e^{-\lambda}\lambda^i/i!`,
-        which equals :math:`1 - e^{-\lambda}\sum_{i<j}\lambda^i/i!` without its cancellation.
+        r""":math:`\mathbb P(N \ge j)` of the count distribution (see :meth:`tail_probabilities`).
 
         Args:
             j: Integer threshold.
@@ -142,17 +139,39 @@ class RouletteLogDet(LogDetEstimator):
             >>> RouletteLogDet("geometric", p=0.5).tail_probability(3)
             0.25
         """
+        return 1.0 if j <= 0 else self.tail_probabilities(j)[-1]
+
+    def tail_probabilities(self, n: int) -> list[float]:
+        r""":math:`\mathbb P(N \ge j)` for :math:`j = 1, \dots, n`, in one loop.
+
+        Geometric tails are :math:`(1-p)^{j-1}`. Each Poisson tail is summed upwards,
+        :math:`\sum_{i \ge j} e^{-\lambda}\lambda^i/i!`, which equals
+        :math:`1 - e^{-\lambda}\sum_{i<j}\lambda^i/i!` without its cancellation.
+
+        Args:
+            n: Largest threshold, ``>= 0``.
+
+        Returns:
+            A list of ``n`` floats.
+
+        Example:
+            >>> RouletteLogDet("geometric", p=0.5).tail_probabilities(3)
+            [1.0, 0.5, 0.25]
+        """
+        tails: list[float] = []
         if self.distribution == "geometric":
-            return (1.0 - self.p) ** max(j - 1, 0)
-        if j <= 0:
-            return 1.0
-        tail, i = 0.0, j
-        term = math.exp(-self.lam + j * math.log(self.lam) - math.lgamma(j + 1))
-        while term > 0.0 and (i <= self.lam or term > 1e-17 * tail):
-            tail += term
-            i += 1
-            term *= self.lam / i
-        return tail
+            for j in range(1, n + 1):
+                tails.append((1.0 - self.p) ** (j - 1))
+            return tails
+        for j in range(1, n + 1):
+            tail, i = 0.0, j
+            term = math.exp(-self.lam + j * math.log(self.lam) - math.lgamma(j + 1))
+            while term > 0.0 and (i <= self.lam or term > 1e-17 * tail):
+                tail += term
+                i += 1
+                term *= self.lam / i
+            tails.append(tail)
+        return tails
 
     def weights(self, n: int, m: int) -> list[float]:
         r"""Roulette weights :math:`c_0, \dots, c_{n+m}`: 1 up to :math:`m`, then
@@ -170,8 +189,8 @@ class RouletteLogDet(LogDetEstimator):
             [1.0, 1.0, 1.0, 1.0, 2.0, 4.0]
         """
         weights = [1.0] * (m + 1)
-        for k in range(m + 1, n + m + 1):
-            weights.append(1.0 / self.tail_probability(k - m))
+        for tail in self.tail_probabilities(n):
+            weights.append(1.0 / tail)
         return weights
 
     def sample_count(self) -> int:

@@ -143,21 +143,29 @@ class SpectralConv1d(nn.Module):
 
     def operator_norm(self) -> Tensor:
         r"""Exact :math:`\|\mathrm{circ}_P(W)\|_2` of the raw taps (0-dim, differentiable)."""
+        return self._normalization()[0]
+
+    def _normalization(self) -> tuple[Tensor, Tensor]:
+        r"""The exact norm :math:`\|\mathrm{circ}_P(W)\|_2` of the raw taps and the divisor
+        :math:`\max(1, \|\cdot\| / c)` of the effective taps, both 0-dim and differentiable: the
+        one definition of the normalisation (one call per forward)."""
         weight = self.weight
-        if is_transformed(weight):
-            return circular_conv_norm(weight, self.period)
-        cache = self._cache
-        if (
-            cache is None
-            or cache[0].dtype != weight.dtype
-            or cache[0].device != weight.device
-            or not torch.equal(cache[0], weight.detach())
-        ):
-            cache = self._top_singular_pair(weight)
-            self._cache = cache
-        _, phase, u, v = cache
-        response = (weight.to(phase.dtype) * phase).sum(dim=-1)  # W_hat(omega*), (out, in)
-        return torch.real(torch.vdot(u, response @ v))
+        if is_transformed(weight):  # a torch.func transform hides its values: no cache
+            norm = circular_conv_norm(weight, self.period)
+        else:
+            cache = self._cache
+            if (
+                cache is None
+                or cache[0].dtype != weight.dtype
+                or cache[0].device != weight.device
+                or not torch.equal(cache[0], weight.detach())
+            ):
+                cache = self._top_singular_pair(weight)
+                self._cache = cache
+            _, phase, u, v = cache
+            response = (weight.to(phase.dtype) * phase).sum(dim=-1)  # W_hat(omega*), (out, in)
+            norm = torch.real(torch.vdot(u, response @ v))
+        return norm, torch.clamp(norm / self.coeff, min=1.0)
 
     @torch.no_grad()
     def _top_singular_pair(self, weight: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -188,12 +196,9 @@ class SpectralConv1d(nn.Module):
             right[0].to(complex_dtype),
         )
 
-    def _scale(self) -> Tensor:
-        return torch.clamp(self.operator_norm() / self.coeff, min=1.0)
-
     def weight_normalized(self) -> Tensor:
         r"""The effective taps :math:`\tilde W`, shape ``(out, in, k)``, differentiable."""
-        return self.weight / self._scale()
+        return self.weight / self._normalization()[1]
 
     def lipschitz_constant(self) -> Tensor:
         r"""Certified 2-norm of the layer on lengths up to ``max_len``, :math:`\min(\|W\|, c)`.
@@ -201,7 +206,8 @@ class SpectralConv1d(nn.Module):
         Returns:
             0-dim tensor, differentiable w.r.t. ``weight``.
         """
-        return self.operator_norm() / self._scale()
+        norm, scale = self._normalization()
+        return norm / scale
 
     def forward(self, x: Tensor) -> Tensor:
         """Convolve over the last (time) dimension with "same" zero padding.

@@ -35,18 +35,6 @@ __all__ = [
 _SCALE = 1 / 1.1  # the LipSwish normalisation
 
 
-def _lipswish_slope(beta: Tensor, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    r""":class:`~iresflow.nn.activations.LipSwish` at ``z`` with its slope.
-
-    With :math:`t = \beta z`, :math:`s = \sigma(t)`: returns the value :math:`\phi = z s / 1.1`,
-    the slope :math:`\phi' = (s + t s (1 - s)) / 1.1` and :math:`s`, all of the shape of ``z``.
-    """
-    t = beta * z
-    s = torch.sigmoid(t)
-    scaled = s * _SCALE
-    return z * scaled, torch.addcmul(scaled, t.mul_(scaled), torch.rsub(s, 1)), s
-
-
 def _lipswish_second(beta: Tensor, z: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     r"""Second-order LipSwish factors at ``z``, given :math:`s = \sigma(\beta z)`.
 
@@ -106,7 +94,8 @@ class LayerStackLinearization(Linearization):
     Returned by :meth:`~iresflow.nn.mlp.LipschitzMLP.linearize` (a convolutional subclass by
     :meth:`~iresflow.nn.conv.TemporalConvBranch.linearize`). ``params`` lists the weights, the
     biases that exist, the LipSwish slopes, then the shift if there is one. The adjoint of
-    layer ``l`` is ``_windows(g, taps[l]) @ adjoints[l]``: here one tap and the weight itself;
+    layer ``l`` is ``_windows(g, taps[l]) @ adjoints[l]`` (the windows padded by ``pads[l]``):
+    here one tap and the weight itself;
     ``masks_hidden`` says whether padded frames are zeroed at the input of every hidden layer
     (not needed token by token).
 
@@ -139,6 +128,7 @@ class LayerStackLinearization(Linearization):
         self.shift = None if shift is None else shift.detach()
         self.params = (*weights, *present, *betas, *(() if shift is None else (shift,)))
         self.taps = [1] * len(weights)
+        self.pads = [(0, 0, 0, 0)] * len(weights)  # the "same" padding of every layer's windows
         self.adjoints = self.weights
 
     def at(self, x: Tensor, mask: Tensor | None = None) -> LayerStackPoint:
@@ -187,7 +177,13 @@ class LayerStackPoint(LinearizedPoint):
                 self.inputs.append(h)
                 self.pre.append(a)
                 if i < len(lin.betas):
-                    h, slope, sigmoid = _lipswish_slope(lin.betas[i], a)
+                    # LipSwish at a with its slope: t = beta a, s = sigmoid(t), value a s / 1.1,
+                    # slope (s + t s (1 - s)) / 1.1 (docs/math.md#lipswish).
+                    t = lin.betas[i] * a
+                    sigmoid = torch.sigmoid(t)
+                    scaled = sigmoid * _SCALE
+                    h = a * scaled
+                    slope = torch.addcmul(scaled, t.mul_(scaled), torch.rsub(sigmoid, 1))
                     if keep is not None:
                         h, slope = h * keep, slope * keep
                     self.slopes.append(slope)
@@ -222,12 +218,16 @@ class LayerStackPoint(LinearizedPoint):
 
     def vjp(self, w: Tensor) -> Tensor:
         # adjoint_layer and hidden_input written out: this is the hot loop of the power series
-        taps, adjoints = self.lin.taps, self.lin.adjoints
+        # _windows written out too, with the paddings of the linearization
+        taps, pads, adjoints = self.lin.taps, self.lin.pads, self.lin.adjoints
         g = w if self.keep is None else w * self.keep
         for l in range(len(adjoints) - 1, -1, -1):
             if l < len(self.slopes):
                 g = g.mul_(self.slopes[l])  # g is a fresh product: scaled in place
-            g = (g if taps[l] == 1 else _windows(g, taps[l])) @ adjoints[l]
+            k = taps[l]
+            if k > 1:
+                g = F.pad(g, pads[l]).unfold(1, k, 1).reshape(*g.shape[:2], g.shape[2] * k)
+            g = g @ adjoints[l]
         return g if self.keep_hidden is None else g * self.keep_hidden
 
     def surrogate_backward(
@@ -304,9 +304,10 @@ class ConvStackLinearization(LayerStackLinearization):
     ) -> None:
         super().__init__(weights, biases, betas, shift)
         self.max_len = max_len
-        self.taps, self.forward_matrices, self.adjoints = [], [], []
+        self.taps, self.pads, self.forward_matrices, self.adjoints = [], [], [], []
         for w in self.weights:
             self.taps.append(w.shape[-1])
+            self.pads.append((0, 0, w.shape[-1] // 2, w.shape[-1] // 2))
             self.forward_matrices.append(w.reshape(w.shape[0], -1).T)
             self.adjoints.append(w.flip(-1).transpose(1, 2).reshape(-1, w.shape[1]))
 
