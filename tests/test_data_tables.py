@@ -4,11 +4,9 @@ as padded sequences with missing frames, in load_dataset, TrainConfig and ``ires
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import re
 import sys
-import typing
 import warnings
 from pathlib import Path
 from typing import Any
@@ -341,20 +339,20 @@ def test_train_config_holds_the_table_settings() -> None:
     names = [f.name for f, _ in TrainConfig.settings()]
     start = names.index("test_data") + 1
     assert tuple(names[start : start + len(TABLE_SETTINGS)]) == TABLE_SETTINGS
-    hints = typing.get_type_hints(TrainConfig)
-    for field in dataclasses.fields(TableLayout):  # one definition: TableLayout's
-        (mine,) = (f for f in dataclasses.fields(TrainConfig) if f.name == field.name)
-        assert (mine.default, dict(mine.metadata)) == (field.default, dict(field.metadata))
-        assert hints[field.name] == typing.get_type_hints(TableLayout)[field.name]
+    layout = dict(TableLayout.settings())
+    for field, hint in TrainConfig.settings()[start : start + len(TABLE_SETTINGS)]:
+        assert field is next(f for f in layout if f.name == field.name)  # one definition
+        assert hint == layout[field]
+    assert TrainConfig().table == TableLayout()
     config = parse_train_config(["--data", "s.csv", "--id-column", "id", "--value-columns",
                                  "a,b", "--window", "8"])
     assert config.table == TableLayout(id_column="id", value_columns=("a", "b"), window=8)
     assert TrainConfig.from_toml_string(config.to_toml()) == config
     assert 'value_columns = ["a", "b"]' in config.to_toml()
     with pytest.raises(ConfigError, match="window is a setting of table data"):
-        TrainConfig(window=8)
+        TrainConfig(table=TableLayout(window=8))
     with pytest.raises(ConfigError, match="stride = 2 needs a window"):
-        TrainConfig(data="s.csv", stride=2)
+        TrainConfig.from_dict({"data": "s.csv", "stride": 2})
     TrainConfig(data="s.parquet", test_data="t.csv")  # two tables
     with pytest.raises(ConfigError, match="test_data = 't.npz' is not a file of the kind of data"):
         TrainConfig(data="s.csv", test_data="t.npz")
@@ -367,7 +365,8 @@ def test_csv_parquet_and_data_frame_train_bit_identically(tmp_path: Path) -> Non
     frame.to_parquet(tmp_path / "s.parquet")
     write_csv(tmp_path / "s.csv", ["id", "t", "a", "b"], rows)
     config = TINY.replace(data=str(tmp_path / "s.csv"), epochs=2, max_train=None,
-                          max_eval=None, id_column="id", time_column="t", window=6, stride=3)
+                          max_eval=None, table=TableLayout(id_column="id", time_column="t",
+                                                           window=6, stride=3))
     runs = []
     for source in (tmp_path / "s.csv", tmp_path / "s.parquet", frame):
         with warnings.catch_warnings():

@@ -36,7 +36,7 @@ from iresflow.data.table_columns import (
     read_columns,
 )
 
-__all__ = ["TABLE_SETTINGS", "TABLE_SUFFIXES", "TableLayout", "read_table", "table_setting"]
+__all__ = ["TABLE_SETTINGS", "TABLE_SUFFIXES", "TableLayout", "read_table"]
 
 #: Endings of a table file: CSV (standard library) or Parquet (pandas and pyarrow).
 TABLE_SUFFIXES = (".csv", ".parquet")
@@ -105,19 +105,6 @@ class TableLayout(SettingsRecord):
 
 #: Names of the :class:`TableLayout` settings, in order.
 TABLE_SETTINGS = tuple(f.name for f in dataclasses.fields(TableLayout))
-
-
-def table_setting(name: str) -> Any:
-    """A dataclass field with the default, help text and meaning of ``None`` of the
-    :class:`TableLayout` setting ``name``, for a record that holds it too.
-
-    Example:
-        >>> table_setting("window").metadata["unset"]
-        'each series is one sequence'
-    """
-    (original,) = (f for f in dataclasses.fields(TableLayout) if f.name == name)
-    meta = original.metadata
-    return setting(original.default, meta["help"], meta["choices"], meta["unset"])
 
 
 def read_table(

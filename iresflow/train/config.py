@@ -43,12 +43,13 @@ from iresflow._settings import (
     setting,
 )
 from iresflow.data.splits import MAX_VAL_FRACTION, MIN_VAL_SEQUENCES, VAL_FRACTION
-from iresflow.data.tables import TABLE_SETTINGS, TableLayout, table_setting
+from iresflow.data.tables import TABLE_SETTINGS, TableLayout
 from iresflow.data.user_files import USER_FILE_SUFFIXES, user_file_kind
 from iresflow.models.config import ModelConfig
 
 __all__ = [
     "MODEL_SETTINGS",
+    "NESTED",
     "RESUMABLE_FIELDS",
     "USER_FILE_SUFFIXES",
     "ConfigError",
@@ -65,6 +66,14 @@ RESUMABLE_FIELDS = frozenset(
 #: The model settings of a run: every :class:`~iresflow.models.config.ModelConfig` field but
 #: ``features``, which comes from the data.
 MODEL_SETTINGS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "features")
+
+#: The records a run nests, by field, with the names of their settings in the flat form (TOML,
+#: flags, :meth:`TrainConfig.to_dict`): the model's (:data:`MODEL_SETTINGS`) and the layout of
+#: table data.
+NESTED: dict[str, tuple[type[SettingsRecord], tuple[str, ...]]] = {
+    "model": (ModelConfig, MODEL_SETTINGS),
+    "table": (TableLayout, TABLE_SETTINGS),
+}
 
 #: Settings added after runs were first written, with the value that reproduces such a run: the
 #: noise density was standard normal before ``base`` existed, and no layer was per position
@@ -112,12 +121,9 @@ class TrainConfig(SettingsRecord):
         "test file of data given as a file, in its format (e.g. the _TEST.ts of a UEA _TRAIN.ts)",
         unset="10% of the data file",
     )
-    # table data (.csv, .parquet): the settings of TableLayout (docs/datasets.md#tables)
-    id_column: str | None = table_setting("id_column")
-    time_column: str | None = table_setting("time_column")
-    value_columns: tuple[str, ...] | None = table_setting("value_columns")
-    window: int | None = table_setting("window")
-    stride: int | None = table_setting("stride")
+    # table data (.csv, .parquet; docs/datasets.md#tables): the defaults, help texts and checks
+    # are TableLayout's
+    table: TableLayout = field(default_factory=TableLayout)
     max_train: int | None = setting(
         None, "use at most this many training sequences (smoke tests)", unset="all"
     )
@@ -234,18 +240,9 @@ class TrainConfig(SettingsRecord):
                 raise ConfigError(f"test_data = {self.test_data!r} is not a file of the kind of "
                                   f"data = {self.data!r}")
         if self.table != TableLayout() and user_file_kind(self.data) != "table":
-            name = next(name for name in TABLE_SETTINGS if getattr(self, name) is not None)
+            name = next(name for name in TABLE_SETTINGS if getattr(self.table, name) is not None)
             raise ConfigError(f"{name} is a setting of table data (a .csv or .parquet file), "
                               f"not of data = {self.data!r}")
-
-    @property
-    def table(self) -> TableLayout:
-        """The settings of table data as a :class:`~iresflow.data.tables.TableLayout`.
-
-        Raises:
-            ConfigError: settings that do not go together (a stride without a window).
-        """
-        return TableLayout(**{name: getattr(self, name) for name in TABLE_SETTINGS})
 
     def _validate_condition(self) -> None:
         """The model's context settings against ``condition`` (those the data decide are checked
@@ -265,40 +262,46 @@ class TrainConfig(SettingsRecord):
 
     @classmethod
     def settings(cls) -> list[tuple[dataclasses.Field, Any]]:
-        """Every flat setting with its type hint, in the order of :meth:`to_dict`: the model's
-        in place of the field ``model``.
+        """Every flat setting with its type hint, in the order of :meth:`to_dict`: the settings
+        of a nested record (:data:`NESTED`: the model's, the table layout's) in place of its
+        field.
 
-        The model settings are the fields of :class:`~iresflow.models.config.ModelConfig`
-        themselves (default, help text, choices), so the command line derives its flags from
-        one definition.
+        They are the fields of those records themselves (default, help text, choices), so the
+        command line derives its flags from one definition.
 
         Example:
             >>> names = [f.name for f, _ in TrainConfig.settings()]
             >>> tuple(names[9:12])
             ('max_eval', 'condition', 'max_len')
         """
-        model_fields = [
-            (f, hint) for f, hint in ModelConfig.settings() if f.name in MODEL_SETTINGS
-        ]
         hints = typing.get_type_hints(cls)
         result: list[tuple[dataclasses.Field, Any]] = []
         for f in dataclasses.fields(cls):
-            result.extend(model_fields if f.name == "model" else [(f, hints[f.name])])
+            if f.name in NESTED:
+                record, names = NESTED[f.name]
+                result.extend((g, hint) for g, hint in record.settings() if g.name in names)
+            else:
+                result.append((f, hints[f.name]))
         return result
 
     def to_dict(self) -> dict[str, Any]:
         """All settings as a flat, plain dict (``None`` for automatic values)."""
-        model = self.model.to_dict()
-        return {f.name: model[f.name] if f.name in MODEL_SETTINGS else getattr(self, f.name)
-                for f, _ in self.settings()}
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name in NESTED:
+                nested = getattr(self, f.name).to_dict()
+                values.update((name, nested[name]) for name in NESTED[f.name][1])
+            else:
+                values[f.name] = getattr(self, f.name)
+        return values
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], *, stored: bool = False) -> TrainConfig:
         """Build a configuration from a (possibly partial) flat dict of settings.
 
         Args:
-            values: Settings by name, the model's (:data:`MODEL_SETTINGS`) among them; the
-                others keep their defaults.
+            values: Settings by name, those of the nested records (:data:`NESTED`) among them;
+                the others keep their defaults.
             stored: The settings of an existing run (its ``config.toml`` or checkpoint): a
                 setting it lacks was added after the run was written, and takes the value
                 that reproduces the run (:data:`SETTINGS_BEFORE_THEY_EXISTED`), not today's
@@ -310,9 +313,11 @@ class TrainConfig(SettingsRecord):
         if stored:
             values = {**SETTINGS_BEFORE_THEY_EXISTED, **values}
         check_keys((f.name for f, _ in cls.settings()), values)
-        own = {name: value for name, value in values.items() if name not in MODEL_SETTINGS}
-        model = {name: value for name, value in values.items() if name in MODEL_SETTINGS}
-        return cls(**own, model=ModelConfig(**model))
+        nested = {field: record(**{name: values[name] for name in names if name in values})
+                  for field, (record, names) in NESTED.items()}
+        flat = {name for _, names in NESTED.values() for name in names}
+        own = {name: value for name, value in values.items() if name not in flat}
+        return cls(**own, **nested)
 
     def to_toml(self) -> str:
         """Serialise to a flat TOML document; automatic (``None``) settings are omitted."""
