@@ -124,7 +124,7 @@ def _jacobian(
     of its dense Jacobian; the flag says which."""
     batch, length, features = x.shape
     radius = getattr(branch, "receptive_radius", None)
-    causal = not branch.position_wise and branch.causal
+    causal = not branch.position_wise and getattr(branch, "causal", False)
     if causal:  # one-sided band: period R + 1, or one copy per row without a finite radius
         period = radius + 1 if radius is not None and radius + 1 < length else length
     else:  # colouring pays once the band is narrower than the sequence
@@ -326,7 +326,7 @@ class ExactLogDet(LogDetEstimator):
         else:
             eye = torch.eye(jac.shape[-1], dtype=x.dtype, device=x.device)
             sign, logabsdet = _slogdet(eye + jac)
-        if (branch.position_wise or branch.causal) and mask is not None:  # per-token blocks
+        if (branch.position_wise or getattr(branch, "causal", False)) and mask is not None:
             logabsdet = logabsdet * mask
             sign = sign.masked_fill(~mask, 1.0)
         if not bool((sign > 0).all()):
