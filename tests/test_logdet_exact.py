@@ -12,6 +12,7 @@ from oracles import (
     SpectralNormBranch,
     TanhMLPBranch,
     finite_difference_grad,
+    jacobian,
     jacobian_logdet,
     padded_batch,
     residual_map,
@@ -20,6 +21,7 @@ from oracles import (
 from iresflow.logdet.exact import ExactLogDet, jacobian_blocks
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.logdet.series import SeriesLogDet
+from iresflow.nn.conditional import ConditionalBranch
 from iresflow.nn.conv import TemporalConvBranch
 
 F64 = torch.float64
@@ -245,3 +247,65 @@ def test_slogdet_is_exact_for_large_batches_with_several_threads():
     expected = torch.stack([torch.logdet(m) for m in a])  # one matrix at a time, 1 thread
     assert bool((sign == 1).all())
     torch.testing.assert_close(logabsdet, expected, rtol=0, atol=1e-10)
+
+
+def _causal_batch(
+    device: torch.device, kernel_size: int, length: int
+) -> tuple[TemporalConvBranch, torch.Tensor, torch.Tensor]:
+    """A causal convolution branch beyond its bound, sequences with end padding and a gap."""
+    branch = TemporalConvBranch(2, 4, kernel_size, 0.8, max_len=length, causal=True)
+    branch = branch.to(device, F64)
+    with torch.no_grad():
+        for p in branch.parameters():
+            p.mul_(3.0)
+    x = torch.randn(3, length, 2, dtype=F64, device=device)
+    mask = torch.ones(3, length, dtype=torch.bool, device=device)
+    mask[1, length - 2 :] = False
+    mask[2, 1:2] = False
+    return branch, x, mask
+
+
+@pytest.mark.parametrize("kernel_size", [1, 2, 3])
+@pytest.mark.parametrize("length", [3, 9])
+def test_causal_diagonal_blocks_are_those_of_the_dense_jacobian(device, kernel_size, length):
+    """Coloured with period R + 1 (R < N - 1) or one copy per row (R >= N - 1): the blocks are
+    the diagonal of the dense Jacobian, which is zero above it."""
+    branch, x, mask = _causal_batch(device, kernel_size, length)
+    for m in (mask, None):
+        _, blocks = jacobian_blocks(branch, x, m)
+        assert blocks.shape == (3, length, 2, 2)
+        full = jacobian(branch, x, m).reshape(3, length, 2, length, 2)
+        for t in range(length):
+            torch.testing.assert_close(blocks[:, t], full[:, t, :, t], atol=1e-14, rtol=0)
+            assert (full[:, t, :, t + 1 :] == 0).all()  # block lower-triangular
+
+
+@pytest.mark.parametrize("kernel_size", [1, 2, 3])
+@pytest.mark.parametrize("length", [3, 9])
+@pytest.mark.parametrize("conditional", [False, True])
+def test_causal_logdet_matches_dense_oracle(device, kernel_size, length, conditional):
+    """Sum of diagonal-block log-dets over real frames = slogdet of the whole step (gaps,
+    padding; a conditional branch bound to its context)."""
+    branch, x, mask = _causal_batch(device, kernel_size, length)
+    context = torch.randn(3, 2, dtype=F64, device=device)
+    if conditional:
+        torch.manual_seed(0)
+        wrapped = ConditionalBranch(branch, context_features=2, context_hidden=4).to(device, F64)
+        with torch.no_grad():
+            for p in wrapped.context_net.parameters():
+                p.copy_(torch.randn_like(p))
+        estimated = wrapped.bind(context)
+        assert estimated.causal
+    for m in (mask, None):
+        _, logdet = ExactLogDet()(estimated if conditional else branch, x, m)
+        expected = []
+        for b in range(3):
+            mb = None if m is None else m[b : b + 1]
+            if conditional:
+                g = lambda t, mt, b=b: wrapped(t, mt, context[b : b + 1])  # noqa: E731
+            else:
+                g = branch
+            expected.append(jacobian_logdet(residual_map(g), x[b : b + 1], mb))
+        expected = torch.cat(expected)
+        assert expected.abs().min() > 1e-6  # a non-trivial determinant
+        torch.testing.assert_close(logdet, expected, atol=1e-10, rtol=0)

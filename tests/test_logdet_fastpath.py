@@ -37,9 +37,13 @@ class AutogradConv(TemporalConvBranch):
 
 
 def _build(kind: str, fast: bool):
-    """Branch kinds: ``"2"``/``"inf"`` (MLP norms) and ``"conv"`` (kernel 3: radius 2)."""
+    """Branch kinds: ``"2"``/``"inf"`` (MLP norms), ``"conv"`` (kernel 3: radius 2) and
+    ``"causal-conv"`` (kernel 2, causal)."""
     if kind == "conv":
         return (TemporalConvBranch if fast else AutogradConv)(3, 5, 3, coeff=0.9, max_len=4)
+    if kind == "causal-conv":
+        cls = TemporalConvBranch if fast else AutogradConv
+        return cls(3, 5, 2, coeff=0.9, max_len=4, causal=True)
     return (LipschitzMLP if fast else AutogradMLP)((3, 8, 6, 3), coeff=0.9, norm=kind)
 
 
@@ -76,7 +80,7 @@ def _run(branch, x, mask, seed, extra=(), **kwargs):
     return [out.detach(), logdet.detach(), *grads, *[b.clone() for b in branch.buffers()]]
 
 
-@pytest.mark.parametrize("norm", ["2", "inf", "conv"])
+@pytest.mark.parametrize("norm", ["2", "inf", "conv", "causal-conv"])
 @pytest.mark.parametrize("reference_memory_efficient", [True, False])
 @pytest.mark.parametrize("n_probes", [1, 3])
 @pytest.mark.parametrize("masked", [False, True])
@@ -96,7 +100,7 @@ def test_fast_path_equals_autograd(device, norm, reference_memory_efficient, n_p
         assert (ours[0][~mask] == 0).all() and (ours[2][~mask] == 0).all()
 
 
-@pytest.mark.parametrize("kind", ["2", "conv"])
+@pytest.mark.parametrize("kind", ["2", "conv", "causal-conv"])
 @pytest.mark.parametrize("reference_memory_efficient", [True, False])
 @pytest.mark.parametrize("masked", [False, True])
 def test_conditional_fast_path_equals_autograd(device, kind, reference_memory_efficient, masked):
@@ -181,7 +185,7 @@ def test_fast_path_frozen_parameters(device, kind):
     assert grads[0].abs().max() > 0
 
 
-@pytest.mark.parametrize("kind", ["2", "conv"])
+@pytest.mark.parametrize("kind", ["2", "conv", "causal-conv"])
 def test_linearization_products(device, kind):
     """``output``/``vjp`` (also of ``at``) against the forward and ``torch.func.vjp``, masked."""
     branch = _pair(kind, device, training=False)[0]

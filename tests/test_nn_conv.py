@@ -270,3 +270,66 @@ def test_receptive_radius_is_the_band_of_the_jacobian(device, kernel_size):
     blocks = jac.abs().amax(dim=(1, 3))  # (N, N): largest entry of each token block
     assert blocks[distance > radius].max() == 0
     assert bool((blocks[distance == radius] > 0).all())
+
+
+def _causal_zero_padded(weight: torch.Tensor, length: int) -> torch.Tensor:
+    """Explicit ``(N out) x (N in)`` causal convolution ``y_t = sum_j W_j x_{t + j - (k - 1)}``."""
+    out, inp, k = weight.shape
+    matrix = weight.new_zeros(length, out, length, inp)
+    for t in range(length):
+        for j in range(k):
+            s = t + j - (k - 1)
+            if s >= 0:
+                matrix[t, :, s] = weight[:, :, j]
+    return matrix.reshape(length * out, length * inp)
+
+
+@pytest.mark.parametrize("kernel_size", [1, 2, 3, 4])
+def test_causal_layer_is_the_causal_operator_within_its_bound(device, kernel_size):
+    """Left padding only (even kernels allowed), and the circular bound covers every length."""
+    conv = SpectralConv1d(2, 3, kernel_size, 0.7, max_len=6, causal=True).to(device, F64)
+    with torch.no_grad():
+        conv.weight.mul_(4.0)
+    taps = conv.weight_normalized().detach()
+    bound = conv.lipschitz_constant().detach()
+    torch.testing.assert_close(bound, torch.tensor(0.7, dtype=F64, device=device))
+    for length in range(1, 7):
+        x = torch.randn(2, 2, length, dtype=F64, device=device)
+        matrix = _causal_zero_padded(taps, length)
+        expected = (matrix @ x.transpose(1, 2).reshape(2, -1, 1)).view(2, length, 3)
+        torch.testing.assert_close(conv(x) - conv.bias[:, None], expected.transpose(1, 2))
+        assert torch.linalg.matrix_norm(matrix, ord=2) <= bound + 1e-12
+
+
+@pytest.mark.parametrize("kernel_size", [1, 2, 3])
+def test_causal_branch_jacobian_is_block_lower_triangular(device, kernel_size):
+    """Frame t reads frames t - R .. t only: zero above the block diagonal, a full band below."""
+    branch = TemporalConvBranch(3, 4, kernel_size, 0.9, max_len=9, causal=True)
+    branch = branch.to(device=device, dtype=F64)
+    radius = branch.receptive_radius
+    assert branch.causal and radius == 2 * (kernel_size - 1)
+    x = torch.randn(1, 9, 3, dtype=F64, device=device)
+    jac = torch.autograd.functional.jacobian(lambda t: branch(t), x)[0, :, :, 0]  # (N, D, N, D)
+    lag = (torch.arange(9)[:, None] - torch.arange(9)[None, :]).to(device)  # t - s
+    blocks = jac.abs().amax(dim=(1, 3))
+    assert blocks[(lag < 0) | (lag > radius)].max() == 0
+    assert bool((blocks[(lag >= 0) & (lag <= radius)] > 0).all())
+
+
+def test_causal_branch_masks_padding_and_gaps_and_keeps_its_certificate(device):
+    branch = TemporalConvBranch(3, 4, 3, 0.9, max_len=5, causal=True).to(device, F64)
+    with torch.no_grad():
+        for p in branch.parameters():
+            p.mul_(3.0)
+    bound = branch.lipschitz_constant()
+    torch.testing.assert_close(bound, torch.tensor(0.9, dtype=F64, device=device))
+    x = torch.randn(4, 5, 3, dtype=F64, device=device)
+    mask = torch.tensor([[True] * 5, [True, True, False, True, True], [True] * 3 + [False] * 2,
+                         [False, True, True, True, True]], device=device)
+    other = torch.where(mask[..., None], x, 100 * torch.randn_like(x))
+    out = branch(x, mask)
+    assert torch.equal(out, branch(other, mask)) and out[~mask].abs().max() == 0
+    gen = torch.Generator(device=device).manual_seed(0)
+    estimate = empirical_lipschitz(branch, x, "2", steps=40, lr=0.2, generator=gen)
+    assert 0 < estimate.value <= bound
+    assert (jacobian_norm(lambda v: branch(v, mask), estimate.inputs, "2") <= bound).all()

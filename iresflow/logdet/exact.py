@@ -23,6 +23,17 @@ least :math:`2R + 1` apart). So :math:`(2R + 1) D` copies give every non-zero en
 block LU over chunks of :math:`R` tokens (the matrix is block tridiagonal in those chunks), so
 the exact log-det of such a branch costs time linear in :math:`N`, never an
 :math:`N D \times N D` factorisation.
+
+A causal branch (``branch.causal``: output token :math:`t` depends on input tokens
+:math:`s \le t` only) has a block lower-triangular Jacobian, whose determinant is the product of
+the determinants of its diagonal blocks :math:`\partial g_t / \partial x_t`
+(docs/math.md#causal-steps). With a receptive radius :math:`R` (tokens :math:`t - R, \dots, t`),
+the colouring has period :math:`R + 1`: at token :math:`s` the only coloured token
+:math:`t \equiv r` that depends on it lies in :math:`s, \dots, s + R`, so the input gradient at
+token :math:`t` of copy :math:`(t \bmod (R + 1), d)` is row :math:`d` of the diagonal block of
+token :math:`t`. :math:`(R + 1) D` copies (:math:`N D` without a finite radius) give all
+:math:`N` blocks, and the log-det is a sum of :math:`N` small ``slogdet`` s over the real
+tokens, as for a position-wise branch.
 """
 
 from __future__ import annotations
@@ -71,9 +82,11 @@ def jacobian_blocks(
 
     For a position-wise branch (``branch.position_wise``) the blocks are the per-token Jacobians
     :math:`\partial g(X)_n / \partial x_n` (``T = N`` blocks of size ``D``; blocks at padded tokens
-    are zero). Otherwise there is one block, the full Jacobian of :math:`\mathrm{vec}(X) \mapsto
-    \mathrm{vec}(g(X))` in row-major ``(N, D)`` order (``T = 1``, size ``N D``), whose rows and
-    columns at padded tokens are zero by the branch contract.
+    are zero); so for a causal branch (``branch.causal``), whose Jacobian is block
+    lower-triangular with these diagonal blocks. Otherwise there is one block, the full Jacobian
+    of :math:`\mathrm{vec}(X) \mapsto \mathrm{vec}(g(X))` in row-major ``(N, D)`` order
+    (``T = 1``, size ``N D``), whose rows and columns at padded tokens are zero by the branch
+    contract.
 
     The result is differentiable with respect to ``x`` and the branch parameters when grad mode is
     on. The whole batch is evaluated at once (one forward of the branch on the repeated batch);
@@ -87,7 +100,7 @@ def jacobian_blocks(
 
     Returns:
         ``(g(x), blocks)``: shapes ``(B, N, D)`` and ``(B, T, d, d)`` with ``(T, d) = (N, D)``
-        for position-wise branches and ``(1, N D)`` otherwise.
+        for position-wise and causal branches and ``(1, N D)`` otherwise.
 
     Example:
         >>> import torch
@@ -111,8 +124,11 @@ def _jacobian(
     of its dense Jacobian; the flag says which."""
     batch, length, features = x.shape
     radius = getattr(branch, "receptive_radius", None)
-    # Colouring pays once the band is narrower than the sequence.
-    period = 2 * radius + 1 if radius is not None and 2 * radius + 1 < length else None
+    causal = not branch.position_wise and getattr(branch, "causal", False)
+    if causal:  # one-sided band: period R + 1, or one copy per row without a finite radius
+        period = radius + 1 if radius is not None and radius + 1 < length else length
+    else:  # colouring pays once the band is narrower than the sequence
+        period = 2 * radius + 1 if radius is not None and 2 * radius + 1 < length else None
     graph = needs_graph(branch, x)
     with torch.enable_grad():
         if branch.position_wise:
@@ -136,6 +152,8 @@ def _jacobian(
             # rows: (d_out, b, n, d_in) -> (b, n, d_out, d_in), one contiguous copy for the
             # factorisations
             jac = rows.reshape(copies, -1, length, features).permute(1, 2, 0, 3).contiguous()
+        elif causal:
+            jac = _diagonal_blocks(rows.reshape(period, features, -1, length, features))
         elif period is not None:
             jac = _band(rows.reshape(period, features, -1, length, features), radius)
         else:
@@ -144,7 +162,7 @@ def _jacobian(
     out = y[:batch]
     if not graph:
         out, jac = out.detach(), jac.detach()
-    return out, jac, period is not None
+    return out, jac, period is not None and not causal
 
 
 def _colored_cotangents(period: int, length: int, features: int, like: Tensor) -> Tensor:
@@ -154,6 +172,22 @@ def _colored_cotangents(period: int, length: int, features: int, like: Tensor) -
     eye = torch.eye(features, dtype=like.dtype, device=like.device)
     cot = on.to(like.dtype)[:, None, :, None] * eye[None, :, None, :]  # (P, D, N, D)
     return cot.reshape(period * features, length, features)
+
+
+def _diagonal_blocks(rows: Tensor) -> Tensor:
+    r"""The diagonal blocks of a causal branch's Jacobian from its coloured products.
+
+    Args:
+        rows: ``rows[r, d, b, s, e]`` = :math:`\sum_{t \equiv r} J_b[(t, d), (s, e)]` with a
+            period :math:`P` larger than the receptive radius, shape ``(P, D, B, N, D)``.
+
+    Returns:
+        ``blocks[b, t, d, e]`` = :math:`J_b[(t, d), (t, e)]`, shape ``(B, N, D, D)``.
+    """
+    period, _, _, length, _ = rows.shape
+    t = torch.arange(length, device=rows.device)
+    # entries (t, d, b, e) = rows[t mod P, d, b, t, e]
+    return rows[t % period, :, :, t, :].permute(2, 0, 1, 3).contiguous()
 
 
 def _band(rows: Tensor, radius: int) -> Tensor:
@@ -253,14 +287,15 @@ class ExactLogDet(LogDetEstimator):
     r"""Exact :math:`\log\det(I + J_g(x))` by ``slogdet`` of the dense Jacobian
     (docs/math.md#change-of-variables).
 
-    Position-wise branches use per-token :math:`D \times D` blocks summed over real tokens
-    (cost :math:`O(B N D^3)`); branches of finite receptive radius :math:`R` shorter than the
-    sequence use the block-tridiagonal LU of their banded Jacobian (blocks of :math:`R` tokens,
-    cost :math:`O(B N R^2 D^3)`, linear in :math:`N`); other position-mixing branches use the
-    full :math:`ND \times ND` Jacobian per sample (cost :math:`O(B (ND)^3)`). The choice is
-    automatic from ``branch.position_wise`` and ``branch.receptive_radius`` (see
-    :func:`jacobian_blocks`). The result is differentiable with
-    respect to ``x`` and the branch parameters, for exact-likelihood training of small models.
+    Position-wise and causal branches use per-token :math:`D \times D` (diagonal) blocks summed
+    over real tokens (cost :math:`O(B N D^3)`, docs/math.md#causal-steps); branches of finite
+    receptive radius :math:`R` shorter than the sequence use the block-tridiagonal LU of their
+    banded Jacobian (blocks of :math:`R` tokens, cost :math:`O(B N R^2 D^3)`, linear in
+    :math:`N`); other position-mixing branches use the full :math:`ND \times ND` Jacobian per
+    sample (cost :math:`O(B (ND)^3)`). The choice is automatic from ``branch.position_wise``,
+    ``branch.causal`` and ``branch.receptive_radius`` (see :func:`jacobian_blocks`). The result
+    is differentiable with respect to ``x`` and the branch parameters, for exact-likelihood
+    training of small models.
 
     For a contractive branch :math:`\det(I + J_g) > 0` always (G1); a non-positive determinant
     means the branch is not contractive and raises ``ValueError``.
@@ -291,7 +326,7 @@ class ExactLogDet(LogDetEstimator):
         else:
             eye = torch.eye(jac.shape[-1], dtype=x.dtype, device=x.device)
             sign, logabsdet = _slogdet(eye + jac)
-        if branch.position_wise and mask is not None:
+        if (branch.position_wise or getattr(branch, "causal", False)) and mask is not None:
             logabsdet = logabsdet * mask
             sign = sign.masked_fill(~mask, 1.0)
         if not bool((sign > 0).all()):

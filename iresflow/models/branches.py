@@ -4,11 +4,12 @@ Each built-in kind is a builder registered in :data:`~iresflow.models.registry.L
 residual kinds (:func:`~iresflow.models.registry.register_branch`) build a contractive branch,
 certified at ``config.coeff``: ``attention`` (contractive L2 or LipschitzNorm self-attention with
 the positional encoding added inside, docs/math.md#contractive-attention), ``relative`` (relative
-mixing, docs/math.md#relative-mixing), ``conv`` (temporal convolution, docs/math.md#temporal-conv)
-and ``mlp`` (position-wise spectrally normalised LipSwish MLP, docs/math.md#spectral-norm). The
-step kinds (:func:`~iresflow.models.registry.register_step`) build an invertible step: ``mix``
-(an LU feature mixing, docs/math.md#feature-mixing) and ``autoregressive`` (an affine step
-conditioned on the past frames by a causal Transformer, docs/math.md#autoregressive-step).
+mixing, docs/math.md#relative-mixing), ``conv`` (temporal convolution, docs/math.md#temporal-conv;
+causal in a causal model, docs/math.md#causal-steps) and ``mlp`` (position-wise spectrally
+normalised LipSwish MLP, docs/math.md#spectral-norm). The step kinds
+(:func:`~iresflow.models.registry.register_step`) build an invertible step: ``mix`` (an LU
+feature mixing, docs/math.md#feature-mixing) and ``autoregressive`` (an affine step conditioned
+on the past frames by a causal Transformer, docs/math.md#autoregressive-step).
 :func:`layer_steps` turns a layer of any registered kind into its named steps.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from iresflow._settings import ConfigError
 from iresflow.models.config import ModelConfig, default_heads
 from iresflow.models.registry import LAYERS, register_branch, register_step
 from iresflow.nn.attention import (
@@ -50,7 +52,8 @@ def layer_steps(
     A residual kind becomes ``ActNorm -> x + g(x)`` (steps ``name.actnorm`` and ``name``), its
     branch wrapped in a :class:`~iresflow.nn.conditional.ConditionalBranch` in a conditional
     model (the certificate in ``x`` holds for every context); a step kind is its one step
-    ``name``.
+    ``name``. In a causal model (``config.causal``) the branch of a residual kind must be causal
+    or position-wise (docs/math.md#causal-steps).
 
     Args:
         kind: A name of :data:`~iresflow.models.registry.LAYERS`.
@@ -63,11 +66,15 @@ def layer_steps(
 
     Raises:
         KeyError: ``kind`` is not registered.
+        ConfigError: ``config.causal`` and the kind builds a branch that reads later frames.
     """
     entry = LAYERS[kind]
     layer = entry.build(config, encoding if entry.positional else None)
     if not entry.residual:
         return [(name, layer)]
+    if config.causal and not (layer.causal or layer.position_wise):
+        raise ConfigError(f"layer kind {kind!r} has no causal variant (yet): with causal = "
+                          f"true every layer must be causal over frames")
     if config.conditional:
         layer = ConditionalBranch(layer, config.resolved_context_features)
     return [(f"{name}.actnorm", ActNorm(config.features)),
@@ -98,7 +105,7 @@ def _relative(config: ModelConfig, encoding: nn.Module | None) -> LipschitzBranc
 
 def _conv(config: ModelConfig, encoding: nn.Module | None) -> LipschitzBranch:
     return TemporalConvBranch(config.features, config.hidden, config.kernel_size, config.coeff,
-                              max_len=config.max_len)
+                              max_len=config.max_len, causal=config.causal)
 
 
 def _mlp(config: ModelConfig, encoding: nn.Module | None) -> LipschitzBranch:

@@ -85,6 +85,11 @@ class ModelConfig(SettingsRecord):
     )
     hidden: int = setting(64, "hidden width of the feed-forward and convolution branches")
     kernel_size: int = setting(3, "odd kernel size of the temporal convolutions")
+    causal: bool = setting(
+        False, "make every layer causal over frames, so noise frame t depends on data frames "
+        "<= t only: conv layers read the current and past frames, mlp, mix and autoregressive "
+        "layers are kept as they are; attention and relative have no causal variant yet"
+    )
     heads: int | None = setting(
         None, "attention heads, dividing the number of features",
         unset="the largest of 4, 3, 2, 1 that divides it",

@@ -105,6 +105,12 @@ class LipschitzBranch(nn.Module, ABC):
       attribute); ``None`` (the default) when any token may influence any other (attention).
       The exact log-det engine then reads the banded Jacobian from :math:`(2R + 1) D`
       vector-Jacobian products instead of :math:`N D`.
+    * ``causal``: ``True`` if output token :math:`t` depends on the input tokens
+      :math:`s \le t` only (``False``, the default, if it may read later ones). The Jacobian is
+      then block lower-triangular and the exact log-det engine needs only its :math:`N` diagonal
+      :math:`D \times D` blocks (docs/math.md#causal-steps); with a finite
+      ``receptive_radius`` :math:`R` (tokens :math:`t - R, \dots, t`), from :math:`(R + 1) D`
+      vector-Jacobian products.
     * ``norm``: the vector norm (``"inf"`` or ``"2"``, on :math:`\mathrm{vec}(X)`) in which its
       certificate holds. Any induced norm bounds the spectral radius, so either suffices for the
       log-det series and the fixed-point inverse of :math:`x + g(x)`.
@@ -134,6 +140,7 @@ class LipschitzBranch(nn.Module, ABC):
     position_wise: ClassVar[bool]
     norm: ClassVar[Literal["inf", "2"]]
     receptive_radius: int | None = None
+    causal: bool = False
     max_len: int | None = None
     shift_features: int | None = None
 
@@ -210,7 +217,7 @@ class LipschitzBranch(nn.Module, ABC):
 class BranchWrapper(LipschitzBranch):
     """A branch built around another one, with the wrapped branch's structure and certificate.
 
-    ``position_wise``, ``norm``, ``receptive_radius``, ``max_len``, ``features`` and
+    ``position_wise``, ``norm``, ``receptive_radius``, ``causal``, ``max_len``, ``features`` and
     :meth:`lipschitz_constant` are those of :attr:`branch`; subclasses implement
     :meth:`forward` by calling it on inputs changed in a way that keeps them (a translation,
     a shift at the branch's shift point).
@@ -242,6 +249,11 @@ class BranchWrapper(LipschitzBranch):
     def receptive_radius(self) -> int | None:
         """Receptive radius of the wrapped branch."""
         return self.branch.receptive_radius
+
+    @property  # type: ignore[override]
+    def causal(self) -> bool:
+        """Whether the wrapped branch is causal over tokens."""
+        return self.branch.causal
 
     @property  # type: ignore[override]
     def max_len(self) -> int | None:

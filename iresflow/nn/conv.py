@@ -17,6 +17,12 @@ matrix is block-diagonalised by the discrete Fourier transform, so (docs/math.md
 one FFT of the taps over :math:`P` points and a batch of small SVDs (real taps: the spectrum is
 conjugate-symmetric, so :math:`m \le P / 2` suffices). This bounds the whole operator, not each
 tap separately, and is exact for the circular operator.
+
+A *causal* convolution reads the current and past frames only, :math:`y_t = \sum_{j=0}^{k-1}
+W_j x_{t + j - (k - 1)}` (zero padding on the left, any :math:`k`). Its indices wrap, in the
+circular convolution of the same period, onto frames :math:`\ge P - k + 1 \ge N`, which hold
+zeros, so it too is a compression of that operator: the same bound holds
+(docs/math.md#causal-steps).
 """
 
 from __future__ import annotations
@@ -93,15 +99,18 @@ class SpectralConv1d(nn.Module):
     wraps the weight, the norm is computed directly, without the cache.
 
     Inputs are channels-first like :class:`torch.nn.Conv1d`; "same" zero padding keeps the
-    length.
+    length, or with ``causal=True`` zero padding of :math:`k - 1` frames on the left only, so
+    output frame :math:`t` reads input frames :math:`t - k + 1, \dots, t` (the bound is the
+    same, docs/math.md#causal-steps).
 
     Args:
         in_channels: Input channels ``C_in``.
         out_channels: Output channels ``C_out``.
-        kernel_size: Odd number of taps ``k``.
+        kernel_size: Number of taps ``k``, odd unless ``causal``.
         coeff: Bound :math:`c \in (0, 1]` on the operator 2-norm.
         max_len: Longest sequence the bound must hold for.
         bias: Whether to learn an additive bias.
+        causal: Whether the taps read the current and past frames only.
 
     Example:
         >>> conv = SpectralConv1d(2, 3, kernel_size=3, coeff=0.9, max_len=6)
@@ -120,11 +129,14 @@ class SpectralConv1d(nn.Module):
         *,
         max_len: int,
         bias: bool = True,
+        causal: bool = False,
     ) -> None:
         super().__init__()
         self.in_channels = check_int(in_channels, "in_channels", 1)
         self.out_channels = check_int(out_channels, "out_channels", 1)
-        self.kernel_size = _check_kernel_size(kernel_size)
+        self.causal = bool(causal)
+        self.kernel_size = (check_int(kernel_size, "kernel_size", 1) if self.causal
+                            else _check_kernel_size(kernel_size))
         self.coeff = check_coefficient(coeff)
         self.max_len = check_int(max_len, "max_len", 1)
         # A single tap has no frequency dependence: its norm is the matrix norm (period 1).
@@ -210,7 +222,7 @@ class SpectralConv1d(nn.Module):
         return norm / scale
 
     def forward(self, x: Tensor) -> Tensor:
-        """Convolve over the last (time) dimension with "same" zero padding.
+        """Convolve over the last (time) dimension with "same" (or causal) zero padding.
 
         Args:
             x: Input ``(B, C_in, N)`` with ``N <= max_len``.
@@ -228,13 +240,16 @@ class SpectralConv1d(nn.Module):
                 f"x has length {x.shape[-1]} > max_len={self.max_len}, for which the "
                 f"certified bound does not hold"
             )
+        if self.causal:
+            return F.conv1d(F.pad(x, (self.kernel_size - 1, 0)), self.weight_normalized(),
+                            self.bias)
         return F.conv1d(x, self.weight_normalized(), self.bias, padding=self.kernel_size // 2)
 
     def extra_repr(self) -> str:
         return (
             f"in_channels={self.in_channels}, out_channels={self.out_channels}, "
             f"kernel_size={self.kernel_size}, coeff={self.coeff}, max_len={self.max_len}, "
-            f"bias={self.bias is not None}"
+            f"bias={self.bias is not None}" + (", causal=True" if self.causal else "")
         )
 
 
@@ -254,7 +269,10 @@ class TemporalConvBranch(LipschitzBranch):
     on :math:`\mathrm{vec}(X)` for every sequence of length :math:`\le` ``max_len``
     (docs/math.md#temporal-conv). The sequence analogue of the convolutional branches of
     Residual Flows: every output frame sees the :math:`k - 1` frames on either side of it
-    (:attr:`receptive_radius`). With a mask,
+    (:attr:`receptive_radius`). With ``causal=True`` the first and last convolutions are causal
+    (:class:`SpectralConv1d`), so output frame :math:`t` sees the frames
+    :math:`t - 2(k - 1), \dots, t` only: the branch is causal over frames (:attr:`causal`) and
+    its Jacobian is block lower-triangular (docs/math.md#causal-steps). With a mask,
     padded frames are set to zero before every convolution and at the output (at every layer,
     also inside a sequence), so they never influence real outputs.
 
@@ -266,9 +284,11 @@ class TemporalConvBranch(LipschitzBranch):
     Args:
         features: Token dimension ``D``.
         hidden: Hidden channels.
-        kernel_size: Odd kernel size ``k`` of the first and last convolutions.
+        kernel_size: Kernel size ``k`` of the first and last convolutions, odd unless
+            ``causal``.
         coeff: Certified Lipschitz constant :math:`c \in (0, 1)` of the branch.
         max_len: Longest sequence the certificate must hold for; longer inputs are rejected.
+        causal: Whether every output frame reads the current and past frames only.
 
     Example:
         >>> branch = TemporalConvBranch(2, 8, kernel_size=3, coeff=0.9, max_len=10)
@@ -289,6 +309,7 @@ class TemporalConvBranch(LipschitzBranch):
         coeff: float = 0.9,
         *,
         max_len: int,
+        causal: bool = False,
     ) -> None:
         super().__init__()
         self.features = check_int(features, "features", 1)
@@ -302,10 +323,14 @@ class TemporalConvBranch(LipschitzBranch):
             if i > 0:
                 layers.append(LipSwish())
             k = 1 if i == 1 else kernel_size
-            layers.append(SpectralConv1d(c_in, c_out, k, per_layer, max_len=max_len))
+            layers.append(
+                SpectralConv1d(c_in, c_out, k, per_layer, max_len=max_len, causal=causal)
+            )
         self.net = nn.Sequential(*layers)
-        #: Output frame ``t`` depends on input frames ``t - radius .. t + radius`` only.
-        self.receptive_radius = kernel_size - 1
+        self.causal = bool(causal)
+        #: Output frame ``t`` depends on input frames ``t - radius .. t + radius`` only (causal:
+        #: ``t - radius .. t``).
+        self.receptive_radius = 2 * (kernel_size - 1) if self.causal else kernel_size - 1
         self.shift_features = hidden
 
     def forward(
@@ -392,10 +417,13 @@ class TemporalConvBranch(LipschitzBranch):
             True
         """
         weights = stack_parameters(self.net, methodcaller("weight_normalized"))
-        return ConvStackLinearization(*weights, shift=shift, max_len=self.max_len)
+        return ConvStackLinearization(*weights, shift=shift, max_len=self.max_len,
+                                      causal=self.causal)
 
     def extra_repr(self) -> str:
-        return f"coeff={self.coeff}, max_len={self.max_len}"
+        return f"coeff={self.coeff}, max_len={self.max_len}" + (
+            ", causal=True" if self.causal else ""
+        )
 
 
 def _check_kernel_size(kernel_size: object) -> int:

@@ -196,7 +196,7 @@ class LayerStackPoint(LinearizedPoint):
 
     def adjoint_layer(self, l: int, g: Tensor) -> Tensor:
         r"""Its adjoint :math:`g \mapsto g \tilde W_l`, shape ``(R, N, H_l)``."""
-        return _windows(g, self.lin.taps[l]) @ self.lin.adjoints[l]
+        return _windows(g, self.lin.taps[l], self.lin.pads[l]) @ self.lin.adjoints[l]
 
     def layer_weight_grad(self, l: int, g: Tensor, h: Tensor, k: Tensor, t: Tensor) -> Tensor:
         r""":math:`\partial/\partial\tilde W_l` of :math:`\langle g, \tilde W_l h\rangle +
@@ -272,8 +272,8 @@ class LayerStackPoint(LinearizedPoint):
 
 
 class ConvStackLinearization(LayerStackLinearization):
-    """A stack of "same"-padded convolutions over time and LipSwish activations with fixed
-    effective taps (:meth:`~iresflow.nn.conv.TemporalConvBranch.linearize`).
+    """A stack of "same"-padded (or causal) convolutions over time and LipSwish activations with
+    fixed effective taps (:meth:`~iresflow.nn.conv.TemporalConvBranch.linearize`).
 
     ``params`` lists the taps, the biases, then the LipSwish slopes. Each convolution is applied
     as a matrix product with the windows of its input (small channel counts make that cheaper
@@ -289,6 +289,9 @@ class ConvStackLinearization(LayerStackLinearization):
         shift: Optional per-sequence shift ``(B, H_1)`` after the first convolution (on every
             frame), as for :class:`LayerStackLinearization`.
         max_len: Longest sequence the branch's certificate holds for (``None``: any).
+        causal: Whether the convolutions are causal (zero padding of ``k - 1`` frames on the
+            left, :class:`~iresflow.nn.conv.SpectralConv1d`); their adjoints then pad on the
+            right.
     """
 
     masks_hidden = True
@@ -301,13 +304,18 @@ class ConvStackLinearization(LayerStackLinearization):
         *,
         shift: Tensor | None = None,
         max_len: int | None = None,
+        causal: bool = False,
     ) -> None:
         super().__init__(weights, biases, betas, shift)
         self.max_len = max_len
         self.taps, self.pads, self.forward_matrices, self.adjoints = [], [], [], []
+        #: The padding of every layer's input windows (``pads``: of its adjoint's).
+        self.forward_pads: list[tuple[int, int, int, int]] = []
         for w in self.weights:
-            self.taps.append(w.shape[-1])
-            self.pads.append((0, 0, w.shape[-1] // 2, w.shape[-1] // 2))
+            k = w.shape[-1]
+            self.taps.append(k)
+            self.forward_pads.append((0, 0, k - 1, 0) if causal else (0, 0, k // 2, k // 2))
+            self.pads.append((0, 0, 0, k - 1) if causal else (0, 0, k // 2, k // 2))
             self.forward_matrices.append(w.reshape(w.shape[0], -1).T)
             self.adjoints.append(w.flip(-1).transpose(1, 2).reshape(-1, w.shape[1]))
 
@@ -317,33 +325,34 @@ class ConvStackLinearization(LayerStackLinearization):
         return ConvStackPoint(self, x, mask)
 
 
-def _windows(h: Tensor, size: int) -> Tensor:
-    """Windows ``out[r, t, c * size + j] = h[r, t + j - size // 2, c]`` (zero outside the
-    sequence), shape ``(R, N, C size)``."""
+def _windows(h: Tensor, size: int, pad: tuple[int, int, int, int]) -> Tensor:
+    """Windows ``out[r, t, c * size + j] = h[r, t + j - left, c]`` (zero outside the
+    sequence) with ``pad = (0, 0, left, right)``, ``left + right = size - 1``, shape
+    ``(R, N, C size)``."""
     if size == 1:
         return h
-    padded = F.pad(h, (0, 0, size // 2, size // 2))
-    return padded.unfold(1, size, 1).reshape(*h.shape[:2], h.shape[2] * size)
+    return F.pad(h, pad).unfold(1, size, 1).reshape(*h.shape[:2], h.shape[2] * size)
 
 
 class ConvStackPoint(LayerStackPoint):
     r"""A :class:`ConvStackLinearization` at ``x``: the products of :class:`LayerStackPoint`
-    with "same"-padded convolutions over time (tensors stay ``(R, N, C)``) and padded frames
-    zeroed at every layer input.
+    with "same"-padded (or causal) convolutions over time (tensors stay ``(R, N, C)``) and
+    padded frames zeroed at every layer input.
 
-    With taps :math:`W_j` and :math:`p = (k - 1) / 2`, the convolution is
-    :math:`y_t = \sum_j W_j x_{t + j - p}` and its adjoint
-    :math:`\bar x_s = \sum_j W_{k - 1 - j}^\top \bar y_{s + j - p}`: both are products of input
-    windows with a tap matrix."""
+    With taps :math:`W_j` and :math:`p = (k - 1) / 2` (causal: :math:`p = k - 1`), the
+    convolution is :math:`y_t = \sum_j W_j x_{t + j - p}` and its adjoint
+    :math:`\bar x_s = \sum_j W_{k - 1 - j}^\top \bar y_{s + j - (k - 1 - p)}`: both are products
+    of input windows with a tap matrix."""
 
     lin: ConvStackLinearization
 
     def apply_layer(self, l: int, h: Tensor, bias: Tensor | None = None) -> Tensor:
-        out = _windows(h, self.lin.taps[l]) @ self.lin.forward_matrices[l]
+        lin = self.lin
+        out = _windows(h, lin.taps[l], lin.forward_pads[l]) @ lin.forward_matrices[l]
         return out if bias is None else out.add_(bias)
 
     def layer_weight_grad(self, l: int, g: Tensor, h: Tensor, k: Tensor, t: Tensor) -> Tensor:
         weight = self.lin.weights[l]
         # Both terms in one product of the stacked output cotangents with the input windows.
-        windows = _windows(torch.cat([h, t]), weight.shape[-1])
+        windows = _windows(torch.cat([h, t]), weight.shape[-1], self.lin.forward_pads[l])
         return (as_rows(torch.cat([g, k])).T @ as_rows(windows)).view(weight.shape)
