@@ -55,7 +55,7 @@ from iresflow.nn.linear import InfNormLinear, SpectralLinear
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.nn.positional import LearnedPositionalEncoding, PositionalBranch
 from iresflow.transforms.actnorm import ActNorm
-from iresflow.transforms.base import SequenceCompositeTransform
+from iresflow.transforms.composite import SequenceCompositeTransform
 from iresflow.transforms.residual import ResidualTransform
 from tests.oracles import jacobian
 

@@ -25,8 +25,10 @@ PACKAGE = Path(iresflow.__file__).parent
 #: Python calls into the package of one default training log_prob (758, then 413, before the path
 #: was made lean; the count depends on the roulette draws, fixed here by the seed).
 MAX_CALLS = 375
-#: Distinct source files of the package it passes through (19 before).
-MAX_MODULES = 18
+#: Distinct source files of the package it passes through (19 before the path was made lean, 18
+#: after; 19 since the chain has its own file, transforms/composite.py, beside the contract of
+#: a transform in transforms/base.py).
+MAX_MODULES = 19
 
 
 def _profile(call: Callable[[], object]) -> list[tuple[str, str]]:

@@ -26,7 +26,7 @@ from iresflow.nn.diagnostics import jacobian_norm
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.nn.positional import PositionalBranch, SinusoidalPositionalEncoding
 from iresflow.transforms.actnorm import ActNorm
-from iresflow.transforms.base import SequenceCompositeTransform
+from iresflow.transforms.composite import SequenceCompositeTransform
 from iresflow.transforms.residual import ResidualTransform
 
 F64 = torch.float64

@@ -25,7 +25,7 @@ from iresflow.nn.conditional import ConditionalBranch, ContextEncoder
 from iresflow.nn.linear import SpectralLinear
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.transforms.actnorm import ActNorm
-from iresflow.transforms.base import SequenceCompositeTransform
+from iresflow.transforms.composite import SequenceCompositeTransform
 from iresflow.transforms.conditional import ConditionalAffine
 from iresflow.transforms.residual import ResidualTransform
 from tests.oracles import MixingBranch, count_host_reads, jacobian_logdet

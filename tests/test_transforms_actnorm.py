@@ -9,7 +9,7 @@ import torch
 from nflows.transforms import CompositeTransform, InverseTransform
 
 from iresflow.transforms.actnorm import MIN_INIT_VARIANCE, ActNorm
-from iresflow.transforms.base import SequenceCompositeTransform
+from iresflow.transforms.composite import SequenceCompositeTransform
 
 
 def _mask(lengths: list[int], n: int, device: torch.device) -> torch.Tensor:

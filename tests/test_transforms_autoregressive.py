@@ -15,7 +15,8 @@ from oracles import jacobian, jacobian_logdet, padded_batch
 
 from iresflow.inverse.fixed_point import InversionError, InversionWarning
 from iresflow.transforms.autoregressive import AutoregressiveAffine
-from iresflow.transforms.base import SequenceCompositeTransform, SequenceTransform
+from iresflow.transforms.base import SequenceTransform
+from iresflow.transforms.composite import SequenceCompositeTransform
 
 F64 = torch.float64
 D = 3  # features

@@ -16,7 +16,8 @@ from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.nn.attention import ContractiveL2MultiheadAttention
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.transforms.actnorm import ActNorm
-from iresflow.transforms.base import SequenceCompositeTransform, SequenceTransform, check_logdet
+from iresflow.transforms.base import SequenceTransform, check_logdet
+from iresflow.transforms.composite import SequenceCompositeTransform
 from iresflow.transforms.residual import ResidualTransform
 
 F64 = torch.float64

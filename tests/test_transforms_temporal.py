@@ -17,7 +17,7 @@ from oracles import jacobian, padded_batch, real_indices
 from scipy.stats import multivariate_normal
 
 from iresflow.nn.conv import TemporalConvBranch
-from iresflow.transforms.base import SequenceCompositeTransform
+from iresflow.transforms.composite import SequenceCompositeTransform
 from iresflow.transforms.mixing import FeatureMixing
 from iresflow.transforms.residual import ResidualTransform
 from iresflow.transforms.temporal import (

@@ -45,7 +45,7 @@ from iresflow.logdet._hutchinson import needs_graph, repeated_input, repeated_ma
 from iresflow.logdet.base import LogDetEstimator
 from iresflow.nn.base import LipschitzBranch
 
-__all__ = ["ExactLogDet", "jacobian_blocks"]
+__all__ = ["ExactLogDet", "frame_logdets", "jacobian_blocks"]
 
 
 #: Matrix size from which CPU batches are factorised one matrix at a time (see :func:`_slogdet`).
@@ -320,19 +320,56 @@ class ExactLogDet(LogDetEstimator):
     def estimate(
         self, branch: LipschitzBranch, x: Tensor, mask: Tensor | None
     ) -> tuple[Tensor, Tensor]:
-        out, jac, banded = _jacobian(branch, x, mask)
-        if banded:
-            sign, logabsdet = _banded_slogdet(jac)
-        else:
-            eye = torch.eye(jac.shape[-1], dtype=x.dtype, device=x.device)
-            sign, logabsdet = _slogdet(eye + jac)
-        if (branch.position_wise or getattr(branch, "causal", False)) and mask is not None:
-            logabsdet = logabsdet * mask
-            sign = sign.masked_fill(~mask, 1.0)
-        if not bool((sign > 0).all()):
-            bad = torch.nonzero((sign <= 0).any(-1)).flatten().tolist()
-            raise ValueError(
-                f"det(I + J_g) <= 0 for samples {bad}: the branch is not contractive "
-                "(its Lipschitz constant must be < 1)"
-            )
+        out, logabsdet = _block_logdets(branch, x, mask)
         return out, logabsdet.sum(-1)
+
+
+def frame_logdets(
+    branch: LipschitzBranch, x: Tensor, mask: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    r"""The log-determinants of the diagonal blocks of a position-wise or causal branch,
+    frame by frame: :math:`\log\det(I_D + \partial g_t / \partial x_t)` (docs/math.md#causal-steps).
+
+    They sum to :meth:`ExactLogDet.estimate`; for a causal flow, frame :math:`t`'s share of the
+    log-determinant (docs/forecasting.md#frame-scores).
+
+    Args:
+        branch: A branch with ``position_wise`` or ``causal`` set.
+        x: Sequences ``(B, N, D)``.
+        mask: Optional padding mask ``(B, N)``.
+
+    Returns:
+        ``(g(x), logdets)``: shapes ``(B, N, D)`` and ``(B, N)``, zero at padded frames.
+
+    Raises:
+        ValueError: the branch is neither position-wise nor causal (its log-determinant has no
+            share per frame), or a diagonal block has a non-positive determinant.
+    """
+    if not (branch.position_wise or getattr(branch, "causal", False)):
+        raise ValueError(f"{type(branch).__name__} is neither position-wise nor causal: its "
+                         f"log-determinant has no share per frame")
+    return _block_logdets(branch, x, mask)
+
+
+def _block_logdets(
+    branch: LipschitzBranch, x: Tensor, mask: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """``(g(x), log-determinants of the blocks of the Jacobian)``: ``(B, N)`` (zero at padding)
+    for position-wise and causal branches, ``(B, 1)`` otherwise; every determinant checked to be
+    positive."""
+    out, jac, banded = _jacobian(branch, x, mask)
+    if banded:
+        sign, logabsdet = _banded_slogdet(jac)
+    else:
+        eye = torch.eye(jac.shape[-1], dtype=x.dtype, device=x.device)
+        sign, logabsdet = _slogdet(eye + jac)
+    if (branch.position_wise or getattr(branch, "causal", False)) and mask is not None:
+        logabsdet = logabsdet * mask
+        sign = sign.masked_fill(~mask, 1.0)
+    if not bool((sign > 0).all()):
+        bad = torch.nonzero((sign <= 0).any(-1)).flatten().tolist()
+        raise ValueError(
+            f"det(I + J_g) <= 0 for samples {bad}: the branch is not contractive "
+            "(its Lipschitz constant must be < 1)"
+        )
+    return out, logabsdet

@@ -1,7 +1,8 @@
 r"""Base distributions of sequence flows and the padding masks of samples.
 
 :class:`SequenceBase` is the contract of the density of a flow's noise over the real frames
-(docs/math.md#masks); :class:`StandardNormalSequence` is the default one,
+(docs/math.md#masks; it lives in :mod:`iresflow.models.base_density` and is re-exported here
+with :func:`sample_mask`); :class:`StandardNormalSequence` is the default base,
 :class:`StudentTSequence` a heavy-tailed one with learned degrees of freedom
 (docs/math.md#student-t-base). :data:`BASES` is the registry of the densities the model setting
 ``base`` names (:func:`register_base` adds one) and :func:`make_base` builds one by its name.
@@ -11,7 +12,6 @@ r"""Base distributions of sequence flows and the padding masks of samples.
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from iresflow._validation import check_float, check_generator, check_int
+from iresflow.models.base_density import SequenceBase, sample_mask
 from iresflow.models.gamma import sample_gamma
 from iresflow.models.registry import Registry
 
@@ -44,63 +45,6 @@ T_GROUPS = ("feature", "frame", "sequence")
 NU_MIN = 2.0
 #: Initial degrees of freedom of :class:`StudentTSequence`: close to the standard normal.
 NU_INIT = 30.0
-
-
-class SequenceBase(nn.Module, ABC):
-    r"""The density of the noise of a :class:`~iresflow.models.flow.SequenceFlow`.
-
-    A distribution of sequences ``(B, N, D)`` with ``D = features`` whose density covers the
-    real frames only: padded frames never enter :meth:`log_prob`, and :meth:`sample` returns
-    zeros there. ``context`` is the context vector ``(B, C)`` of a conditional flow (the output
-    of its context encoder, ``None`` for an unconditional flow); a base that does not depend on
-    it ignores it, as nflows' distributions do. The flow validates its inputs once, at its
-    door, before calling the base: :meth:`log_prob` trusts its caller and checks nothing.
-
-    Subclasses set :attr:`features` and implement :meth:`log_prob` and :meth:`sample`.
-    """
-
-    #: Feature size ``D`` of every frame.
-    features: int
-
-    @abstractmethod
-    def log_prob(
-        self, z: Tensor, mask: Tensor | None = None, context: Tensor | None = None
-    ) -> Tensor:
-        """Log-density of every sequence, summed over its real frames.
-
-        Args:
-            z: Noise ``(B, N, D)``.
-            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real frames.
-            context: Context vector ``(B, C)`` of a conditional flow, or ``None``.
-
-        Returns:
-            Shape ``(B,)``.
-        """
-
-    @abstractmethod
-    def sample(
-        self,
-        mask: Tensor,
-        generator: torch.Generator | None = None,
-        temperature: float = 1.0,
-        *,
-        context: Tensor | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> Tensor:
-        """Draw noise on the real frames of ``mask``, zeros at padding.
-
-        Args:
-            mask: Boolean padding mask ``(B, N)``; the noise is drawn on its device.
-            generator: The only source of randomness (torch's global generator when ``None``).
-            temperature: Spread :math:`T > 0` of the draw relative to the density (1: the
-                density itself; the standard deviation of Gaussian noise is multiplied by
-                :math:`T`).
-            context: Context vector ``(B, C)`` of a conditional flow, or ``None``.
-            dtype: Floating dtype of the noise (a flow passes that of its parameters).
-
-        Returns:
-            Noise of shape ``(B, N, D)``.
-        """
 
 
 class StandardNormalSequence(SequenceBase):
@@ -129,8 +73,14 @@ class StandardNormalSequence(SequenceBase):
         self, z: Tensor, mask: Tensor | None = None, context: Tensor | None = None
     ) -> Tensor:
         """See :meth:`SequenceBase.log_prob`; ``context`` is ignored."""
+        return self.frame_log_prob(z, mask).sum(-1)
+
+    def frame_log_prob(
+        self, z: Tensor, mask: Tensor | None = None, context: Tensor | None = None
+    ) -> Tensor:
+        """See :meth:`SequenceBase.frame_log_prob`: the frames are independent."""
         per_frame = -0.5 * z.square().sum(-1) - 0.5 * z.shape[-1] * math.log(2 * math.pi)
-        return _sum_real_frames(per_frame, mask)
+        return _real_frames(per_frame, mask)
 
     def sample(
         self,
@@ -157,6 +107,20 @@ class StandardNormalSequence(SequenceBase):
         z = torch.randn(*mask.shape, self.features, generator=generator, device=mask.device,
                         dtype=dtype) * temperature
         return torch.where(mask.unsqueeze(-1), z, 0.0)
+
+    def sample_given(
+        self,
+        z: Tensor,
+        observed: Tensor,
+        mask: Tensor,
+        generator: torch.Generator | None = None,
+        temperature: float = 1.0,
+        *,
+        context: Tensor | None = None,
+    ) -> Tensor:
+        """See :meth:`SequenceBase.sample_given`: the frames are independent, so the new ones
+        are standard normal whatever the observed ones."""
+        return self._sample_new_frames(z, observed, mask, generator, temperature, context)
 
     def extra_repr(self) -> str:
         return f"features={self.features}"
@@ -228,13 +192,32 @@ class StudentTSequence(SequenceBase):
         nu = self.nu
         if self.group == "sequence":
             frames = z.shape[1] if mask is None else mask.sum(-1).to(z.dtype)
-            square = _sum_real_frames(z.square().sum(-1), mask)
+            square = _real_frames(z.square().sum(-1), mask).sum(-1)
             return _t_log_density(square, frames * self.features, nu)
+        return self.frame_log_prob(z, mask).sum(-1)
+
+    def frame_log_prob(
+        self, z: Tensor, mask: Tensor | None = None, context: Tensor | None = None
+    ) -> Tensor:
+        r"""See :meth:`SequenceBase.frame_log_prob`. Groups ``"feature"`` and ``"frame"`` lie
+        within a frame; for ``"sequence"`` frame :math:`t` gets
+        :math:`\log t_{\nu, k_t}(q_t) - \log t_{\nu, k_{t-1}}(q_{t-1})`, with :math:`k_t` and
+        :math:`q_t` the number and squared norm of the coordinates of the real frames up to
+        :math:`t` (docs/forecasting.md#frame-scores)."""
+        nu = self.nu
+        if self.group == "sequence":
+            real = torch.ones(z.shape[:2], dtype=torch.bool, device=z.device) if mask is None \
+                else mask
+            square = _real_frames(z.square().sum(-1), real).cumsum(-1)
+            coordinates = real.cumsum(-1).to(z.dtype) * self.features
+            cumulative = _t_log_density(square, coordinates, nu)
+            previous = torch.nn.functional.pad(cumulative[:, :-1], (1, 0))
+            return _real_frames(cumulative - previous, real)
         if self.group == "frame":
             per_frame = _t_log_density(z.square().sum(-1), float(self.features), nu)
         else:
             per_frame = _t_log_density(z.square(), 1.0, nu).sum(-1)
-        return _sum_real_frames(per_frame, mask)
+        return _real_frames(per_frame, mask)
 
     def sample(
         self,
@@ -272,9 +255,43 @@ class StudentTSequence(SequenceBase):
         z = g * torch.sqrt(nu / chi_square) * temperature
         return torch.where(mask.unsqueeze(-1), z, 0.0)
 
+    def sample_given(
+        self,
+        z: Tensor,
+        observed: Tensor,
+        mask: Tensor,
+        generator: torch.Generator | None = None,
+        temperature: float = 1.0,
+        *,
+        context: Tensor | None = None,
+    ) -> Tensor:
+        r"""See :meth:`SequenceBase.sample_given` (docs/forecasting.md#conditional-noise).
+
+        Groups ``"feature"`` and ``"frame"`` lie within a frame, so new frames are a fresh
+        draw. For ``"sequence"``, given :math:`k_o` observed coordinates with squared norm
+        :math:`q_o`, the new ones are a t with :math:`
+u + k_o` degrees of freedom and scale
+        :math:`\sqrt{(
+u + q_o) / (
+u + k_o)}`: :math:`T\, g \sqrt{(
+u + q_o) / w}` with
+        :math:`w \sim \chi^2_{
+u + k_o}`, one per sequence.
+        """
+        if self.group != "sequence":
+            return self._sample_new_frames(z, observed, mask, generator, temperature, context)
+        generator, temperature = _check_draw(mask, generator, temperature)
+        nu = self.nu.detach().to(device=z.device, dtype=z.dtype)
+        known = observed.sum(-1).to(z.dtype) * self.features
+        square = _real_frames(z.square().sum(-1), observed).sum(-1)
+        g = torch.randn(z.shape, generator=generator, device=z.device, dtype=z.dtype)
+        chi_square = 2 * sample_gamma((nu + known) / 2, generator)
+        new = g * (torch.sqrt((nu + square) / chi_square) * temperature)[:, None, None]
+        return torch.where(observed.unsqueeze(-1), z,
+                           torch.where((mask & ~observed).unsqueeze(-1), new, 0.0))
+
     def extra_repr(self) -> str:
         return f"features={self.features}, group={self.group}"
-
 
 def _t_log_density(square: Tensor, k: Tensor | float, nu: Tensor) -> Tensor:
     """Log-density of a ``k``-variate t with identity scale at squared norm ``square``."""
@@ -282,11 +299,9 @@ def _t_log_density(square: Tensor, k: Tensor | float, nu: Tensor) -> Tensor:
             - 0.5 * (nu + k) * torch.log1p(square / nu))
 
 
-def _sum_real_frames(per_frame: Tensor, mask: Tensor | None) -> Tensor:
-    """Sum a per-frame log-density ``(B, N)`` over the real frames of ``mask`` ``(B, N)``."""
-    if mask is not None:
-        per_frame = torch.where(mask, per_frame, 0.0)
-    return per_frame.sum(-1)
+def _real_frames(per_frame: Tensor, mask: Tensor | None) -> Tensor:
+    """A per-frame quantity ``(B, N)`` at the real frames of ``mask`` ``(B, N)``, 0 at padding."""
+    return per_frame if mask is None else torch.where(mask, per_frame, 0.0)
 
 
 def _check_draw(
@@ -376,48 +391,3 @@ register_base("multivariate-t", partial(StudentTSequence, group="frame"),
               "one multivariate t per frame")
 register_base("sequence-t", partial(StudentTSequence, group="sequence"),
               "one multivariate t over the real frames of a sequence")
-
-
-def sample_mask(
-    num: int, seq_len: int | None, lengths: Tensor | None, max_len: int | None,
-    device: torch.device | str | None = None,
-) -> Tensor:
-    """Padding mask for ``num`` sequences to sample, from a common length or per-sample lengths.
-
-    Args:
-        num: Number of sequences, ``>= 1``.
-        seq_len: Common length in ``[1, max_len]``; exclusive with ``lengths``.
-        lengths: Per-sample lengths, integer tensor ``(num,)`` with values in ``[1, max_len]``.
-        max_len: Longest length the model accepts (``None``: unbounded).
-        device: Device of the returned mask.
-
-    Returns:
-        Boolean mask ``(num, N)`` (``True`` = real token), ``N = seq_len`` or ``max(lengths)``.
-
-    Raises:
-        ValueError: neither or both of ``seq_len`` and ``lengths``, or lengths out of range.
-        TypeError: ``num`` or ``seq_len`` is not an int, or ``lengths`` is not an integer tensor.
-
-    Example:
-        >>> sample_mask(2, None, torch.tensor([1, 3]), 4).int().tolist()
-        [[1, 0, 0], [1, 1, 1]]
-    """
-    num = check_int(num, "num", 1)
-    longest = math.inf if max_len is None else max_len
-    if (seq_len is None) == (lengths is None):
-        raise ValueError("give exactly one of seq_len and lengths")
-    if lengths is None:
-        seq_len = check_int(seq_len, "seq_len", 1)
-        if seq_len > longest:
-            raise ValueError(f"seq_len must be <= max_len={max_len}, got {seq_len}")
-        return torch.ones(num, seq_len, dtype=torch.bool, device=device)
-    if not isinstance(lengths, Tensor) or lengths.dtype.is_floating_point or (
-        lengths.dtype in (torch.bool, torch.complex64, torch.complex128)
-    ):
-        raise TypeError("lengths must be an integer torch.Tensor of shape (num,)")
-    if lengths.shape != (num,):
-        raise ValueError(f"lengths must have shape (num,) = ({num},), got {tuple(lengths.shape)}")
-    if bool((lengths < 1).any()) or bool((lengths > longest).any()):
-        raise ValueError(f"lengths must lie in [1, max_len={max_len}]")
-    lengths = lengths.to(device)
-    return torch.arange(int(lengths.max()), device=lengths.device) < lengths.unsqueeze(1)

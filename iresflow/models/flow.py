@@ -41,14 +41,15 @@ from iresflow.logdet.base import LogDetEstimator
 from iresflow.logdet.policy import LogDetPolicy, logdet_policy, set_generator
 from iresflow.models import evaluation
 from iresflow.models.distributions import SequenceBase, StandardNormalSequence, sample_mask
+from iresflow.models.forecasting import CausalMethods
 from iresflow.nn.conditional import ContextEncoder
-from iresflow.transforms.base import SequenceCompositeTransform
+from iresflow.transforms.composite import SequenceCompositeTransform
 from iresflow.transforms.residual import ResidualTransform
 
 __all__ = ["SequenceFlow"]
 
 
-class SequenceFlow(nn.Module):
+class SequenceFlow(CausalMethods, nn.Module):
     r"""A normalising flow for (variable-length) sequences: a transform chain and a base.
 
     ``transform`` maps data to noise (nflows convention); :meth:`log_prob` adds its
@@ -58,7 +59,9 @@ class SequenceFlow(nn.Module):
     chain's unchecked path, so they also run under ``torch.func`` transforms. The layers
     initialised from data are set by :meth:`initialize`; :meth:`log_prob` and
     :meth:`transform_to_noise` call it themselves, on their batch, when they run in training
-    mode on a chain that is not initialised yet.
+    mode on a chain that is not initialised yet. A flow whose chain is causal over frames also
+    scores frames, forecasts and gives densities given a past
+    (:class:`~iresflow.models.forecasting.CausalMethods`).
 
     Args:
         transform: The chain from data to noise.
@@ -125,6 +128,7 @@ class SequenceFlow(nn.Module):
         return_stderr: bool = False,
         chunk_size: int | None = None,
         context: Tensor | None = None,
+        given: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         r"""Log-density, in nats, of the sequences as given (docs/math.md#change-of-variables).
 
@@ -151,6 +155,11 @@ class SequenceFlow(nn.Module):
             context: Conditioning input of a conditional flow (see ``context_encoder``):
                 labels ``(B,)`` or covariates ``(B, C)``; the density is then
                 :math:`\log p(x \mid c)`. Must be ``None`` for an unconditional flow.
+            given: Optional boolean mask ``(B, N)`` of observed frames, all before the other
+                real frames of their sequence: the density of the others given them,
+                :math:`\log p(x_{\rm new} \mid x_{\rm given})`, the sum of their
+                :meth:`frame_log_prob` (exact; a :attr:`causal` flow only, with ``method``
+                ``None`` or ``"exact"``, docs/forecasting.md#conditional-density).
 
         Returns:
             ``log_prob`` of shape ``(B,)``, or ``(log_prob, stderr)`` with ``return_stderr``.
@@ -158,6 +167,9 @@ class SequenceFlow(nn.Module):
         Raises:
             ValueError: invalid inputs or options.
         """
+        if given is not None:
+            return self._log_prob_given(x, mask, given, method, n_samples, return_stderr,
+                                        context)
         blocks = self._residual_blocks()
         policy = logdet_policy([block.logdet for block in blocks], method)
         n_samples = check_int(n_samples, "n_samples", 1)

@@ -39,7 +39,7 @@ from iresflow.models.flow import SequenceFlow
 from iresflow.nn.conditional import ContextEncoder
 from iresflow.nn.positional import make_positional_encoding
 from iresflow.transforms.actnorm import ActNorm
-from iresflow.transforms.base import SequenceCompositeTransform
+from iresflow.transforms.composite import SequenceCompositeTransform
 from iresflow.transforms.conditional import ConditionalAffine
 from iresflow.transforms.positionwise import PositionwiseAffine
 from iresflow.transforms.temporal import AutoregressiveLinear
@@ -79,7 +79,7 @@ class ResidualSequenceFlow(SequenceFlow):
     The model is a :class:`~iresflow.models.flow.SequenceFlow` (``log_prob``, ``sample``,
     ``transform_to_noise``, ``inverse``, ``initialize``, ``set_generator``, diagnostics); this
     class only builds its chain, :attr:`transform`, an nflows-compatible
-    :class:`~iresflow.transforms.base.SequenceCompositeTransform` with named steps
+    :class:`~iresflow.transforms.composite.SequenceCompositeTransform` with named steps
     (``input.actnorm``, ``input.autoregressive``, ``block0.conv.actnorm``, ``block0.conv``,
     ``block0.mlp.actnorm``, ``block0.mlp``, ...; a kind repeated within a block is numbered by
     its position, ``block0.mlp0``, ``block0.mlp2``; usable inside ``nflows.flows.Flow`` for

@@ -2,7 +2,8 @@
 
 from iresflow.transforms.actnorm import ActNorm, DataInitializedTransform
 from iresflow.transforms.autoregressive import AutoregressiveAffine
-from iresflow.transforms.base import SequenceCompositeTransform, SequenceTransform
+from iresflow.transforms.base import SequenceTransform
+from iresflow.transforms.composite import SequenceCompositeTransform
 from iresflow.transforms.mixing import FeatureMixing
 from iresflow.transforms.positionwise import PositionwiseAffine
 from iresflow.transforms.residual import ResidualTransform

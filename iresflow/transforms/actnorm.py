@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from iresflow._validation import check_int, value_checks
-from iresflow.transforms.base import LogDetRequest, SequenceTransform
+from iresflow.transforms.base import FRAMES, LogDetRequest, SequenceTransform
 
 __all__ = ["ActNorm", "DataInitializedTransform"]
 
@@ -123,6 +123,8 @@ class ActNorm(DataInitializedTransform):
         True
     """
 
+    causal = True  # frame-wise
+
     def __init__(self, features: int) -> None:
         super().__init__()
         self.features = check_int(features, "features", 1)
@@ -176,13 +178,17 @@ def tokenwise_result(
         logdet: The transform call's ``logdet`` argument.
 
     Returns:
-        ``(outputs, logabsdet)`` of shapes ``inputs.shape`` and ``(B,)``.
+        ``(outputs, logabsdet)`` of shapes ``inputs.shape`` and ``(B,)``; ``(B, N)`` token by
+        token (zero at padding) when ``logdet`` is :data:`~iresflow.transforms.base.FRAMES`.
     """
     batch = inputs.shape[0]
     if mask is not None:
         outputs = torch.where(mask.unsqueeze(-1), outputs, inputs)
     if logdet is False:
         return outputs, None
+    if logdet == FRAMES:
+        per_token = logdet_per_token.expand(inputs.shape[:2])
+        return outputs, per_token if mask is None else torch.where(mask, per_token, 0.0)
     if logdet_per_token.dim() > 0:
         if mask is not None:
             logdet_per_token = torch.where(mask, logdet_per_token, 0.0)

@@ -12,7 +12,7 @@ from iresflow._validation import check_float, check_int
 from iresflow.inverse.fixed_point import InverseStats, fixed_point_inverse
 from iresflow.nn.causal import CausalTransformer
 from iresflow.nn.conditional import check_context
-from iresflow.transforms.base import LogDetRequest, SequenceTransform
+from iresflow.transforms.base import FRAMES, LogDetRequest, SequenceTransform
 
 __all__ = ["AutoregressiveAffine"]
 
@@ -74,6 +74,8 @@ class AutoregressiveAffine(SequenceTransform):
         >>> bool(step.last_inverse_stats.iterations.max() <= 7)
         True
     """
+
+    causal = True  # output frame t reads input frames <= t
 
     last_inverse_stats: InverseStats | None
 
@@ -155,7 +157,9 @@ class AutoregressiveAffine(SequenceTransform):
         x = inputs.unsqueeze(1) if vector else inputs
         shift, log_scale = self.shift_and_log_scale(x, context, mask)
         y = (x - shift) * torch.exp(-log_scale)  # = x exactly at padded frames (0 and 0)
-        logabsdet = None if logdet is False else -log_scale.sum((1, 2))
+        logabsdet = None
+        if logdet is not False:  # log_scale is 0 at padded frames
+            logabsdet = -log_scale.sum(-1) if logdet == FRAMES else -log_scale.sum((1, 2))
         return (y.squeeze(1) if vector else y), logabsdet
 
     def _inverse(

@@ -12,8 +12,8 @@ with ``inputs`` of shape ``(B, N, D)`` (or ``(B, D)``), an optional boolean ``ma
 log-determinant (``logabsdet`` is ``None``), for callers that need the map only. Since it
 subclasses :class:`nflows.transforms.Transform`, nflows' own ``CompositeTransform``,
 ``InverseTransform`` and ``Flow`` work unchanged for fixed-length data (``mask=None``);
-:class:`SequenceCompositeTransform` chains transforms and passes ``mask=`` and ``logdet=``
-through, for variable-length batches.
+:class:`~iresflow.transforms.composite.SequenceCompositeTransform` chains transforms and passes
+``mask=`` and ``logdet=`` through, for variable-length batches.
 
 **Checked and unchecked paths.** The public :meth:`~SequenceTransform.forward` and
 :meth:`~SequenceTransform.inverse` validate once (:meth:`~SequenceTransform.check_call`: one
@@ -35,16 +35,21 @@ of a transform refuses to run while such a layer is in training mode but not ini
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from nflows.transforms.base import Transform
-from torch import Tensor, nn
+from torch import Tensor
 
 from iresflow._validation import check_inputs, value_checks
 from iresflow.logdet.base import LogDetEstimator
 
-__all__ = ["LogDetRequest", "SequenceCompositeTransform", "SequenceTransform", "check_logdet"]
+__all__ = [
+    "FRAMES",
+    "LogDetRequest",
+    "SequenceTransform",
+    "check_logdet",
+]
 
 #: The ``logdet`` argument of a transform: ``True`` (the transform's own log-determinant),
 #: ``False`` (none: the map only), a log-determinant estimator (instance or name, see
@@ -52,8 +57,15 @@ __all__ = ["LogDetRequest", "SequenceCompositeTransform", "SequenceTransform", "
 #: configured one for this call, or a mapping from residual blocks to the estimator each uses
 #: in this call (how a flow hands every block its share of the random draws of a pass, see
 #: :meth:`~iresflow.logdet.policy.LogDetPolicy.pass_request`; blocks it does not name use their
-#: configured one). Other transforms treat anything but ``False`` like ``True``.
+#: configured one). Other transforms treat anything but ``False`` and :data:`FRAMES` like
+#: ``True``.
 LogDetRequest = bool | str | LogDetEstimator | Mapping["SequenceTransform", LogDetEstimator]
+
+#: The ``logdet`` argument asking a :attr:`~SequenceTransform.causal` transform's forward for
+#: its log-determinant frame by frame, ``(B, N)``: the log-determinants of the diagonal blocks
+#: of its block lower-triangular Jacobian (exact; zero at padded frames), which sum to the
+#: whole one (docs/forecasting.md#frame-scores).
+FRAMES = "frames"
 
 
 def check_logdet(logdet: object) -> LogDetRequest:
@@ -100,6 +112,10 @@ class SequenceTransform(Transform, ABC):
 
     #: Feature size ``D`` the transform requires, or ``None`` for any.
     features: int | None = None
+    #: Whether output frame :math:`t` depends on the input frames :math:`s \le t` only, in both
+    #: directions of the map (frame-wise transforms are causal; docs/math.md#causal-steps). A
+    #: flow whose chain is causal forecasts and scores frames (docs/forecasting.md).
+    causal: bool = False
     #: ``False`` while a layer initialised from data waits for :meth:`initialize` (host flag).
     _initialized: bool = True
 
@@ -312,138 +328,3 @@ class SequenceTransform(Transform, ABC):
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
     ) -> tuple[Tensor, Tensor | None]:
         """Unchecked :meth:`inverse` on validated inputs."""
-
-
-class SequenceCompositeTransform(SequenceTransform):
-    r"""Chain of transforms, applied in the given order, passing ``mask=`` and ``logdet=`` on.
-
-    .. math:: f = f_K \circ \cdots \circ f_1, \qquad
-        \log|\det J_f(x)| = \sum_{k=1}^K \log|\det J_{f_k}(x_{k-1})| .
-
-    Any nflows ``Transform`` may be part of the chain; with a ``mask`` every member must be a
-    :class:`SequenceTransform`, since only those honour the padding contract. The context is
-    passed on to every member. The members are :attr:`steps` (an ``nn.ModuleList``), with
-    names from :meth:`named_steps`. The chain validates a call at its door and then runs the
-    unchecked ``_forward`` / ``_inverse`` of its :class:`SequenceTransform` members directly.
-
-    Args:
-        transforms: Iterable of nflows ``Transform`` objects.
-        names: Optional names of the members, one each (default: their indices).
-
-    Example:
-        >>> import torch
-        >>> from nflows.transforms import IdentityTransform
-        >>> chain = SequenceCompositeTransform([IdentityTransform(), IdentityTransform()])
-        >>> y, logabsdet = chain(torch.randn(2, 5, 3))
-        >>> y.shape, logabsdet.shape, len(chain.steps)
-        (torch.Size([2, 5, 3]), torch.Size([2]), 2)
-        >>> chain(torch.randn(2, 5, 3), logdet=False)[1] is None
-        True
-    """
-
-    def __init__(
-        self, transforms: Iterable[Transform], names: Sequence[str] | None = None
-    ) -> None:
-        super().__init__()
-        transforms = list(transforms)
-        for i, t in enumerate(transforms):
-            if not isinstance(t, Transform):
-                raise TypeError(
-                    f"transforms[{i}] must be an nflows Transform, got {type(t).__name__}"
-                )
-        if names is None:
-            names = [str(i) for i in range(len(transforms))]
-        names = list(names)
-        if len(names) != len(transforms) or not all(isinstance(n, str) for n in names):
-            raise ValueError(
-                f"names must hold one string per transform ({len(transforms)}), got {names!r}"
-            )
-        if len(set(names)) != len(names):
-            raise ValueError(f"names must be unique, got {names!r}")
-        self.steps = nn.ModuleList(transforms)
-        self.step_names: tuple[str, ...] = tuple(names)
-
-    @property
-    def features(self) -> int | None:  # type: ignore[override]
-        """Feature size ``D`` of the first member that requires one (``None`` if none does)."""
-        return next(
-            (t.features for t in self.steps if getattr(t, "features", None) is not None), None
-        )
-
-    def named_steps(self) -> Iterator[tuple[str, Transform]]:
-        """Iterate over ``(name, member)`` pairs, in order of application.
-
-        Example:
-            >>> from nflows.transforms import IdentityTransform
-            >>> chain = SequenceCompositeTransform([IdentityTransform()], names=["id"])
-            >>> next(chain.named_steps())[0]
-            'id'
-        """
-        return zip(self.step_names, self.steps, strict=True)
-
-    def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
-        for t in self.steps:
-            if isinstance(t, SequenceTransform):
-                t._check_options(inputs, context, logdet)
-
-    def check_options(
-        self,
-        inputs: Tensor,
-        context: Tensor | None = None,
-        *,
-        mask: Tensor | None = None,
-        logdet: object = True,
-    ) -> None:
-        """See :meth:`SequenceTransform.check_options`; a mask needs
-        :class:`SequenceTransform` members."""
-        if mask is not None:
-            for t in self.steps:
-                if not isinstance(t, SequenceTransform):
-                    raise TypeError(
-                        f"a mask needs every member to be a SequenceTransform, got "
-                        f"{type(t).__name__}"
-                    )
-        super().check_options(inputs, context, mask=mask, logdet=logdet)
-
-    def _initialization_pass(
-        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None
-    ) -> Tensor:
-        outputs = inputs
-        for t in self.steps:
-            if isinstance(t, SequenceTransform):
-                outputs = t._initialization_pass(outputs, context, mask)
-            else:
-                outputs = t(outputs, context)[0]
-        return outputs
-
-    def _forward(
-        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
-    ) -> tuple[Tensor, Tensor | None]:
-        return self._cascade(inputs, context, mask, logdet, inverse=False)
-
-    def _inverse(
-        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
-    ) -> tuple[Tensor, Tensor | None]:
-        return self._cascade(inputs, context, mask, logdet, inverse=True)
-
-    def _cascade(
-        self,
-        inputs: Tensor,
-        context: Tensor | None,
-        mask: Tensor | None,
-        logdet: LogDetRequest,
-        *,
-        inverse: bool,
-    ) -> tuple[Tensor, Tensor | None]:
-        members = list(self.steps)[::-1] if inverse else list(self.steps)
-        outputs = inputs
-        total = None if logdet is False else inputs.new_zeros(inputs.shape[0])
-        for t in members:
-            if isinstance(t, SequenceTransform):  # validated at the chain's door: unchecked
-                call = t._inverse if inverse else t._forward
-                outputs, logabsdet = call(outputs, context, mask, logdet)
-            else:  # a plain nflows transform (mask is None here): its own public call
-                outputs, logabsdet = (t.inverse if inverse else t)(outputs, context)
-            if total is not None:
-                total = total + logabsdet
-        return outputs, total

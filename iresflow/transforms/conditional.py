@@ -8,7 +8,7 @@ from torch import Tensor
 
 from iresflow._validation import check_float, check_int
 from iresflow.nn.conditional import ContextShift, check_context
-from iresflow.transforms.base import LogDetRequest, SequenceTransform
+from iresflow.transforms.base import FRAMES, LogDetRequest, SequenceTransform
 
 __all__ = ["ConditionalAffine"]
 
@@ -40,6 +40,8 @@ class ConditionalAffine(SequenceTransform):
         (True, torch.Size([4]))
     """
 
+    causal = True  # frame-wise
+
     def __init__(
         self, features: int, context_features: int, hidden: int = 32, max_log_scale: float = 3.0
     ) -> None:
@@ -63,9 +65,14 @@ class ConditionalAffine(SequenceTransform):
             return log_scale.unsqueeze(1), shift.unsqueeze(1)
         return log_scale, shift
 
-    def _logdet(self, log_scale: Tensor, inputs: Tensor, mask: Tensor | None) -> Tensor:
+    def _logdet(
+        self, log_scale: Tensor, inputs: Tensor, mask: Tensor | None, logdet: LogDetRequest
+    ) -> Tensor:
         frames = 1 if inputs.dim() == 2 else inputs.shape[1]
         per_frame = log_scale.reshape(inputs.shape[0], -1).sum(-1)
+        if logdet == FRAMES:
+            per_frame = per_frame[:, None].expand(inputs.shape[:2])
+            return per_frame if mask is None else torch.where(mask, per_frame, 0.0)
         real = per_frame.new_full((inputs.shape[0],), frames) if mask is None else mask.sum(-1)
         return per_frame * real
 
@@ -76,7 +83,7 @@ class ConditionalAffine(SequenceTransform):
         out = inputs * log_scale.exp() + shift
         if mask is not None:
             out = torch.where(mask.unsqueeze(-1), out, inputs)
-        return out, None if logdet is False else self._logdet(log_scale, inputs, mask)
+        return out, None if logdet is False else self._logdet(log_scale, inputs, mask, logdet)
 
     def _inverse(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
@@ -85,7 +92,8 @@ class ConditionalAffine(SequenceTransform):
         out = (inputs - shift) * (-log_scale).exp()
         if mask is not None:
             out = torch.where(mask.unsqueeze(-1), out, inputs)
-        return out, None if logdet is False else -self._logdet(log_scale, inputs, mask)
+        return out, None if logdet is False else -self._logdet(log_scale, inputs, mask,
+                                                                  logdet)
 
     def extra_repr(self) -> str:
         return (f"features={self.features}, context_features={self.context_features}, "

@@ -46,6 +46,8 @@ class FeatureMixing(SequenceTransform):
         True
     """
 
+    causal = True  # frame-wise
+
     permutation: Tensor
     sign: Tensor
 

@@ -101,6 +101,8 @@ class PositionwiseAffine(DataInitializedTransform):
         (torch.Size([8, 5, 2]), torch.Size([8]), True)
     """
 
+    causal = True  # frame-wise
+
     def __init__(self, features: int, max_len: int) -> None:
         super().__init__()
         self.features = check_int(features, "features", 1)

@@ -11,10 +11,11 @@ from torch import Tensor
 
 from iresflow.inverse.fixed_point import InverseStats, fixed_point_inverse
 from iresflow.logdet.base import LogDetEstimator, check_logdet_dtype
+from iresflow.logdet.exact import frame_logdets
 from iresflow.logdet.factory import make_logdet
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.conditional import check_context
-from iresflow.transforms.base import LogDetRequest, SequenceTransform
+from iresflow.transforms.base import FRAMES, LogDetRequest, SequenceTransform
 
 __all__ = ["ResidualTransform"]
 
@@ -149,6 +150,12 @@ class ResidualTransform(SequenceTransform):
         return self.branch.lipschitz_constant(seq_len)
 
     @property
+    def causal(self) -> bool:  # type: ignore[override]
+        """Whether the branch is position-wise or causal over frames (then so is the block and,
+        by forward substitution, its inverse)."""
+        return bool(self.branch.position_wise or self.branch.causal)
+
+    @property
     def context_features(self) -> int | None:
         """Context size ``C`` of a conditional branch (``None``: unconditional)."""
         return getattr(self.branch, "context_features", None)
@@ -186,6 +193,8 @@ class ResidualTransform(SequenceTransform):
         branch = self.branch if context is None else self.branch.bind(context)
         if logdet is False:
             g, logabsdet = branch(x, mask), None
+        elif logdet == FRAMES:
+            g, logabsdet = frame_logdets(branch, x, mask)
         else:
             g, logabsdet = self._estimator(logdet).estimate(branch, x, mask)
         outputs = x + g

@@ -115,6 +115,8 @@ class AutoregressiveLinear(DataInitializedTransform):
         True
     """
 
+    causal = True  # output frame t reads input frames <= t
+
     def __init__(
         self,
         features: int,

@@ -1,0 +1,270 @@
+"""Forecasts and per-frame scores of causal flows (docs/forecasting.md).
+
+Oracles: the dense autograd Jacobian of every step (its diagonal blocks), prefix
+log-likelihoods of sliced sequences, scipy's multivariate t, the Gaussian conditional of a
+linear flow, and the forward map of the flow at the forecast.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from iresflow.models.distributions import StudentTSequence, make_base
+from iresflow.models.residual_flow import ResidualSequenceFlow
+from iresflow.transforms.base import FRAMES
+from tests.oracles import jacobian
+
+LENGTH, FEATURES = 7, 2
+
+
+def _model(device, dtype, **settings) -> ResidualSequenceFlow:
+    """A causal model, initialised on data and moved away from its initial identity steps."""
+    options = {"n_blocks": 2, "hidden": 8, "max_len": LENGTH + 3, "causal": True} | settings
+    model = ResidualSequenceFlow(features=FEATURES, **options).to(device=device, dtype=dtype)
+    data = torch.randn(8, LENGTH, FEATURES, device=device, dtype=dtype) * 1.7 + 0.3
+    model.initialize(data, **_context(model, 8, device))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def _context(model: ResidualSequenceFlow, batch: int, device) -> dict[str, torch.Tensor]:
+    if not model.config.num_classes:
+        return {}
+    return {"context": torch.arange(batch, device=device) % model.config.num_classes}
+
+
+def _batch(device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(3, LENGTH, FEATURES, device=device, dtype=dtype) * 1.5 + 0.2
+    mask = torch.ones(3, LENGTH, dtype=torch.bool, device=device)
+    mask[1, 5:] = False  # end padding
+    mask[2, 2] = False  # a gap
+    return x, mask
+
+
+RECIPES = {
+    "default": {},
+    "every kind": {"layers": ("conv", "autoregressive", "mix", "mlp"), "position_norm": "on"},
+    "conditional": {"num_classes": 2, "layers": ("conv", "autoregressive", "mlp")},
+}
+BASES = ("sequence-t", "normal", "student-t", "multivariate-t")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_step_splits_its_logdet_into_its_diagonal_blocks(device, recipe):
+    """Frame t's log-det of every step is log|det| of the t-th diagonal block of the step's
+    dense Jacobian (zero at padding), and the Jacobian has nothing above those blocks."""
+    model = _model(device, torch.float64, **RECIPES[recipe])
+    x, mask = _batch(device, torch.float64)
+    context = _context(model, 3, device).get("context")
+    c = None if context is None else model.context_encoder(context)
+    trace = model.transform.forward_trace(x, c, mask=mask)
+    for (name, step), h in zip(model.transform.named_steps(), trace[:-1], strict=True):
+        frames = step._forward(h, c, mask, FRAMES)[1]
+        for b in range(3):
+            cb = None if c is None else c[b : b + 1]
+            full = jacobian(lambda t, m, cb=cb, step=step: step._forward(t, cb, m, False)[0],
+                            h[b : b + 1], mask[b : b + 1])[0]
+            full = full.reshape(LENGTH, FEATURES, LENGTH, FEATURES)
+            for t in range(LENGTH):
+                assert (full[t, :, t + 1 :] == 0).all(), name
+                expected = torch.linalg.slogdet(full[t, :, t])[1] if mask[b, t] else 0.0
+                torch.testing.assert_close(frames[b, t], torch.as_tensor(expected).to(frames),
+                                           atol=1e-10, rtol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("base", BASES)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_frame_scores_are_differences_of_prefix_log_likelihoods(device, dtype, base, recipe):
+    model = _model(device, dtype, base=base, **RECIPES[recipe])
+    x, mask = _batch(device, dtype)
+    context = _context(model, 3, device)
+    frames = model.frame_log_prob(x, mask, **context)
+    assert frames.shape == (3, LENGTH) and (frames[~mask] == 0).all()
+    tol = 1e-10 if dtype == torch.float64 else 1e-3
+    for t in range(1, LENGTH + 1):  # the prefix of length t, cut off as a user would
+        prefix = model.log_prob(x[:, :t], mask[:, :t], method="exact", **context)
+        torch.testing.assert_close(frames[:, :t].sum(-1), prefix, atol=tol, rtol=tol)
+
+
+def test_frame_scores_have_the_gradient_of_the_exact_log_likelihood(device):
+    model = _model(device, torch.float64)
+    x, mask = _batch(device, torch.float64)
+    x.requires_grad_(True)
+    (frame_grad,) = torch.autograd.grad(model.frame_log_prob(x, mask).sum(), x)
+    (exact_grad,) = torch.autograd.grad(model.log_prob(x, mask, method="exact").sum(), x)
+    torch.testing.assert_close(frame_grad, exact_grad, atol=1e-10, rtol=1e-10)
+
+
+def test_sequence_t_frame_density_is_scipys_conditional_t(device):
+    """Frame t of the sequence-level t given the earlier real frames: a D-variate t with
+    nu + k degrees of freedom and squared scale (nu + q) / (nu + k), from the k earlier
+    coordinates of squared norm q."""
+    base = StudentTSequence(3, group="sequence", nu_init=4.5).to(device, torch.float64)
+    z = torch.randn(2, 5, 3, device=device, dtype=torch.float64) * 1.3
+    mask = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool, device=device)
+    frames = base.frame_log_prob(z, mask).detach().cpu().numpy()
+    nu = float(base.nu.detach())
+    for b in range(2):
+        k, q = 0, 0.0
+        for t in range(5):
+            if not mask[b, t]:
+                assert frames[b, t] == 0
+                continue
+            zt = z[b, t].cpu().numpy()
+            expected = stats.multivariate_t(np.zeros(3), (nu + q) / (nu + k) * np.eye(3),
+                                            df=nu + k).logpdf(zt)
+            assert abs(frames[b, t] - expected) < 1e-10
+            k, q = k + 3, q + float((zt**2).sum())
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_sample_given_keeps_the_observed_frames_and_zeros_the_others(device, base):
+    density = make_base(base, 2).to(device, torch.float64)
+    z = torch.randn(2, 6, 2, device=device, dtype=torch.float64)
+    observed = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 0, 1, 0, 0, 0]], dtype=torch.bool,
+                            device=device)
+    mask = observed.clone()
+    mask[0, 3:5] = True
+    mask[1, 3] = True
+    drawn = density.sample_given(z, observed, mask, torch.Generator(device).manual_seed(0))
+    assert torch.equal(drawn[observed], z[observed])
+    assert (drawn[~mask] == 0).all() and (drawn[mask & ~observed] != 0).all()
+
+
+def test_sequence_t_draw_given_observed_frames_is_the_conditional_t(device):
+    """||z_new||^2 / (k_new s^2) ~ F(k_new, nu + k_o), s^2 = (nu + q_o) / (nu + k_o): a
+    Kolmogorov-Smirnov test against scipy, and a plain t for the frame group."""
+    nu, draws = 5.0, 4000
+    base = StudentTSequence(2, group="sequence", nu_init=nu).to(device, torch.float64)
+    z = torch.zeros(draws, 5, 2, device=device, dtype=torch.float64)
+    z[:, :3] = torch.tensor([[2.0, -1.0], [0.5, 3.0], [-2.5, 1.5]], dtype=torch.float64)
+    observed = torch.zeros(draws, 5, dtype=torch.bool, device=device)
+    observed[:, :3] = True
+    mask = torch.ones_like(observed)
+    drawn = base.sample_given(z, observed, mask, torch.Generator(device).manual_seed(3))
+    known, square = 6, float(z[0, :3].square().sum())
+    scale = (nu + square) / (nu + known)
+    statistic = (drawn[:, 3:].square().sum((1, 2)) / (4 * scale)).cpu().numpy()
+    assert stats.kstest(statistic, stats.f(4, nu + known).cdf).pvalue > 1e-3
+    frame = StudentTSequence(2, group="frame", nu_init=nu).to(device, torch.float64)
+    drawn = frame.sample_given(z, observed, mask, torch.Generator(device).manual_seed(4))
+    statistic = (drawn[:, 3].square().sum(-1) / 2).cpu().numpy()
+    assert stats.kstest(statistic, stats.f(2, nu).cdf).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_forecast_solves_the_flow_on_the_new_frames_with_the_past_fixed(device, dtype, recipe):
+    """The flow maps the observed frames followed by the forecast to the observed frames' own
+    noise followed by the noise drawn for the new ones (reproduced from the same generator)."""
+    model = _model(device, dtype, **RECIPES[recipe])
+    x, mask = _batch(device, dtype)
+    context = _context(model, 3, device)
+    horizon, num = 3, 2
+    samples = model.forecast(x, mask, horizon=horizon, num_samples=num, **context,
+                             generator=torch.Generator(device).manual_seed(5))
+    assert samples.shape == (num, 3, horizon, FEATURES)
+    ends = torch.tensor([LENGTH, 5, LENGTH], device=device)
+    total = LENGTH + horizon
+    positions = torch.arange(total, device=device)
+    new = (positions >= ends[:, None]) & (positions < ends[:, None] + horizon)
+    known = torch.nn.functional.pad(mask, (0, horizon))
+    data = torch.nn.functional.pad(x, (0, 0, 0, horizon))
+    noise = model.transform_to_noise(data, known, **context)
+    c = None if not context else model.context_encoder(context["context"].repeat(num))
+    drawn = model.base.sample_given(noise.repeat(num, 1, 1), known.repeat(num, 1),
+                                    (known | new).repeat(num, 1),
+                                    torch.Generator(device).manual_seed(5), context=c)
+    tol = 1e-8 if dtype == torch.float64 else 1e-3
+    for s in range(num):
+        full = data.clone()
+        full[new] = samples[s].reshape(-1, FEATURES)
+        z = model.transform_to_noise(full, known | new, **context)
+        torch.testing.assert_close(z[known | new], drawn[s * 3 : (s + 1) * 3][known | new],
+                                   atol=tol, rtol=tol)
+    assert model.inverse_diagnostics()["converged"]
+
+
+def test_forecast_of_a_linear_gaussian_flow_is_the_gaussian_conditional(device):
+    """An AR(2) layer and a feature mixing with the normal base are a Gaussian x ~ N(mu, S)
+    with S^-1 = J^T J (J the constant Jacobian of the flow): the forecast's draws, whitened by
+    the conditional covariance of the last frames given the first ones, are standard normal."""
+    model = ResidualSequenceFlow(features=2, max_len=6, ar_order=2, n_blocks=1, layers=("mix",),
+                                 base="normal", causal=True).to(device, torch.float64)
+    series = torch.randn(16, 6, 2, device=device, dtype=torch.float64).cumsum(1) * 0.5
+    model.initialize(series)
+    model.eval()
+    observed, horizon, draws = 4, 2, 6000
+    past = series[:1, :observed]
+    zero = torch.zeros(1, observed + horizon, 2, device=device, dtype=torch.float64)
+    mean = model.inverse(zero).flatten()
+    jac = jacobian(lambda t, m: model.transform_to_noise(t, m), zero)[0]
+    covariance = torch.linalg.inv(jac.mT @ jac)
+    p = observed * 2
+    gain = covariance[p:, :p] @ torch.linalg.inv(covariance[:p, :p])
+    cond_mean = mean[p:] + gain @ (past.flatten() - mean[:p])
+    cond_cov = covariance[p:, p:] - gain @ covariance[:p, p:]
+    samples = model.forecast(past, horizon=horizon, num_samples=draws,
+                             generator=torch.Generator(device).manual_seed(7)).reshape(draws, -1)
+    white = torch.linalg.solve_triangular(torch.linalg.cholesky(cond_cov),
+                                          (samples - cond_mean).T, upper=False).T
+    assert white.mean(0).abs().max() < 4.5 / draws**0.5
+    eye = torch.eye(white.shape[1], dtype=white.dtype, device=device)
+    assert (torch.cov(white.T) - eye).abs().max() < 5 * (2 / draws) ** 0.5
+
+
+def test_log_prob_given_observed_frames_is_the_conditional_density(device, dtype):
+    model = _model(device, dtype)
+    x, mask = _batch(device, dtype)
+    given = mask.clone()
+    given[:, 3:] = False
+    value = model.log_prob(x, mask, given=given)
+    expected = model.log_prob(x, mask, method="exact") - model.log_prob(x, given, method="exact")
+    tol = 1e-10 if dtype == torch.float64 else 1e-3
+    torch.testing.assert_close(value, expected, atol=tol, rtol=tol)
+    value, stderr = model.log_prob(x, mask, given=given, return_stderr=True, method="exact")
+    assert (stderr == 0).all()
+    later = given.clone()
+    later[0, 5] = True  # a given frame after new ones
+    with pytest.raises(ValueError, match="before the other real frames"):
+        model.log_prob(x, mask, given=later)
+    outside = given.clone()
+    outside[1, 6] = True  # a padded frame
+    with pytest.raises(ValueError, match="before the other real frames"):
+        model.log_prob(x, mask, given=outside)
+    with pytest.raises(ValueError, match="exact"):
+        model.log_prob(x, mask, given=given, method="roulette")
+    with pytest.raises(TypeError, match="given"):
+        model.log_prob(x, mask, given=given.int())
+
+
+def test_flows_that_read_later_frames_refuse_forecasts_and_frame_scores(device):
+    model = ResidualSequenceFlow(features=FEATURES, max_len=LENGTH, n_blocks=1, hidden=8)
+    model = model.to(device, torch.float64).eval()
+    assert not model.causal and _model(device, torch.float64).causal
+    x, mask = _batch(device, torch.float64)
+    for call in (lambda: model.forecast(x, mask, horizon=1), lambda: model.frame_log_prob(x),
+                 lambda: model.log_prob(x, mask, given=mask)):
+        with pytest.raises(ValueError, match="only a causal flow .* block0.conv read later"):
+            call()
+
+
+def test_forecast_rejects_bad_options(device):
+    model = _model(device, torch.float64)
+    x, mask = _batch(device, torch.float64)
+    with pytest.raises(ValueError, match="horizon"):
+        model.forecast(x, mask, horizon=0)
+    with pytest.raises(ValueError, match="exceeds max_len=10"):
+        model.forecast(x, mask, horizon=4)
+    with pytest.raises(ValueError, match="num_samples"):
+        model.forecast(x, mask, horizon=1, num_samples=0)
+    with pytest.raises(ValueError, match="temperature"):
+        model.forecast(x, mask, horizon=1, temperature=0.0)
+    bad = x.clone()
+    bad[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        model.forecast(bad, mask, horizon=1)
