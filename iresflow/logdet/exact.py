@@ -345,7 +345,7 @@ def frame_logdets(
         ValueError: the branch is neither position-wise nor causal (its log-determinant has no
             share per frame), or a diagonal block has a non-positive determinant.
     """
-    if not (branch.position_wise or getattr(branch, "causal", False)):
+    if not _splits_by_frames(branch):
         raise ValueError(f"{type(branch).__name__} is neither position-wise nor causal: its "
                          f"log-determinant has no share per frame")
     return _block_logdets(branch, x, mask)
@@ -363,7 +363,7 @@ def _block_logdets(
     else:
         eye = torch.eye(jac.shape[-1], dtype=x.dtype, device=x.device)
         sign, logabsdet = _slogdet(eye + jac)
-    if (branch.position_wise or getattr(branch, "causal", False)) and mask is not None:
+    if _splits_by_frames(branch) and mask is not None:
         logabsdet = logabsdet * mask
         sign = sign.masked_fill(~mask, 1.0)
     if not bool((sign > 0).all()):
@@ -373,3 +373,9 @@ def _block_logdets(
             "(its Lipschitz constant must be < 1)"
         )
     return out, logabsdet
+
+
+def _splits_by_frames(branch: LipschitzBranch) -> bool:
+    """Whether the branch is position-wise or causal (a branch that does not declare
+    ``causal`` is not), so that its Jacobian's blocks are one per frame."""
+    return bool(branch.position_wise or getattr(branch, "causal", False))

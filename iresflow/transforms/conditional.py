@@ -8,7 +8,8 @@ from torch import Tensor
 
 from iresflow._validation import check_float, check_int
 from iresflow.nn.conditional import ContextShift, check_context
-from iresflow.transforms.base import FRAMES, LogDetRequest, SequenceTransform
+from iresflow.transforms.actnorm import tokenwise_result
+from iresflow.transforms.base import LogDetRequest, SequenceTransform
 
 __all__ = ["ConditionalAffine"]
 
@@ -65,35 +66,25 @@ class ConditionalAffine(SequenceTransform):
             return log_scale.unsqueeze(1), shift.unsqueeze(1)
         return log_scale, shift
 
-    def _logdet(
-        self, log_scale: Tensor, inputs: Tensor, mask: Tensor | None, logdet: LogDetRequest
-    ) -> Tensor:
+    def _per_token(self, log_scale: Tensor, inputs: Tensor) -> Tensor:
+        """The log-determinant of every token's block, ``(B, N)`` (``(B, 1)`` for vectors):
+        the sequence's own scale at every frame."""
         frames = 1 if inputs.dim() == 2 else inputs.shape[1]
-        per_frame = log_scale.reshape(inputs.shape[0], -1).sum(-1)
-        if logdet == FRAMES:
-            per_frame = per_frame[:, None].expand(inputs.shape[:2])
-            return per_frame if mask is None else torch.where(mask, per_frame, 0.0)
-        real = per_frame.new_full((inputs.shape[0],), frames) if mask is None else mask.sum(-1)
-        return per_frame * real
+        return log_scale.reshape(inputs.shape[0], -1).sum(-1)[:, None].expand(-1, frames)
 
     def _forward(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
     ) -> tuple[Tensor, Tensor | None]:
         log_scale, shift = self._scale_shift(context, inputs)
-        out = inputs * log_scale.exp() + shift
-        if mask is not None:
-            out = torch.where(mask.unsqueeze(-1), out, inputs)
-        return out, None if logdet is False else self._logdet(log_scale, inputs, mask, logdet)
+        return tokenwise_result(inputs, inputs * log_scale.exp() + shift, mask,
+                                self._per_token(log_scale, inputs), logdet)
 
     def _inverse(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
     ) -> tuple[Tensor, Tensor | None]:
         log_scale, shift = self._scale_shift(context, inputs)
-        out = (inputs - shift) * (-log_scale).exp()
-        if mask is not None:
-            out = torch.where(mask.unsqueeze(-1), out, inputs)
-        return out, None if logdet is False else -self._logdet(log_scale, inputs, mask,
-                                                                  logdet)
+        return tokenwise_result(inputs, (inputs - shift) * (-log_scale).exp(), mask,
+                                -self._per_token(log_scale, inputs), logdet)
 
     def extra_repr(self) -> str:
         return (f"features={self.features}, context_features={self.context_features}, "
