@@ -1,10 +1,11 @@
-"""The ``iresflow`` command: ``train``, ``evaluate``, ``sample`` and ``info``.
+"""The ``iresflow`` command: ``train``, ``evaluate``, ``sample``, ``forecast`` and ``info``.
 
 Every setting is a flag, derived from the settings records: ``iresflow train`` from
 :class:`~iresflow.train.config.TrainConfig` (``batch_size`` is ``--batch-size``; flags override
-a ``--config`` TOML file), ``evaluate``, ``sample`` and ``info`` from
+a ``--config`` TOML file), ``evaluate``, ``sample``, ``forecast`` and ``info`` from
 :class:`~iresflow.runs.settings.EvaluateSettings`, :class:`~iresflow.runs.settings.SampleSettings`,
-:class:`~iresflow.runs.settings.InfoSettings` and :class:`~iresflow.runs.settings.RunSettings`.
+:class:`~iresflow.runs.settings.ForecastSettings`, :class:`~iresflow.runs.settings.InfoSettings`
+and :class:`~iresflow.runs.settings.RunSettings`.
 An absent flag leaves the record's default, and the record checks every value. User errors
 (unknown dataset or option, missing run, unreadable checkpoint, incompatible settings) end the
 command with one line ``iresflow: error: ...`` on stderr and a non-zero exit status. See
@@ -27,18 +28,26 @@ from iresflow._settings import SettingsRecord
 from iresflow.data.store import is_store
 from iresflow.inverse.fixed_point import InversionError
 from iresflow.runs.evaluate import evaluate
-from iresflow.runs.figures import plot_samples
+from iresflow.runs.figures import plot_forecast, plot_samples
 from iresflow.runs.finish import train_and_evaluate
+from iresflow.runs.forecast import forecast_run, save_forecast
 from iresflow.runs.load import load_run
 from iresflow.runs.reference import ReferenceWarning
 from iresflow.runs.report import (
     describe_classification,
     describe_evaluation,
+    describe_forecast,
     describe_run,
     describe_samples,
 )
 from iresflow.runs.sample import sample_run, save_samples
-from iresflow.runs.settings import EvaluateSettings, InfoSettings, RunSettings, SampleSettings
+from iresflow.runs.settings import (
+    EvaluateSettings,
+    ForecastSettings,
+    InfoSettings,
+    RunSettings,
+    SampleSettings,
+)
 from iresflow.train.checkpoint import CheckpointError
 from iresflow.train.config import USER_FILE_SUFFIXES, ConfigError, TrainConfig
 from iresflow.train.distributed import lead_process
@@ -58,6 +67,7 @@ __all__ = [
 COMMAND_SETTINGS: dict[str, tuple[type[SettingsRecord], ...]] = {
     "evaluate": (EvaluateSettings, RunSettings),
     "sample": (SampleSettings, RunSettings),
+    "forecast": (ForecastSettings, RunSettings),
     "info": (InfoSettings, RunSettings),
 }
 
@@ -118,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``iresflow`` command and its subcommands."""
     parser = _Parser(
         prog="iresflow",
-        description="Invertible residual flows on sequences: train, evaluate, sample, inspect.",
+        description="Invertible residual flows on sequences: train, evaluate, sample, forecast, "
+        "inspect.",
     )
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
     _add_train(commands)
@@ -137,6 +148,18 @@ def build_parser() -> argparse.ArgumentParser:
     sample_parser.add_argument(
         "--out", type=Path, help="output .npz file (default: RUN/samples.npz)"
     )
+    forecast_parser = commands.add_parser(
+        "forecast", help="forecast the next frames with a causal run",
+        description="Draw the next --horizon frames of sequences given their observed frames "
+        "(runs trained with --causal): after the end of every sequence of --data, or in place "
+        "of the last frames of every sequence of --split, scored against them (CRPS, energy "
+        "score, interval coverage). Save the draws, their quantiles and the scores in original "
+        "units to an .npz file and a fan chart per feature next to it.",
+    )
+    forecast_parser.set_defaults(handler=_forecast)
+    forecast_parser.add_argument(
+        "--out", type=Path, help="output .npz file (default: RUN/forecast.npz)"
+    )
     info_parser = commands.add_parser(
         "info", help="settings, size and Lipschitz report of a run",
         description="Print a run's settings, its parameter count and the certified and observed "
@@ -144,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     info_parser.set_defaults(handler=_info)
     for name, command in (("evaluate", evaluate_parser), ("sample", sample_parser),
-                          ("info", info_parser)):
+                          ("forecast", forecast_parser), ("info", info_parser)):
         command.add_argument("run", type=Path, metavar="RUN", help="run folder written by train")
         records = COMMAND_SETTINGS[name]
         add_settings(command.add_argument_group("settings"), records[0].settings())
@@ -237,11 +260,11 @@ def _record(cls: type[SettingsRecord], args: argparse.Namespace) -> Any:
 
 
 def parse_settings(command: str, argv: Sequence[str]) -> tuple[Any, ...]:
-    """The settings records an ``iresflow evaluate``, ``sample`` or ``info`` command line
-    describes, without running it.
+    """The settings records an ``iresflow evaluate``, ``sample``, ``forecast`` or ``info``
+    command line describes, without running it.
 
     Args:
-        command: ``"evaluate"``, ``"sample"`` or ``"info"``.
+        command: ``"evaluate"``, ``"sample"``, ``"forecast"`` or ``"info"``.
         argv: The arguments after the command (the run folder first).
 
     Returns:
@@ -336,6 +359,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         print(f"saved to {RunPaths(args.run).evaluation}")
         if settings.scores is not None:
             print(f"wrote {settings.scores}")
+        for path in result.get("frame_scores", []):
+            print(f"wrote {path}")
     return 0
 
 
@@ -348,6 +373,19 @@ def _sample(args: argparse.Namespace) -> int:
     save_samples(samples, out, settings)
     figure = plot_samples(run, samples, out.with_suffix(".png"))
     print(describe_samples(run, samples))
+    print(f"wrote {out} and {figure}")
+    return 0
+
+
+def _forecast(args: argparse.Namespace) -> int:
+    settings = _record(ForecastSettings, args)
+    out = args.out if args.out is not None else args.run / "forecast.npz"
+    _check_output_file(out)  # before the model loads
+    run = load_run(args.run, _record(RunSettings, args))
+    forecast = forecast_run(run, settings)
+    save_forecast(forecast, out)
+    figure = plot_forecast(run, forecast, settings.plot_sequence, out.with_suffix(".png"))
+    print(describe_forecast(run, forecast))
     print(f"wrote {out} and {figure}")
     return 0
 

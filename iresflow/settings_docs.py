@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from iresflow._settings import SettingsRecord
-from iresflow.runs.settings import EvaluateSettings, InfoSettings, RunSettings, SampleSettings
+from iresflow.runs.settings import (
+    EvaluateSettings,
+    ForecastSettings,
+    InfoSettings,
+    RunSettings,
+    SampleSettings,
+)
 from iresflow.train.config import TrainConfig
 
 __all__ = ["PAGE", "RECORDS", "main", "render_tables", "settings_table"]
@@ -34,7 +40,8 @@ PAGE = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 #: The records a marker may name, by class name.
 RECORDS: dict[str, type[SettingsRecord]] = {
     cls.__name__: cls
-    for cls in (TrainConfig, EvaluateSettings, SampleSettings, InfoSettings, RunSettings)
+    for cls in (TrainConfig, EvaluateSettings, SampleSettings, ForecastSettings, InfoSettings,
+                RunSettings)
 }
 
 _TABLE = re.compile(

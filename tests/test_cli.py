@@ -66,7 +66,7 @@ def test_module_help_runs_as_a_subprocess() -> None:
         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
     )
     assert completed.returncode == 0
-    for command in ("train", "evaluate", "sample", "info"):
+    for command in ("train", "evaluate", "sample", "forecast", "info"):
         assert command in completed.stdout
 
 

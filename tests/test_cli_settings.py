@@ -23,7 +23,7 @@ from iresflow.runs.load import load_run
 from iresflow.runs.settings import EvaluateSettings, InfoSettings, RunSettings, SampleSettings
 from iresflow.train import factories
 
-COMMANDS = ("train", "evaluate", "sample", "info")
+COMMANDS = ("train", "evaluate", "sample", "forecast", "info")
 TINY = [
     "--n-blocks", "1", "--hidden", "8", "--max-train", "12", "--max-eval", "6",
     "--batch-size", "6", "--scheduler", "plateau", "--eval-method", "exact", "--quiet",

@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from iresflow.runs.plots import PlotLabels, plot_learning_curves, plot_marginals, plot_traces
+from iresflow.runs.plots import (
+    PlotLabels,
+    plot_fan,
+    plot_frame_scores,
+    plot_learning_curves,
+    plot_marginals,
+    plot_traces,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -54,3 +61,21 @@ def test_plot_labels_and_options(tmp_path: Path) -> None:
     assert path.read_bytes()[:8] == PNG_SIGNATURE
     with pytest.raises(ValueError, match="max_sequences must be >= 1"):
         plot_traces(x, mask, x, mask, tmp_path / "t.png", max_sequences=0)
+
+
+def test_fan_chart_and_frame_scores_write_png_files_and_check_inputs(tmp_path: Path) -> None:
+    past, draws = torch.randn(7, 3), torch.randn(40, 4, 3)
+    mask = torch.tensor([True, True, False, True, True, True, True])
+    past = torch.where(mask.unsqueeze(-1), past, 0.0)
+    truth, truth_mask = torch.randn(4, 3), torch.tensor([True, True, False, True])
+    written = [
+        plot_fan(past, mask, draws, 7, tmp_path / "fan.png", truth=truth, truth_mask=truth_mask),
+        plot_frame_scores(past, mask, torch.where(mask, torch.rand(7), torch.nan),
+                          tmp_path / "frames.png", title="sequence 3"),
+    ]
+    for path in written:
+        assert path.read_bytes()[:8] == PNG_SIGNATURE
+    with pytest.raises(ValueError, match="same number of features"):
+        plot_fan(past, mask, draws[..., :2], 7, tmp_path / "x.png")
+    with pytest.raises(ValueError, match=r"nll must be a tensor of shape \(N,\) = \(7,\)"):
+        plot_frame_scores(past, mask, torch.rand(6), tmp_path / "x.png")

@@ -13,6 +13,7 @@ from iresflow.train.likelihood import (
     inverse_check,
     sharded_log_prob,
     split_log_prob,
+    trimmed_batch,
 )
 from tests.tiny_runs import TINY
 
@@ -77,3 +78,11 @@ def test_batch_context_follows_the_model() -> None:
         batch_context(plain, split, index, cpu, label=0)
     with pytest.raises(ValueError, match="no labels"):
         batch_context(model, SequenceSplit(split.x, split.mask, split.log_jacobian), index, cpu)
+
+
+def test_a_trimmed_batch_keeps_the_frames_after_a_gap() -> None:
+    mask = torch.tensor([[True, False, True, False], [True, True, False, False]])
+    split = SequenceSplit(mask.unsqueeze(-1).double(), mask, torch.zeros(2))
+    x, trimmed = trimmed_batch(split, torch.tensor([0, 1]), torch.device("cpu"))
+    assert trimmed.tolist() == [[True, False, True], [True, True, False]]
+    assert x[:, :, 0].tolist() == [[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]]

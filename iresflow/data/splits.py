@@ -259,12 +259,12 @@ class SequenceDataset:
         frames = mask.sum(dim=1)
         return frames * self.features if self.unit == "bits/dim" else frames
 
-    def _unit_scale(self) -> float:
-        """Log-density per frame of the unit: ``D ln 2`` for bits/dim, 1 for nats/frame."""
+    def unit_scale(self) -> float:
+        """Nats per frame of one unit of :meth:`nll`: ``D ln 2`` for bits/dim, 1 for nats/frame."""
         return self.features * math.log(2.0) if self.unit == "bits/dim" else 1.0
 
     def _scale(self, split: SequenceSplit | StoredSplit) -> float:
-        return float(split.frames.sum()) * self._unit_scale()
+        return float(split.frames.sum()) * self.unit_scale()
 
     def _check_per_sequence(
         self, values: Tensor, split: SequenceSplit | StoredSplit, name: str
@@ -326,7 +326,36 @@ class SequenceDataset:
         log_prob = self._check_per_sequence(log_prob, split, "log_prob")
         total = log_prob.to(torch.float64) + split.log_jacobian.to(log_prob.device)
         units = split.frames.to(device=log_prob.device, dtype=torch.float64)
-        return -total / (units * self._unit_scale())
+        return -total / (units * self.unit_scale())
+
+    def frame_nll(self, frame_log_prob: Tensor, x: Tensor, mask: Tensor) -> Tensor:
+        r"""Negative log-likelihood of every frame in the dataset's unit, in original units:
+        :math:`-(\log p(x_t \mid x_{<t}) + \log|\det J_t|)` per frame (per dimension and in
+        bits for bits/dim), :math:`J_t` the preprocessing's Jacobian at frame :math:`t`; the
+        frames of a sequence sum to its :meth:`sequence_nll` times its units.
+
+        Args:
+            frame_log_prob: Model-space log-densities of every frame ``(B, N)``.
+            x: The model-space sequences ``(B, N, D)`` they score.
+            mask: Their padding mask ``(B, N)``.
+
+        Returns:
+            Shape ``(B, N)``, float64, ``nan`` at padding.
+        """
+        check_sequence(x, "x", features=self.features, allow_2d=False)
+        mask = check_mask(mask, x)
+        assert mask is not None
+        if frame_log_prob.shape != mask.shape:
+            raise ValueError(f"frame_log_prob must have shape (B, N) = {tuple(mask.shape)}, got "
+                             f"{tuple(frame_log_prob.shape)}")
+        total = frame_log_prob.to(torch.float64)
+        if self.preprocessing is not None:  # frame by frame: each real frame a sequence of one
+            raw = self.to_raw(x, mask)[mask][:, None]  # (F, 1, D)
+            real = torch.ones(raw.shape[:2], dtype=torch.bool, device=raw.device)
+            jacobian = self.preprocessing.forward(raw, real)[1].to(total.device)
+            total = total.masked_scatter(mask.to(total.device), jacobian + total[mask])
+        nll = -total / self.unit_scale()
+        return torch.where(mask, nll, torch.nan)
 
     def nll_stderr(
         self, log_prob_stderr: Tensor, split: SequenceSplit | StoredSplit

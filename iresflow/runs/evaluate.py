@@ -32,16 +32,25 @@ from iresflow.runs.classify import (
     confusion_matrix,
 )
 from iresflow.runs.load import LoadedRun, load_run
+from iresflow.runs.plots import PlotLabels, plot_frame_scores
 from iresflow.runs.reference import ReferenceWarning, compare_with_reference, fit_reference
 from iresflow.runs.settings import EvaluateSettings, RunSettings
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.distributed import current_world, launch
 from iresflow.train.factories import resolve_device
-from iresflow.train.likelihood import log_prob_cost, sharded_log_prob
+from iresflow.train.likelihood import (
+    batch_context,
+    log_prob_cost,
+    sharded_log_prob,
+    trimmed_batch,
+)
 from iresflow.train.metrics import write_scores
 from iresflow.train.paths import RunPaths
 
-__all__ = ["evaluate", "evaluate_run", "save_evaluation", "sequence_scores"]
+__all__ = [
+    "evaluate", "evaluate_run", "frame_scores", "save_evaluation", "sequence_scores",
+    "write_frame_scores",
+]
 
 #: ``method="auto"`` is exact up to this estimated cost (multiply-adds; about a minute on one
 #: CPU core).
@@ -167,10 +176,22 @@ def evaluate_run(
         result["classification"] = _classify(run, data, method, n_samples, settings, columns)
     if current_world().main:
         if settings.scores is not None:
-            write_scores(settings.scores, columns)
+            _write_scores(run, settings, columns, result)
         if save:
             save_evaluation(run.paths, result)
     return result
+
+
+def _write_scores(
+    run: LoadedRun, settings: EvaluateSettings, columns: dict[str, Any], result: dict[str, Any]
+) -> None:
+    """Write the per-sequence scores and, for a causal run, the frame scores (their files
+    listed as ``result["frame_scores"]``)."""
+    assert settings.scores is not None
+    write_scores(settings.scores, columns)
+    if run.model.causal:
+        written = write_frame_scores(run, settings.split, settings.scores, columns)
+        result["frame_scores"] = [str(path) for path in written]
 
 
 def _nll_result(
@@ -278,6 +299,83 @@ def sequence_scores(
     if labels is not None and run.dataset.classes is not None:
         columns["label"] = [run.dataset.classes[k] for k in labels.tolist()]
     return columns
+
+
+def frame_scores(run: LoadedRun, split: str) -> tuple[Tensor, Tensor]:
+    """Every frame's log-density given the earlier ones, for a causal run
+    (:meth:`~iresflow.models.flow.SequenceFlow.frame_log_prob`), in original units.
+
+    Args:
+        run: A loaded run whose model is causal.
+        split: ``"test"``, ``"val"`` or ``"train"``.
+
+    Returns:
+        ``(log_prob, nll)``, both ``(B, N)`` float64 with ``N`` the dataset's ``max_len`` and
+        ``nan`` at padding: the log-density in nats and the NLL in the dataset's unit
+        (:meth:`~iresflow.data.splits.SequenceDataset.frame_nll`). A sequence's frames sum to
+        its ``log_prob`` and to its NLL times its units.
+
+    Raises:
+        ConfigError: the run is not causal.
+    """
+    if not run.model.causal:
+        raise ConfigError(f"{run.paths.root} is not causal: frame scores need a run trained "
+                          "with causal = true (--causal)")
+    data, parameter = getattr(run.dataset, split), next(run.model.parameters())
+    shape = (len(data), run.dataset.max_len)
+    log_prob = torch.full(shape, torch.nan, dtype=torch.float64)
+    nll = log_prob.clone()
+    with torch.no_grad():
+        for batch in torch.arange(len(data)).split(run.config.batch_size):
+            x, mask = trimmed_batch(data, batch, parameter.device, parameter.dtype)
+            context = batch_context(run.model, data, batch, parameter.device)
+            model_space = run.model.frame_log_prob(x, mask, context=context)
+            frames = run.dataset.frame_nll(model_space, x, mask).cpu()
+            nll[batch, : x.shape[1]] = frames
+            log_prob[batch, : x.shape[1]] = -frames * run.dataset.unit_scale()
+    return log_prob, nll
+
+
+def write_frame_scores(
+    run: LoadedRun, split: str, scores: str | os.PathLike, columns: dict[str, Any]
+) -> list[Path]:
+    """Write the frame scores of a causal run beside its per-sequence ``scores`` file.
+
+    An ``.npz`` file gets the arrays ``frame_log_prob`` and ``frame_nll`` ``(B, N)`` (added to
+    the file); a ``.csv`` file a second one, ``NAME_frames.csv``, with one row per real frame
+    (``index``, ``frame`` from 0, ``log_prob``, ``nll``). Either way ``NAME_frames.png`` plots
+    the frame NLL of the sequence with the highest NLL beside its data.
+
+    Args:
+        run: A loaded run whose model is causal.
+        split: The split of ``scores``.
+        scores: The per-sequence scores file.
+        columns: Its columns (:func:`sequence_scores`).
+
+    Returns:
+        The files written.
+    """
+    log_prob, nll = frame_scores(run, split)
+    path = Path(scores)
+    frames_file = path.with_name(f"{path.stem}_frames{path.suffix}")
+    if path.suffix == ".npz":
+        write_scores(path, columns | {"frame_log_prob": log_prob, "frame_nll": nll})
+        frames_file = path
+    else:
+        real = ~nll.isnan()
+        where = real.nonzero()
+        write_scores(frames_file, {"index": where[:, 0], "frame": where[:, 1],
+                                   "log_prob": log_prob[real], "nll": nll[real]})
+    worst = int(columns["nll"].argmax())
+    x, mask = trimmed_batch(getattr(run.dataset, split), torch.tensor([worst]),
+                            torch.device("cpu"))
+    figure = plot_frame_scores(
+        run.dataset.to_raw(x, mask)[0], mask[0], nll[worst, : x.shape[1]],
+        path.with_name(f"{path.stem}_frames.png"), labels=PlotLabels.for_dataset(
+            run.dataset.name), title=f"{split} sequence {worst} (highest NLL)",
+        unit=run.dataset.unit,
+    )
+    return [frames_file, figure] if frames_file != path else [figure]
 
 
 def _choose_method(

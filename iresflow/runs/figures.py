@@ -1,4 +1,5 @@
-"""The figures of a finished run: learning curves, samples next to test sequences, marginals.
+"""The figures of a finished run: learning curves, samples next to test sequences, marginals,
+fan charts of forecasts.
 
 Drawn with :mod:`iresflow.runs.plots` in the data's original units, with the dataset's axis
 names. The test sequences shown are the first :data:`PLOT_TEST_SEQUENCES` of the test split.
@@ -6,17 +7,26 @@ names. The test sequences shown are the first :data:`PLOT_TEST_SEQUENCES` of the
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from iresflow.runs.forecast import Forecast
 from iresflow.runs.load import LoadedRun, full_history
-from iresflow.runs.plots import PlotLabels, plot_learning_curves, plot_marginals, plot_traces
+from iresflow.runs.plots import (
+    PlotLabels,
+    plot_fan,
+    plot_learning_curves,
+    plot_marginals,
+    plot_traces,
+)
 from iresflow.runs.sample import Samples, sample_run
+from iresflow.train.config import ConfigError
 from iresflow.train.likelihood import batch_context, trimmed_batch
 
-__all__ = ["plot_samples", "plotted_test_sequences", "write_plots"]
+__all__ = ["plot_forecast", "plot_samples", "plotted_test_sequences", "write_plots"]
 
 #: Sequences sampled for the figures of :func:`write_plots`.
 PLOT_SAMPLES = 64
@@ -105,4 +115,35 @@ def plot_samples(run: LoadedRun, samples: Samples, path: str | Path) -> Path:
         real, mask = (real[same], mask[same]) if bool(same.any()) else (real, mask)
     return plot_traces(
         real, mask, samples.x, samples.mask, path, labels=PlotLabels.for_dataset(run.dataset.name)
+    )
+
+
+def plot_forecast(run: LoadedRun, forecast: Forecast, sequence: int, path: str | Path) -> Path:
+    """The fan chart (:func:`~iresflow.runs.plots.plot_fan`) of one forecast sequence.
+
+    Args:
+        run: The run that forecast.
+        forecast: What :func:`~iresflow.runs.forecast.forecast_run` drew.
+        sequence: Which of its sequences, ``0 <= sequence < B`` (an index into
+            ``forecast.index``).
+        path: The ``.png`` file.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ConfigError: ``sequence`` out of range.
+    """
+    count = forecast.samples.shape[1]
+    if not 0 <= sequence < count:
+        raise ConfigError(f"plot_sequence must be in [0, {count}) for this forecast of {count} "
+                          f"sequences, got {sequence}")
+    truth = None if forecast.truth is None else forecast.truth[sequence]
+    truth_mask = None if forecast.truth_mask is None else forecast.truth_mask[sequence]
+    start = int(forecast.start[sequence])
+    labels = PlotLabels.for_dataset(run.dataset.name)
+    return plot_fan(
+        forecast.observed[sequence, :start], forecast.mask[sequence, :start],
+        forecast.samples[:, sequence], start, path, truth=truth, truth_mask=truth_mask,
+        labels=replace(labels, data=f"{labels.data}, sequence {int(forecast.index[sequence])}"),
     )

@@ -19,8 +19,12 @@ from matplotlib.ticker import MaxNLocator
 from torch import Tensor
 
 from iresflow._validation import check_mask, check_sequence
+from iresflow.runs.scoring import INTERVALS, QUANTILES
 
-__all__ = ["PlotLabels", "plot_learning_curves", "plot_marginals", "plot_traces"]
+__all__ = [
+    "PlotLabels", "plot_fan", "plot_frame_scores", "plot_learning_curves", "plot_marginals",
+    "plot_traces",
+]
 
 #: At most this many features get a panel (the first ones).
 MAX_PANELS = 16
@@ -253,6 +257,123 @@ def plot_marginals(
         f"{labels.data}: marginals of {len(real_values)} real test frames and "
         f"{len(sampled_values)} sampled frames" + _panel_note(real.shape[-1]), fontsize=10,
     )
+    return _save(figure, path)
+
+
+def plot_fan(
+    observed: Tensor,
+    mask: Tensor,
+    samples: Tensor,
+    start: int,
+    path: str | Path,
+    *,
+    truth: Tensor | None = None,
+    truth_mask: Tensor | None = None,
+    labels: PlotLabels | None = None,
+) -> Path:
+    """A fan chart per feature: one sequence's observed frames, the median of the forecast
+    draws and their central bands (:data:`~iresflow.runs.scoring.INTERVALS`: 50% and 90%), and
+    the frames that followed, when known.
+
+    Args:
+        observed: The sequence ``(N, D)``.
+        mask: Its observed frames ``(N,)``.
+        samples: Forecast draws ``(S, H, D)`` of the frames from position ``start`` on.
+        start: Position of the first forecast frame.
+        path: Destination ``.png``.
+        truth: The frames that followed ``(H, D)``, if known.
+        truth_mask: Which of them are real ``(H,)``.
+        labels: Axis names and units (default: generic).
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> past, draws = torch.randn(6, 2), torch.randn(50, 3, 2)
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "fan.png"
+        >>> plot_fan(past, torch.ones(6, dtype=torch.bool), draws, 6, path).exists()
+        True
+    """
+    mask = _checked_mask(observed[None], mask[None], "observed")[0]
+    check_sequence(samples, "samples", allow_2d=False)
+    _check_same_features(observed[None], samples)
+    labels = labels if labels is not None else PlotLabels()
+    steps = range(start, start + samples.shape[1])
+    levels = torch.tensor(QUANTILES, dtype=torch.float64)
+    bands = torch.quantile(samples.double().cpu(), levels, dim=0).numpy()  # (Q, H, D)
+    median, outer = QUANTILES.index(0.5), len(QUANTILES) - 1
+    figure, axes = _panels(observed.shape[-1], height=2.0)
+    for feature, panel in enumerate(axes):
+        panel.plot(torch.where(mask, observed[:, feature], torch.nan).double().cpu(),
+                   color=_REAL, lw=1.0, label="observed")
+        for k, level in enumerate(sorted(INTERVALS, reverse=True)):  # widest first
+            panel.fill_between(steps, bands[k, :, feature], bands[outer - k, :, feature],
+                               color=_MODEL, alpha=0.2 * (k + 1), lw=0,
+                               label=f"{level:.0%} interval")
+        panel.plot(steps, bands[median, :, feature], color=_MODEL, lw=1.2, label="median")
+        if truth is not None:
+            real = torch.ones(len(steps), dtype=torch.bool) if truth_mask is None else truth_mask
+            panel.plot(steps, torch.where(real, truth[:, feature], torch.nan).double().cpu()
+                       .numpy(), color="black", lw=1.0, ls="--", label="what followed")
+        panel.set_title(_feature_title(labels, feature, observed.shape[-1]), fontsize=9)
+    axes[0].legend(fontsize=7)
+    figure.supxlabel(labels.time, fontsize=9)
+    figure.supylabel(labels.value, fontsize=9)
+    figure.suptitle(f"{labels.data}: forecast of {samples.shape[1]} frames from "
+                    f"{samples.shape[0]} draws" + _panel_note(observed.shape[-1]), fontsize=10)
+    return _save(figure, path)
+
+
+def plot_frame_scores(
+    x: Tensor,
+    mask: Tensor,
+    nll: Tensor,
+    path: str | Path,
+    *,
+    labels: PlotLabels | None = None,
+    title: str = "",
+    unit: str = "nats/frame",
+) -> Path:
+    """One sequence's frames above the NLL of every frame given the earlier ones.
+
+    Args:
+        x: The sequence ``(N, D)`` (its features share the upper axes, at most
+            :data:`MAX_PANELS` of them).
+        mask: Its real frames ``(N,)``.
+        nll: The frame scores ``(N,)`` (``nan`` where there is none).
+        path: Destination ``.png``.
+        labels: Axis names and units (default: generic).
+        title: What the sequence is, for the title.
+        unit: The unit of ``nll``.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> x, m = torch.randn(8, 3), torch.ones(8, dtype=torch.bool)
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "scores.png"
+        >>> plot_frame_scores(x, m, torch.randn(8), path).exists()
+        True
+    """
+    mask = _checked_mask(x[None], mask[None], "x")[0]
+    if not isinstance(nll, Tensor) or nll.shape != mask.shape:
+        raise ValueError(f"nll must be a tensor of shape (N,) = {tuple(mask.shape)}")
+    labels = labels if labels is not None else PlotLabels()
+    figure = Figure(figsize=(8.0, 5.0))
+    FigureCanvasAgg(figure)
+    data, scores = figure.subplots(2, 1, sharex=True)
+    for feature in range(min(x.shape[-1], MAX_PANELS)):
+        data.plot(torch.where(mask, x[:, feature], torch.nan).double().cpu(), lw=0.9)
+    data.set_ylabel(labels.value, fontsize=9)
+    data.set_title(f"{labels.data}: {title}".rstrip(": ") + _panel_note(x.shape[-1]),
+                   fontsize=10)
+    scores.bar(range(len(nll)), torch.where(mask, nll, torch.nan).double().cpu().numpy(),
+               color=_MODEL)
+    scores.set_ylabel(f"-log p(frame | earlier)\n({unit})", fontsize=9)
+    scores.set_xlabel(labels.time, fontsize=9)
+    scores.xaxis.set_major_locator(MaxNLocator(integer=True))
     return _save(figure, path)
 
 

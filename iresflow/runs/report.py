@@ -2,8 +2,8 @@
 
 :func:`describe_run` is ``iresflow info``: the settings, the size and the certified and observed
 Lipschitz constants of every residual branch (settings: :class:`~iresflow.runs.settings.
-InfoSettings`). The other functions put the results of :mod:`iresflow.runs.evaluate` and
-:mod:`iresflow.runs.sample` into words.
+InfoSettings`). The other functions put the results of :mod:`iresflow.runs.evaluate`,
+:mod:`iresflow.runs.sample` and :mod:`iresflow.runs.forecast` into words.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from iresflow.runs.forecast import Forecast
 from iresflow.runs.load import LoadedRun
 from iresflow.runs.sample import Samples
 from iresflow.runs.settings import InfoSettings
@@ -20,6 +21,7 @@ from iresflow.train.config import ConfigError
 __all__ = [
     "describe_classification",
     "describe_evaluation",
+    "describe_forecast",
     "describe_reference",
     "describe_run",
     "describe_samples",
@@ -174,3 +176,28 @@ def describe_samples(run: LoadedRun, samples: Samples) -> str:
         f"{diagnostics['residual']:.2e} against its tolerance {diagnostics['tolerance']:.2e}: "
         f"{verdict}"
     )
+
+
+def describe_forecast(run: LoadedRun, forecast: Forecast) -> str:
+    """What was forecast, its scores against the frames that followed (held-out forecasts),
+    and whether every fixed-point inverse converged."""
+    draws, sequences, horizon, _ = forecast.samples.shape
+    what = ("in place of the last frames of" if forecast.truth is not None
+            else "after the end of")
+    lines = [f"forecast {horizon} frames {what} {sequences} sequences of {forecast.source}, "
+             f"{draws} draws each ({run.checkpoint} checkpoint, epoch {run.epoch})"]
+    scores = forecast.scores
+    if scores is not None:
+        per_feature = ", ".join(f"{value:.4g}" for value in scores["crps"][:8])
+        more = ", ..." if len(scores["crps"]) > 8 else ""
+        lines += [
+            f"CRPS {scores['crps_mean']:.4g} (original units; per feature {per_feature}{more}); "
+            f"energy score {scores['energy']:.4g}",
+            f"coverage of the 50% interval {scores['coverage']['50']:.1%}, of the 90% interval "
+            f"{scores['coverage']['90']:.1%} ({scores['frames']} frames scored)",
+        ]
+    diagnostics = forecast.diagnostics
+    verdict = "converged" if diagnostics["converged"] else "NOT converged: residual above tolerance"
+    lines.append(f"inverse: worst residual {diagnostics['residual']:.2e} against its tolerance "
+                 f"{diagnostics['tolerance']:.2e}: {verdict}")
+    return "\n".join(lines)

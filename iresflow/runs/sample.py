@@ -23,7 +23,7 @@ from iresflow.runs.load import LoadedRun
 from iresflow.runs.settings import SampleSettings
 from iresflow.train.config import ConfigError
 
-__all__ = ["Samples", "sample_context", "sample_run", "save_samples"]
+__all__ = ["Samples", "sample_context", "sample_run", "save_samples", "worst_solve"]
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def sample_run(
             num, seq_len=settings.length, generator=generator, context=on_device
         )
         lengths = torch.full((num,), settings.length, dtype=torch.int64)
-    diagnostics = {**run.model.inverse_diagnostics(), **_worst_solve(run.model)}
+    diagnostics = {**run.model.inverse_diagnostics(), **worst_solve(run.model)}
     return Samples(
         run.dataset.to_raw(x, mask).cpu(), mask.cpu(), lengths.cpu(), diagnostics,
         None if context is None else context.cpu(),
@@ -174,8 +174,16 @@ def save_samples(samples: Samples, path: str | os.PathLike, settings: SampleSett
     return path
 
 
-def _worst_solve(model: SequenceFlow) -> dict[str, float]:
-    """Residual and tolerance of the last inverse's solve closest to failing (largest ratio)."""
+def worst_solve(model: SequenceFlow) -> dict[str, float]:
+    """Residual and tolerance of the last inverse's solve closest to failing.
+
+    Args:
+        model: A flow after an inverse (a sample or a forecast).
+
+    Returns:
+        ``{"residual", "tolerance"}`` of the solve, over every residual step and sequence, whose
+        residual is largest relative to its tolerance (a solve that diverged counts as worst).
+    """
     worst = {"residual": 0.0, "tolerance": math.inf}
     for module in model.modules():
         stats = getattr(module, "last_inverse_stats", None)

@@ -3,7 +3,8 @@
 One record per job, built with the settings gate of :mod:`iresflow._settings` like
 :class:`~iresflow.train.config.TrainConfig`: every default is defined here once, the Python
 functions take the record (or its fields as keywords) and the flags of ``iresflow evaluate``,
-``sample`` and ``info`` derive from the fields, so a value is checked in one place, the record.
+``sample``, ``forecast`` and ``info`` derive from the fields, so a value is checked in one
+place, the record.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from pathlib import Path
 from iresflow._settings import ConfigError, SettingsRecord, check_device, check_minimum, setting
 from iresflow.train.metrics import SCORE_SUFFIXES
 
-__all__ = ["EvaluateSettings", "InfoSettings", "RunSettings", "SampleSettings"]
+__all__ = [
+    "EvaluateSettings", "ForecastSettings", "InfoSettings", "RunSettings", "SampleSettings",
+]
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,11 @@ class EvaluateSettings(SettingsRecord):
         None,
         "also write per-sequence scores, one row per sequence in the split's order (index, "
         "length, log_prob in nats and nll in the dataset's unit, label; with classify the "
-        "predicted label and the log-likelihood of every class) to this .csv or .npz file",
+        "predicted label and the log-likelihood of every class) to this .csv or .npz file; for "
+        "a causal run also the score of every frame given the earlier ones (an .npz gets "
+        "frame_log_prob and frame_nll arrays, a .csv a second file NAME_frames.csv with one "
+        "row per real frame) and a plot of the worst sequence's frame scores beside its data "
+        "(NAME_frames.png)",
         unset="none",
     )
     classify: bool = setting(
@@ -137,6 +144,44 @@ class SampleSettings(SettingsRecord):
         check_minimum(self, ("num", "length"), 1)
         if self.label is not None and self.covariates is not None:
             raise ConfigError("label and covariates exclude each other")
+
+
+@dataclass(frozen=True)
+class ForecastSettings(SettingsRecord):
+    """What to forecast from a causal run (:func:`~iresflow.runs.forecast.forecast_run`).
+
+    Example:
+        >>> ForecastSettings(horizon=6).num
+        100
+        >>> ForecastSettings(num=1)
+        Traceback (most recent call last):
+        ...
+        iresflow._settings.ConfigError: num must be >= 2, got 1
+    """
+
+    horizon: int = setting(10, "frames to forecast after the observed ones")
+    num: int = setting(100, "forecast draws per sequence (>= 2: the scores and quantiles need two)")
+    data: str | None = setting(
+        None,
+        "forecast the next horizon frames after the end of every sequence of this file (read "
+        "like the run's training data, with its table columns)",
+        unset="hold out the last horizon frames of every sequence of split, forecast and "
+        "score them",
+    )
+    split: str = setting(
+        "test", "split whose sequences are held out and scored when data is not given",
+        ("test", "val", "train"),
+    )
+    seed: int = setting(0, "seed of the forecast noise")
+    temperature: float = setting(1.0, "scale of the forecast noise (1: the model's)")
+    plot_sequence: int = setting(0, "index of the sequence whose fan chart is drawn")
+
+    def check(self) -> None:
+        check_minimum(self, ("plot_sequence",), 0)
+        check_minimum(self, ("horizon",), 1)
+        check_minimum(self, ("num",), 2)
+        if not self.temperature > 0:
+            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ def trimmed_batch(
         x, mask = split.batch(index, device)
         return x.to(dtype=dtype), mask
     mask = split.mask[index]
-    longest = int(mask.sum(dim=1).max())
+    longest = int((mask * torch.arange(1, mask.shape[1] + 1)).amax())  # past the last real frame
     return split.x[index, :longest].to(device, dtype), mask[:, :longest].to(device)
 
 

@@ -1,0 +1,272 @@
+"""Forecasts of a finished causal run in the data's original units, scored where the truth is
+known.
+
+:func:`forecast_run` draws the next frames of sequences given their observed ones with
+:meth:`~iresflow.models.flow.SequenceFlow.forecast` (docs/forecasting.md): either after the end
+of every sequence of a user file (``data``), or, by default, in place of the last ``horizon``
+frames of every sequence of one of the run's splits, which are then scored against the draws
+(:func:`~iresflow.runs.scoring.forecast_scores`). :func:`save_forecast` writes the draws, their
+quantiles and the scores to an ``.npz`` file. The settings are a
+:class:`~iresflow.runs.settings.ForecastSettings`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from iresflow.data.splits import SequenceSplit
+from iresflow.data.store import StoredSplit
+from iresflow.data.user_files import read_user_file, user_file_kind
+from iresflow.runs.load import LoadedRun
+from iresflow.runs.sample import worst_solve
+from iresflow.runs.scoring import QUANTILES, forecast_scores
+from iresflow.runs.settings import ForecastSettings
+from iresflow.train.config import ConfigError
+from iresflow.train.likelihood import batch_context, trimmed_batch
+
+__all__ = ["Forecast", "HeldOut", "forecast_run", "hold_out", "save_forecast"]
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Draws of the frames that follow observed sequences.
+
+    Attributes:
+        samples: Draws ``(S, B, H, D)`` in the data's original units.
+        observed: The observed sequences ``(B, N, D)`` in original units, zero where not
+            observed.
+        mask: Their observed frames ``(B, N)``.
+        start: Position of every sequence's first forecast frame, one past its last observed
+            frame, ``(B,)`` int64.
+        index: The sequences' indices in the split or file ``(B,)`` int64.
+        truth: The frames that followed, ``(B, H, D)`` in original units (held-out forecasts;
+            ``None`` for a file's future).
+        truth_mask: Which of them are real frames ``(B, H)``, or ``None``.
+        scores: :func:`~iresflow.runs.scoring.forecast_scores` of the draws against ``truth``,
+            or ``None``.
+        diagnostics: ``{"residual", "tolerance", "converged"}``: the fixed-point solve closest
+            to failing over every batch (:func:`~iresflow.runs.sample.worst_solve`) and whether
+            its residual is below its tolerance.
+        source: The split's name or the file's path.
+    """
+
+    samples: Tensor
+    observed: Tensor
+    mask: Tensor
+    start: Tensor
+    index: Tensor
+    truth: Tensor | None
+    truth_mask: Tensor | None
+    scores: dict[str, Any] | None
+    diagnostics: dict[str, Any]
+    source: str
+
+
+def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
+                 **changes: Any) -> Forecast:
+    """Forecast the next frames of sequences with a causal run's model.
+
+    Args:
+        run: A loaded run whose model is causal (trained with ``causal = true``).
+        settings: Horizon ``H``, draws ``S``, the data (a file's sequences, forecast after their
+            ends; default: the ``split``'s sequences, forecast in place of their last ``H``
+            frames, which are scored), seed and temperature of the noise; default:
+            :class:`~iresflow.runs.settings.ForecastSettings`.
+        **changes: Fields of the settings to change (``horizon=6``).
+
+    Returns:
+        A :class:`Forecast`. Held-out sequences with no frame before their last ``H`` are left
+        out (``index`` names those kept).
+
+    Raises:
+        ConfigError: a run that is not causal, a file for a conditional run, a file whose
+            features differ from the run's, ``H`` frames after a file's sequence that exceed
+            the model's ``max_len`` (its longest training sequence), or a split with no
+            sequence longer than ``H``.
+        InversionError: a fixed-point inverse did not converge.
+    """
+    settings = (settings or ForecastSettings()).replace(**changes)
+    if not run.model.causal:
+        raise ConfigError(f"{run.paths.root} is not causal: only a run trained with causal = "
+                          "true (--causal) forecasts")
+    parameter = next(run.model.parameters())
+    held = None
+    if settings.data is None:
+        held = hold_out(getattr(run.dataset, settings.split), settings.horizon)
+        source, x, observed, index = settings.split, held.x, held.observed, held.index
+    else:
+        source, (x, observed) = settings.data, _read_observed(run, Path(settings.data))
+        index = torch.arange(len(x))
+        _check_room(run, observed, settings.horizon)
+    generator = torch.Generator(parameter.device).manual_seed(settings.seed)
+    parts, worst = [], {"residual": 0.0, "tolerance": math.inf}
+    past = torch.where(observed[..., None], x, 0.0)
+    for batch in torch.arange(len(x)).split(run.config.batch_size):
+        context = None if settings.data is not None else batch_context(
+            run.model, getattr(run.dataset, settings.split), index[batch], parameter.device)
+        draws = run.model.forecast(
+            past[batch].to(parameter), observed[batch].to(parameter.device),
+            horizon=settings.horizon, num_samples=settings.num, generator=generator,
+            temperature=settings.temperature, context=context,
+        )
+        parts.append(draws.cpu())
+        solve = worst_solve(run.model)
+        if solve["residual"] / solve["tolerance"] >= worst["residual"] / worst["tolerance"]:
+            worst = solve
+    samples = _raw_frames(run, torch.cat(parts, dim=1))  # (S, B, H, D)
+    start = (observed * torch.arange(1, x.shape[1] + 1)).amax(1)
+    truth = truth_mask = scores = None
+    if held is not None:
+        truth, truth_mask = _raw_frames(run, held.truth[None])[0], held.truth_mask
+        truth = torch.where(truth_mask[..., None], truth, 0.0)
+        scores = forecast_scores(samples, truth, truth_mask)
+    diagnostics = {**worst, "converged": worst["residual"] < worst["tolerance"]}
+    return Forecast(samples, run.dataset.to_raw(past, observed), observed, start, index, truth,
+                    truth_mask, scores, diagnostics, source)
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Sequences whose last frames are held out, in model space.
+
+    Attributes:
+        x: The whole sequences ``(B, N, D)``, held-out frames included.
+        mask: Their real frames ``(B, N)``.
+        observed: The frames a forecast may condition on: the real frames before the last
+            ``H`` positions of every sequence ``(B, N)``.
+        index: The sequences' indices in their split ``(B,)`` (those with an observed frame).
+        start: One past every sequence's last observed frame ``(B,)``: the forecast's first
+            position.
+        truth: The ``H`` frames from ``start`` on ``(B, H, D)``, zero where not real.
+        truth_mask: Which of them are real frames ``(B, H)``.
+    """
+
+    x: Tensor
+    mask: Tensor
+    observed: Tensor
+    index: Tensor
+    start: Tensor
+    truth: Tensor
+    truth_mask: Tensor
+
+
+def hold_out(split: SequenceSplit | StoredSplit, horizon: int) -> HeldOut:
+    """Hold out the last ``horizon`` positions of every sequence of a split, for forecasts
+    scored against them.
+
+    Args:
+        split: Sequences with their mask.
+        horizon: ``H >= 1``.
+
+    Returns:
+        A :class:`HeldOut` of the sequences with at least one frame before their last ``H``
+        positions, on the CPU.
+
+    Raises:
+        ConfigError: no sequence is longer than ``H``.
+
+    Example:
+        >>> mask = torch.tensor([[True] * 4, [True, True, False, False]])
+        >>> split = SequenceSplit(mask[..., None].float(), mask, torch.zeros(2))
+        >>> held = hold_out(split, 2)
+        >>> held.start.tolist(), held.truth_mask.tolist()
+        ([2], [[True, True]])
+    """
+    x, mask = trimmed_batch(split, torch.arange(len(split)), torch.device("cpu"))
+    positions = torch.arange(x.shape[1])
+    end = (mask * (positions + 1)).amax(1)
+    observed = mask & (positions < (end - horizon)[:, None])
+    keep = observed.any(1).nonzero().flatten()
+    if len(keep) == 0:
+        raise ConfigError(f"no sequence of the split has more than horizon = {horizon} frames "
+                          "to condition on")
+    x, mask, observed = x[keep], mask[keep], observed[keep]
+    start = (observed * (positions + 1)).amax(1)
+    spots = start[:, None] + torch.arange(horizon)  # (B, H)
+    inside = spots < x.shape[1]
+    spots = spots.clamp(max=x.shape[1] - 1)
+    truth = torch.gather(x, 1, spots[..., None].expand(-1, -1, x.shape[2]))
+    real = torch.gather(mask, 1, spots) & inside
+    return HeldOut(x, mask, observed, keep, start, torch.where(real[..., None], truth, 0.0), real)
+
+
+def _check_room(run: LoadedRun, observed: Tensor, horizon: int) -> None:
+    """Refuse a horizon that runs past the longest sequence the model takes."""
+    last = int((observed * torch.arange(1, observed.shape[1] + 1)).amax())
+    longest = run.model.max_len
+    if longest is not None and last + horizon > longest:
+        raise ConfigError(f"horizon = {horizon} frames after the last observed frame (position "
+                          f"{last}) runs past the longest sequence this model takes "
+                          f"({longest} frames, its training data's): give shorter sequences "
+                          "or a shorter horizon")
+
+
+def _read_observed(run: LoadedRun, path: Path) -> tuple[Tensor, Tensor]:
+    """A user file's sequences in the run's model space and their observed frames."""
+    if run.config.condition != "none":
+        raise ConfigError(f"{run.paths.root} is conditional (condition {run.config.condition}): "
+                          "forecast the sequences of its splits (leave data unset)")
+    kind = user_file_kind(path.name)
+    if kind is None:
+        raise ConfigError(f"data must be a .npz, .ts, .csv or .parquet file, got {str(path)!r}")
+    try:
+        raw, mask = read_user_file(kind, path.expanduser(), run.config.table)
+    except ValueError as error:
+        raise ConfigError(f"{path}: {error}") from None
+    if raw.shape[2] != run.dataset.features:
+        raise ConfigError(f"{path} has {raw.shape[2]} features per frame, the run "
+                          f"{run.dataset.features}")
+    if run.dataset.preprocessing is None:
+        return torch.where(mask[..., None], raw, 0.0).float(), mask
+    return run.dataset.preprocessing.forward(raw.float(), mask)[0], mask
+
+
+def _raw_frames(run: LoadedRun, frames: Tensor) -> Tensor:
+    """Model-space frames ``(S, B, H, D)`` in original units."""
+    flat = frames.flatten(0, 1)
+    raw = run.dataset.to_raw(flat, torch.ones(flat.shape[:2], dtype=torch.bool))
+    return raw.reshape(frames.shape)
+
+
+def save_forecast(forecast: Forecast, path: str | os.PathLike) -> Path:
+    """Write a forecast to an ``.npz`` file.
+
+    The arrays: ``samples (S, B, H, D)``, ``quantiles (Q, B, H, D)`` at the ``levels (Q,)`` of
+    :data:`~iresflow.runs.scoring.QUANTILES`, ``observed (B, N, D)``, ``mask (B, N)``,
+    ``start (B,)``, ``index (B,)``;
+    for a held-out forecast also ``truth (B, H, D)``, ``truth_mask (B, H)``, ``crps (D,)``,
+    ``energy``, ``coverage_50`` and ``coverage_90``.
+
+    Args:
+        forecast: What :func:`forecast_run` drew.
+        path: The ``.npz`` file; its folder is created.
+
+    Returns:
+        The path written.
+    """
+    path = Path(path)
+    levels = torch.tensor(QUANTILES, dtype=forecast.samples.dtype)
+    arrays: dict[str, np.ndarray] = {
+        "samples": forecast.samples.numpy(),
+        "quantiles": torch.quantile(forecast.samples, levels, dim=0).numpy(),
+        "levels": levels.numpy(),
+        "observed": forecast.observed.numpy(), "mask": forecast.mask.numpy(),
+        "start": forecast.start.numpy(), "index": forecast.index.numpy(),
+    }
+    if forecast.truth is not None and forecast.truth_mask is not None and forecast.scores:
+        arrays |= {"truth": forecast.truth.numpy(), "truth_mask": forecast.truth_mask.numpy(),
+                   "crps": np.array(forecast.scores["crps"]),
+                   "energy": np.array(forecast.scores["energy"])}
+        arrays |= {f"coverage_{level}": np.array(value)
+                   for level, value in forecast.scores["coverage"].items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **arrays)
+    return path

@@ -1,0 +1,176 @@
+"""``iresflow forecast`` and the frame scores of ``iresflow evaluate --scores`` on causal runs:
+the held-out frames and their scores, a file's future, reproducibility, the refusals."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from iresflow.cli import main
+from iresflow.data.datasets import load_dataset
+from iresflow.runs.evaluate import frame_scores
+from iresflow.runs.forecast import forecast_run
+from iresflow.runs.load import load_run
+from iresflow.runs.scoring import QUANTILES
+
+TINY = [
+    "--n-blocks", "1", "--hidden", "8", "--max-train", "12", "--max-eval", "6",
+    "--batch-size", "6", "--scheduler", "plateau", "--eval-method", "exact", "--quiet",
+    "--epochs", "1", "--data", "japanese_vowels",
+]
+
+
+@pytest.fixture(scope="module")
+def causal_run(tmp_path_factory: pytest.TempPathFactory, device: torch.device) -> Path:
+    out = tmp_path_factory.mktemp("forecast") / "causal"
+    assert main(["train", *TINY, "--causal", "--out", str(out), "--device", str(device)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory: pytest.TempPathFactory, device: torch.device) -> Path:
+    out = tmp_path_factory.mktemp("forecast") / "plain"
+    assert main(["train", *TINY, "--out", str(out), "--device", str(device)]) == 0
+    return out
+
+
+def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_forecast_holds_out_the_last_frames_and_scores_them(
+    causal_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "f.npz"
+    assert main(["forecast", str(causal_run), "--horizon", "3", "--num", "8",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "CRPS" in printed and "converged" in printed and out.with_suffix(".png").is_file()
+    saved = np.load(out)
+    run = load_run(causal_run)
+    test = run.dataset.test
+    lengths = test.mask.sum(1).numpy()
+    index = saved["index"]
+    assert saved["samples"].shape == (8, len(index), 3, 12)
+    assert np.array_equal(saved["start"], lengths[index] - 3)  # no gaps in these data
+    raw = run.dataset.to_raw(test.x, test.mask).numpy()
+    for row, k in enumerate(index):
+        start = saved["start"][row]
+        assert np.allclose(saved["truth"][row], raw[k, start:start + 3], atol=1e-5)
+        assert saved["mask"][row].sum() == start and saved["truth_mask"][row].all()
+    assert np.array_equal(saved["levels"], np.array(QUANTILES, dtype=np.float32))
+    assert (np.diff(saved["quantiles"], axis=0) >= 0).all()
+    assert saved["crps"].shape == (12,) and (saved["crps"] > 0).all()
+    assert 0.0 <= float(saved["coverage_90"]) <= 1.0 and np.isfinite(saved["energy"])
+
+
+def test_forecast_is_reproducible_by_its_seed(causal_run: Path) -> None:
+    run = load_run(causal_run)
+    first, again = (forecast_run(run, horizon=2, num=4, seed=3) for _ in range(2))
+    other = forecast_run(run, horizon=2, num=4, seed=4)
+    assert torch.equal(first.samples, again.samples)
+    assert not torch.equal(first.samples, other.samples)
+    assert first.scores is not None and first.scores["frames"] == 2 * len(first.index)
+
+
+def test_forecast_of_a_file_continues_every_sequence(causal_run: Path, tmp_path: Path) -> None:
+    dataset = load_dataset("japanese_vowels")
+    raw = dataset.to_raw(dataset.test.x[:2], dataset.test.mask[:2])
+    x = np.zeros((2, 8, 12), dtype=np.float32)
+    x[0, :5], x[1] = raw[0, :5].numpy(), raw[1, :8].numpy()
+    data = tmp_path / "recent.npz"
+    np.savez(data, x=x, lengths=np.array([5, 8]))
+    out = tmp_path / "future.npz"
+    assert main(["forecast", str(causal_run), "--data", str(data), "--horizon", "4",
+                 "--num", "6", "--out", str(out)]) == 0
+    saved = np.load(out)
+    assert saved["samples"].shape == (6, 2, 4, 12) and saved["start"].tolist() == [5, 8]
+    assert "truth" not in saved and np.allclose(saved["observed"][0, :5], x[0, :5], atol=1e-4)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--num", "1"], "num must be >= 2, got 1"),
+    (["--horizon", "0"], "horizon must be >= 1, got 0"),
+    (["--temperature", "0"], "temperature must be > 0"),
+    (["--out", "forecast.txt"], "--out must end in .npz"),
+    (["--plot-sequence", "99"], "plot_sequence must be in [0, "),
+    (["--horizon", "40"], "no sequence of the split has more than horizon = 40 frames"),
+    (["--data", "series.xlsx"], "data must be a .npz, .ts, .csv or .parquet file"),
+])
+def test_bad_forecast_requests_end_with_one_line(
+    causal_run: Path, flags: list[str], message: str, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = [str(tmp_path / flag) if flag.endswith(".txt") else flag for flag in flags]
+    assert main(["forecast", str(causal_run), *flags]) == 1
+    assert message in _error_line(capsys)
+
+
+def test_a_file_too_long_or_of_other_features_is_refused(
+    causal_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    longest = load_run(causal_run).model.max_len
+    data = tmp_path / "long.npz"
+    np.savez(data, x=np.ones((1, longest, 12), dtype=np.float32))
+    assert main(["forecast", str(causal_run), "--data", str(data), "--horizon", "2"]) == 1
+    assert "runs past the longest sequence this model takes" in _error_line(capsys)
+    np.savez(data, x=np.ones((1, 4, 3), dtype=np.float32))
+    assert main(["forecast", str(causal_run), "--data", str(data)]) == 1
+    assert "has 3 features per frame, the run 12" in _error_line(capsys)
+
+
+def test_a_run_that_is_not_causal_does_not_forecast(
+    plain_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["forecast", str(plain_run)]) == 1
+    assert "is not causal: only a run trained with causal = true" in _error_line(capsys)
+    with pytest.raises(ValueError, match="frame scores need a run trained with causal"):
+        frame_scores(load_run(plain_run), "test")
+
+
+def test_evaluate_scores_every_frame_of_a_causal_run(
+    causal_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scores = tmp_path / "scores.csv"
+    assert main(["evaluate", str(causal_run), "--scores", str(scores), "--no-reference"]) == 0
+    frames_file = tmp_path / "scores_frames.csv"
+    assert str(frames_file) in capsys.readouterr().out
+    assert (tmp_path / "scores_frames.png").is_file()
+    with scores.open() as file:
+        sequences = list(csv.DictReader(file))
+    with frames_file.open() as file:
+        frames = list(csv.DictReader(file))
+    assert len(frames) == sum(int(row["length"]) for row in sequences)
+    for row in sequences:
+        mine = [float(f["log_prob"]) for f in frames if f["index"] == row["index"]]
+        assert sum(mine) == pytest.approx(float(row["log_prob"]), abs=1e-3)
+        nll = [float(f["nll"]) for f in frames if f["index"] == row["index"]]
+        assert np.mean(nll) == pytest.approx(float(row["nll"]), abs=1e-4)
+    archive = tmp_path / "scores.npz"
+    assert main(["evaluate", str(causal_run), "--scores", str(archive), "--no-reference"]) == 0
+    saved = np.load(archive)
+    run = load_run(causal_run)
+    assert saved["frame_nll"].shape == (len(run.dataset.test), run.dataset.max_len)
+    assert np.array_equal(np.isnan(saved["frame_nll"]), ~run.dataset.test.mask.numpy())
+    assert np.allclose(np.nansum(saved["frame_log_prob"], 1), saved["log_prob"], atol=1e-3)
+
+
+def test_frame_nll_sums_to_the_sequence_nll_under_every_preprocessing() -> None:
+    generator = torch.Generator().manual_seed(0)
+    for name in ("japanese_vowels", "digits_rows"):  # standardised; logit of pixels, bits/dim
+        dataset = load_dataset(name)
+        split = dataset.test
+        x, mask = split.x[:5].double(), split.mask[:5]
+        per_frame = torch.randn(mask.shape, generator=generator, dtype=torch.float64)
+        per_frame = torch.where(mask, per_frame, 0.0)
+        nll = dataset.frame_nll(per_frame, x, mask)
+        sequences = dataset.sequence_nll(per_frame.sum(1), split.subset(torch.arange(5)))
+        frames = mask.sum(1).double()
+        assert torch.allclose(nll.nansum(1), sequences * frames, atol=1e-8), name
+        assert bool(nll.isnan().eq(~mask).all())
