@@ -14,7 +14,8 @@ from scipy import stats
 
 from iresflow.models.distributions import StudentTSequence, make_base
 from iresflow.models.residual_flow import ResidualSequenceFlow
-from iresflow.transforms.base import FRAMES
+from iresflow.transforms.base import FRAMES, SequenceTransform
+from iresflow.transforms.residual import ResidualTransform
 from tests.oracles import jacobian
 
 LENGTH, FEATURES = 7, 2
@@ -268,3 +269,34 @@ def test_forecast_rejects_bad_options(device):
     bad[0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
         model.forecast(bad, mask, horizon=1)
+
+
+@pytest.mark.parametrize("recipe", ["default", "conditional"])
+def test_residual_steps_solve_the_new_frames_on_their_window_as_the_whole_inverse(recipe):
+    """The windowed, pinned fixed-point solve of a causal residual step equals inverting it
+    whole and putting the known frames back, and never evaluates the frames before it."""
+    device, dtype = torch.device("cpu"), torch.float64
+    model = _model(device, dtype, **RECIPES[recipe])
+    total = LENGTH + 3
+    x = torch.randn(3, total, FEATURES, dtype=dtype)
+    mask = torch.ones(3, total, dtype=torch.bool)
+    mask[1, 8:] = False
+    known = torch.zeros(3, total, dtype=torch.bool)
+    known[0, :7], known[1, :6], known[2, :8] = True, True, True
+    known[0, 3] = mask[0, 3] = False  # a gap among the known frames
+    context = _context(model, 3, device)
+    c = None if not context else model.context_encoder(context["context"])
+    steps = [t for t in model.transform.steps if isinstance(t, ResidualTransform)]
+    assert steps
+    for step in steps:
+        y = step._forward(x, c, mask, False)[0]
+        y = torch.where(known[..., None], y, torch.randn_like(y))
+        lengths: list[int] = []
+        hook = step.branch.register_forward_hook(
+            lambda module, args, out, seen=lengths: seen.append(args[0].shape[1]))
+        windowed = step.inverse_pinned(y, x, known, c, mask)
+        hook.remove()
+        whole = SequenceTransform.inverse_pinned(step, y, x, known, c, mask)
+        torch.testing.assert_close(windowed, whole, atol=1e-10, rtol=0)
+        reach = 0 if step.branch.position_wise else step.branch.receptive_radius
+        assert set(lengths) == {total - (6 - reach)}, (lengths, reach)

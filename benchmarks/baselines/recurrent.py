@@ -162,6 +162,39 @@ class RecurrentFlow(nn.Module):
         x = torch.stack(frames, 1)
         return torch.where(mask.unsqueeze(-1), x, 0.0), mask
 
+    @torch.no_grad()
+    def forecast(
+        self, x: Tensor, mask: Tensor | None, horizon: int, num_samples: int,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Draws of the ``horizon`` frames after every sequence's real frames, one frame after
+        another: the GRU reads the observed frames, then every drawn frame.
+
+        Args:
+            x: Observed sequences ``(B, N, D)``.
+            mask: Their real frames ``(B, N)`` or ``None``.
+            horizon: Frames to draw ``H >= 1``.
+            num_samples: Draws ``S`` per sequence.
+            generator: Optional generator of the noise.
+
+        Returns:
+            ``(S, B, H, D)``.
+        """
+        aligned, aligned_mask = left_align(x, mask)
+        batch = len(x)
+        start = self.start.to(x.dtype).expand(batch, 1, self.features)
+        states = self.gru(torch.cat([start, aligned], 1))[0]  # (B, N + 1, hidden)
+        last = aligned_mask.sum(1)  # the state that has read every real frame
+        state = states[torch.arange(batch), last].repeat(num_samples, 1)
+        hidden, frames = state[None].contiguous(), []
+        for _ in range(horizon):
+            frame = sample_flow(self.flow, len(state), self.features, self.start, state,
+                                generator)
+            frames.append(frame)
+            out, hidden = self.gru(frame[:, None], hidden)
+            state = out[:, 0]
+        return torch.stack(frames, 1).reshape(num_samples, batch, horizon, self.features)
+
 
 def train_recurrent_flow(config: TrainConfig, dataset: SequenceDataset,
                          hidden: int = GRU_HIDDEN) -> dict[str, Any]:
@@ -175,8 +208,9 @@ def train_recurrent_flow(config: TrainConfig, dataset: SequenceDataset,
 
     Returns:
         ``test_nll`` (in the dataset's unit), ``epochs``, ``best_epoch``, ``stopped`` (why
-        training ended), ``train_seconds`` (optimisation seconds) and ``history`` (the metrics
-        of every epoch, as in :attr:`~iresflow.train.fit.FitResult.history`).
+        training ended), ``train_seconds`` (optimisation seconds), ``history`` (the metrics
+        of every epoch, as in :attr:`~iresflow.train.fit.FitResult.history`) and ``model`` (the
+        trained model in its best-validation state).
     """
     torch.manual_seed(config.seed)
     model = RecurrentFlow(dataset.features, dataset.max_len, hidden=hidden)
@@ -184,4 +218,5 @@ def train_recurrent_flow(config: TrainConfig, dataset: SequenceDataset,
     log_prob = split_log_prob(result.model, dataset.test)[0]
     return {"test_nll": dataset.nll(log_prob, dataset.test), "epochs": len(result.history),
             "best_epoch": result.best_epoch, "stopped": result.stopped,
-            "train_seconds": result.train_seconds, "history": result.history}
+            "train_seconds": result.train_seconds, "history": result.history,
+            "model": result.model}

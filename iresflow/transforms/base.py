@@ -317,6 +317,29 @@ class SequenceTransform(Transform, ABC):
     def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
         """Checks of a call specific to the transform; must not read tensor values."""
 
+    def inverse_pinned(
+        self, inputs: Tensor, state: Tensor, known: Tensor, context: Tensor | None,
+        mask: Tensor | None,
+    ) -> Tensor:
+        """The inverse of a :attr:`causal` transform on new frames, with the known frames held
+        at their input ``state`` (docs/forecasting.md#pinned-inverse); unchecked.
+
+        Here: the whole inverse, then the known frames put back. A transform may solve for the
+        new frames alone (the residual step does, on the frames its branch reaches).
+
+        Args:
+            inputs: Outputs ``(B, N, D)`` to invert; correct on the known frames.
+            state: The transform's inputs ``(B, N, D)``, correct on the known frames.
+            known: Boolean mask ``(B, N)`` of the known frames, which precede the new ones.
+            context: Conditioning input, or ``None``.
+            mask: Boolean mask ``(B, N)`` of all real frames, or ``None``.
+
+        Returns:
+            Inputs ``(B, N, D)``: ``state`` on the known frames.
+        """
+        inverse = self._inverse(inputs, context, mask, False)[0]
+        return torch.where(known.unsqueeze(-1), state, inverse)
+
     @abstractmethod
     def _forward(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest

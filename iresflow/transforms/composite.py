@@ -152,10 +152,10 @@ class SequenceCompositeTransform(SequenceTransform):
         the known frames at their values in ``trace`` (docs/forecasting.md#pinned-inverse).
 
         For a :attr:`causal` chain the known frames, when they precede the new ones, map to the
-        same states whatever the new frames are, so each member is inverted on the whole
-        sequence and its result put back to the known states on the known frames: the fixed-point
-        engine solves for the new frames with the past held fixed. Unchecked: the caller
-        validated the batch.
+        same states whatever the new frames are, so each member is inverted with its known
+        inputs held at their states (:meth:`~iresflow.transforms.base.SequenceTransform.
+        inverse_pinned`): the fixed-point engine solves for the new frames with the past held
+        fixed. Unchecked: the caller validated the batch.
 
         Args:
             inputs: Noise ``(B, N, D)``; its known frames are replaced by ``trace[-1]``.
@@ -168,10 +168,9 @@ class SequenceCompositeTransform(SequenceTransform):
         Returns:
             Data ``(B, N, D)``: ``trace[0]`` on the known frames.
         """
-        pinned = known.unsqueeze(-1)
-        outputs = torch.where(pinned, trace[-1], inputs)
+        outputs = torch.where(known.unsqueeze(-1), trace[-1], inputs)
         for t, state in zip(reversed(self.steps), reversed(trace[:-1]), strict=True):
-            outputs = torch.where(pinned, state, t._inverse(outputs, context, mask, False)[0])
+            outputs = t.inverse_pinned(outputs, state, known, context, mask)
         return outputs
 
     def _initialization_pass(

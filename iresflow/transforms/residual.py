@@ -235,6 +235,50 @@ class ResidualTransform(SequenceTransform):
                 logabsdet = -estimator.estimate(bound, x, mask)[1]
         return (x.squeeze(1) if vector else x), logabsdet
 
+    def inverse_pinned(
+        self, inputs: Tensor, state: Tensor, known: Tensor, context: Tensor | None,
+        mask: Tensor | None,
+    ) -> Tensor:
+        r"""Solve :math:`x + g(x) = y` for the new frames alone, the known frames of :math:`x`
+        held at ``state`` (docs/forecasting.md#pinned-inverse).
+
+        A causal branch whose output frame :math:`t` reads the input frames :math:`t - R,
+        \dots, t` (its ``receptive_radius`` :math:`R`; 0 for a position-wise branch) is solved
+        on the window that starts :math:`R` frames before the batch's first new frame, with
+        every known frame in it pinned: the map :math:`x \mapsto y - g(x_{\rm known},
+        x_{\rm new})` is still a contraction, its fixed point on the new frames is the full
+        inverse's, and the frames before the window are never evaluated. Any other branch is
+        inverted whole (:meth:`SequenceTransform.inverse_pinned`).
+        """
+        branch = self.branch
+        reach = 0 if branch.position_wise else branch.receptive_radius
+        if reach is None or not self.causal or inputs.dim() != 3:
+            return super().inverse_pinned(inputs, state, known, context, mask)
+        real = known if mask is None else mask
+        positions = torch.arange(inputs.shape[1], device=inputs.device)
+        first_new = int(torch.where(real & ~known, positions, inputs.shape[1]).amin())
+        start = max(0, first_new - reach)
+        y, held, truth = inputs[:, start:], known[:, start:, None], state[:, start:]
+        window = None if mask is None else mask[:, start:, None]
+        args = (held, truth) + (() if window is None else (window[..., 0],))
+        args = args if context is None else (*args, context)
+
+        def pinned(x: Tensor, held: Tensor, truth: Tensor, *rest: Tensor) -> Tensor:
+            rows = rest[0] if window is not None else None
+            x = torch.where(held, truth, x)
+            return branch(x, rows) if context is None else branch(x, rows, context=rest[-1])
+
+        with torch.no_grad():
+            right = y if window is None else torch.where(window, y, 0.0)
+            x, self.last_inverse_stats = fixed_point_inverse(
+                pinned, right, args=args, tol=self.inverse_tol, max_iter=self.inverse_max_iter,
+                solver=self.inverse_solver, on_failure=self.on_failure,
+                x0=torch.where(held, truth, right),
+            )
+            x = torch.where(held, truth, x if window is None else torch.where(window, x, y))
+        before = torch.where(known[:, :start, None], state[:, :start], inputs[:, :start])
+        return torch.cat([before, x], dim=1)
+
     def extra_repr(self) -> str:
         return (
             f"logdet={type(self.logdet).__name__}, inverse_solver={self.inverse_solver!r}, "

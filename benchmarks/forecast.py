@@ -1,0 +1,253 @@
+"""Forecast suite: the causal flow's forecasts against seasonal-naive, AR(p), ETS and GRU + MAF.
+
+On every dataset of the small-data suite (:mod:`benchmarks.small_data`, its files and splits),
+the last ``H`` frames of every test sequence are held out
+(:func:`iresflow.runs.forecast.hold_out`; ``H`` is a quarter of the median test length, at
+most 24) and forecast from the frames before them with ``S`` draws each; every forecaster is
+scored in the data's original units by :func:`iresflow.runs.scoring.forecast_scores` (CRPS
+averaged over features, energy score, coverage of the central 50% and 90% intervals):
+
+* **flow (causal)**: ``iresflow train`` with every default but ``causal = true``
+  (:func:`iresflow.train.loop.train`), then :func:`iresflow.runs.forecast.forecast_run`, the
+  path of ``iresflow forecast``; its test NLL (``evaluate_run(method="auto")``) is recorded
+  beside the default flow's of ``--default-from`` (the small-data records);
+* **seasonal naive**: the last season repeated, the period chosen on the validation split;
+* **AR(p) Gaussian**: the closed-form reference (order chosen on validation) drawn forward;
+* **ETS**: damped-trend exponential smoothing fitted to every univariate test sequence alone
+  (univariate data only);
+* **GRU + MAF**: :func:`benchmarks.baselines.recurrent.train_recurrent_flow` for ``--budget``
+  seconds, sampled frame by frame.
+
+The seconds each forecaster takes to draw its forecasts of the whole test split are recorded
+side by side. Run from the repository root::
+
+    python -m benchmarks forecast --seeds 3 --budget 60 --out docs/forecast.json \\
+        --doc docs/forecasting.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from benchmarks import cli, records
+from benchmarks.baselines.forecasters import (
+    ar_forecast,
+    choose_period,
+    ets_forecast,
+    seasonal_naive,
+)
+from benchmarks.baselines.recurrent import train_recurrent_flow
+from benchmarks.results_specs import gru_maf_config
+from benchmarks.small_data import DATASETS, MAX_AR_ORDER, data_settings, load
+from iresflow.data.datasets import SequenceDataset
+from iresflow.models.reference import AutoregressiveGaussian
+from iresflow.runs.evaluate import evaluate_run
+from iresflow.runs.forecast import HeldOut, forecast_run, hold_out
+from iresflow.runs.load import load_run
+from iresflow.runs.scoring import forecast_scores
+from iresflow.train.config import TrainConfig
+from iresflow.train.loop import train
+
+#: Longest horizon forecast.
+MAX_HORIZON = 24
+#: The fields that identify a record.
+KEY = ("dataset", "seed")
+MODELS = ("flow", "seasonal_naive", "ar", "ets", "gru_maf")
+NAMES = {"flow": "flow (causal)", "seasonal_naive": "seasonal naive", "ar": "AR(p) Gaussian",
+         "ets": "ETS", "gru_maf": "GRU + MAF"}
+
+
+def horizon_of(ds: SequenceDataset) -> int:
+    """A quarter of the median test length, between 1 and :data:`MAX_HORIZON`."""
+    return max(1, min(MAX_HORIZON, int(ds.test.frames.median()) // 4))
+
+
+def _scores(ds: SequenceDataset, held: HeldOut, draws: Tensor, seconds: float
+            ) -> dict[str, Any]:
+    """The scores of model-space draws ``(S, B, H, D)`` in original units, and their time."""
+    flat = draws.flatten(0, 1).float()
+    raw = ds.to_raw(flat, torch.ones(flat.shape[:2], dtype=torch.bool)).reshape(draws.shape)
+    every = torch.ones(held.truth.shape[:2], dtype=torch.bool)
+    truth = torch.where(held.truth_mask[..., None], ds.to_raw(held.truth, every), 0.0)
+    return forecast_scores(raw.double(), truth.double(), held.truth_mask) | {"seconds": seconds}
+
+
+def run_flow(name: str, ds: SequenceDataset, seed: int, horizon: int, num: int,
+             run_dir: Path) -> dict[str, Any]:
+    """The causal flow through the product path: train, evaluate the test split, forecast the
+    test sequences of ``ds`` (the first ones of the same split)."""
+    config = TrainConfig.from_dict({**data_settings(name), "seed": seed, "causal": True})
+    begin = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        result = train(config, run_dir, overwrite=True, progress=False)
+        run = load_run(run_dir)
+        evaluation = evaluate_run(run, split="test", method="auto", seed=seed, save=False,
+                                  reference=False)
+    trained = time.perf_counter() - begin
+    begin = time.perf_counter()
+    run = dataclasses.replace(run, dataset=dataclasses.replace(run.dataset, test=ds.test))
+    forecast = forecast_run(run, horizon=horizon, num=num, seed=seed)
+    seconds = time.perf_counter() - begin
+    assert forecast.scores is not None
+    return forecast.scores | {
+        "seconds": seconds, "test_nll": evaluation["nll"], "epochs": result.epochs,
+        "best_epoch": result.best_epoch, "train_seconds": trained,
+        "converged": forecast.diagnostics["converged"]}
+
+
+def run_classical(ds: SequenceDataset, held: HeldOut, seed: int, horizon: int, num: int
+                  ) -> dict[str, Any]:
+    """Seasonal naive, the AR(p) Gaussian and (univariate data) ETS."""
+    record: dict[str, Any] = {}
+    validation = hold_out(ds.val, horizon)
+    period = choose_period(validation.x, validation.observed, validation.truth,
+                           validation.truth_mask)
+    begin = time.perf_counter()
+    point = seasonal_naive(held.x, held.observed, horizon, period)
+    record["seasonal_naive"] = _scores(ds, held, point, time.perf_counter() - begin) | {
+        "period": period}
+    ar = AutoregressiveGaussian(ds.features, ds.max_len)
+    ar.fit_selected_order(ds.train, ds.val, MAX_AR_ORDER)
+    begin = time.perf_counter()
+    draws = ar_forecast(ar, held.x, held.observed, horizon, num,
+                        torch.Generator().manual_seed(seed))
+    record["ar"] = _scores(ds, held, draws, time.perf_counter() - begin) | {"order": ar.order}
+    if ds.features == 1:
+        begin = time.perf_counter()
+        draws = ets_forecast(held.x, held.observed, horizon, num, seed)
+        record["ets"] = _scores(ds, held, draws, time.perf_counter() - begin)
+    return record
+
+
+def run_gru_maf(name: str, ds: SequenceDataset, held: HeldOut, seed: int, horizon: int,
+                num: int, budget: float) -> dict[str, Any]:
+    """The GRU + MAF of the small-data suite, trained for ``budget`` seconds, forecasting frame
+    by frame."""
+    row = train_recurrent_flow(gru_maf_config(name, seed, budget, **data_settings(name)), ds)
+    model = row["model"].eval()
+    begin = time.perf_counter()
+    parts = [model.forecast(held.x[batch], held.observed[batch], horizon, num,
+                            torch.Generator().manual_seed(seed + k))
+             for k, batch in enumerate(torch.arange(len(held.x)).split(64))]
+    draws = torch.cat(parts, dim=1)
+    return _scores(ds, held, draws, time.perf_counter() - begin) | {
+        "test_nll": row["test_nll"], "epochs": row["epochs"], "stopped": row["stopped"]}
+
+
+def run_dataset(name: str, seed: int, num: int, budget: float, work: Path, flow: bool,
+                limit: int | None = None) -> dict[str, Any]:
+    """Every forecaster on one dataset and seed (the first ``limit`` test sequences)."""
+    ds = load(name, seed)
+    horizon = horizon_of(ds)
+    if limit is not None and limit < len(ds.test):
+        ds = dataclasses.replace(ds, test=ds.test.subset(torch.arange(limit)))
+    held = hold_out(ds.test, horizon)
+    record: dict[str, Any] = {"dataset": name, "seed": seed, "horizon": horizon, "draws": num,
+                              "features": ds.features, "sequences": len(held.index)}
+    record.update(run_classical(ds, held, seed, horizon, num))
+    if flow:
+        record["flow"] = run_flow(name, ds, seed, horizon, num, work / f"{name}-seed{seed}")
+    if budget > 0:
+        record["gru_maf"] = run_gru_maf(name, ds, held, seed, horizon, num, budget)
+    return record
+
+
+def _default_nll(default: dict[str, Any] | None, name: str) -> list[float]:
+    if default is None:
+        return []
+    return [r["flow"]["test_nll"] for r in default["records"]
+            if r["dataset"] == name and "flow" in r]
+
+
+def markdown_tables(rows: list[dict[str, Any]], default: dict[str, Any] | None
+                    ) -> dict[str, str]:
+    """The CRPS table (best in bold; coverage of the 90% interval in brackets), and the
+    causal-versus-default NLL and drawing-time table."""
+    names = sorted(dict.fromkeys(r["dataset"] for r in rows), key=DATASETS.index)
+    crps_rows, nll_rows = [], []
+    for name in names:
+        runs = [r for r in rows if r["dataset"] == name]
+        means = {m: statistics.fmean(r[m]["crps_mean"] for r in runs)
+                 for m in MODELS if all(m in r for r in runs)}
+        best = min(means.values())
+        cells = []
+        for model in MODELS:
+            if model not in means:
+                cells.append("—")
+                continue
+            values = [r[model]["crps_mean"] for r in runs]
+            cover = statistics.fmean(r[model]["coverage"]["90"] for r in runs)
+            text = f"{records.mean_sd(values, 4)} ({cover:.0%})"
+            cells.append(f"**{text}**" if means[model] == best else text)
+        first = runs[0]
+        crps_rows.append([name, str(first["horizon"]), str(first["sequences"]), *cells])
+        causal = [r["flow"]["test_nll"] for r in runs if "flow" in r]
+        reference = _default_nll(default, name)
+        gap = (f"{statistics.fmean(causal) - statistics.fmean(reference):+.3f}"
+               if causal and reference else "—")
+        times = [statistics.fmean(r[m]["seconds"] for r in runs) if all(m in r for r in runs)
+                 else math.nan for m in ("flow", "gru_maf")]
+        nll_rows.append([name, records.mean_sd(causal) if causal else "—",
+                         records.mean_sd(reference) if reference else "—", gap,
+                         *(f"{t:.2f}" if math.isfinite(t) else "—" for t in times)])
+    crps_header = ["dataset", "H", "sequences", *(NAMES[m] for m in MODELS)]
+    nll_header = ["dataset", "causal flow test NLL", "default flow test NLL", "difference",
+                  "flow draw seconds", "GRU + MAF draw seconds"]
+    return {"forecast-crps": records.markdown_table(crps_header, crps_rows),
+            "forecast-nll": records.markdown_table(nll_header, nll_rows)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cli.add_datasets(parser, DATASETS)
+    cli.add_seeds(parser)
+    parser.add_argument("--num", type=int, default=100, help="draws per forecast (default: 100)")
+    parser.add_argument("--budget", type=float, default=60.0,
+                        help="optimisation seconds of the GRU + MAF (0: skip it; default: 60)")
+    parser.add_argument("--no-flow", action="store_true", help="skip the causal flow")
+    parser.add_argument("--max-sequences", type=cli.optional_int, default=64,
+                        help="test sequences forecast per dataset, the first ones ('none': "
+                        "all; default: %(default)s)")
+    parser.add_argument("--default-from", type=Path, default=cli.ROOT / "docs" / "small_data.json",
+                        help="small-data records with the default flow's test NLL "
+                        "(default: %(default)s)")
+    cli.add_records(parser, "forecast", ("forecast-crps", "forecast-nll"))
+    cli.add_threads(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the suite (or read it, ``--table-from``), print and write the tables."""
+    default = records.load(args.default_from) if args.default_from.is_file() else None
+    if args.table_from is not None:
+        rows = cli.table_from(args, KEY)["records"]
+    else:
+        if args.num < 2 or args.budget < 0:
+            raise SystemExit("--num must be >= 2 and --budget >= 0")
+        earlier, rows = cli.stored(args, {}), []
+        with tempfile.TemporaryDirectory() as work:
+            for name in args.datasets:
+                for seed in cli.seeds(args):
+                    record = run_dataset(name, seed, args.num, args.budget, Path(work),
+                                         flow=not args.no_flow, limit=args.max_sequences)
+                    rows.append(record)
+                    crps = {m: f"{record[m]['crps_mean']:.4g}" for m in MODELS if m in record}
+                    print(f"{name} seed {seed}: CRPS {crps}", file=sys.stderr, flush=True)
+                    written = cli.save(args, rows, KEY, {}, earlier)[0]
+        rows = written
+    tables = markdown_tables(rows, default)
+    for table in tables.values():
+        print(table)
+    cli.publish(args, tables)
+    return 0

@@ -1,0 +1,100 @@
+"""The forecast benchmark's forecasters and tables: the AR(p) draws against the closed-form
+conditional, seasonal naive, the GRU + MAF's frame-by-frame forecast, ETS, the tables."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks import forecast
+from benchmarks.baselines.forecasters import (
+    ar_forecast,
+    choose_period,
+    ets_forecast,
+    seasonal_naive,
+)
+from benchmarks.baselines.recurrent import RecurrentFlow
+from iresflow.models.reference import AutoregressiveGaussian
+
+
+def test_ar_draws_follow_the_closed_form_conditional() -> None:
+    generator = torch.Generator().manual_seed(0)
+    series = torch.zeros(400, 12, 1, dtype=torch.float64)
+    for t in range(1, 12):  # x_t = 0.5 + 0.8 x_{t-1} + 0.3 e_t
+        noise = torch.randn(400, 1, generator=generator, dtype=torch.float64)
+        series[:, t] = 0.5 + 0.8 * series[:, t - 1] + 0.3 * noise
+    model = AutoregressiveGaussian(1, 12).fit(series, order=1)
+    past = series[:3, :8]
+    observed = torch.ones(3, 8, dtype=torch.bool)
+    draws = ar_forecast(model, past, observed, 2, 20000, torch.Generator().manual_seed(1))
+    weight, bias, scale = model.weight[1, 0, 0], model.bias[1, 0], model.scale_tril[1, 0, 0]
+    mean = bias + weight * past[:, -1, 0]  # first step
+    z = (draws[:, :, 0, 0].mean(0) - mean) / (scale / math.sqrt(20000))
+    assert bool((z.abs() < 4).all()), z
+    assert torch.allclose(draws[:, :, 0, 0].std(0), scale.expand(3), rtol=0.03)
+    second = bias * (1 + weight) + weight**2 * past[:, -1, 0]  # two steps ahead
+    assert torch.allclose(draws[:, :, 1, 0].mean(0), second, atol=5 * scale / math.sqrt(20000)
+                          * math.sqrt(1 + weight**2))
+
+
+def test_ar_draws_of_short_histories_use_the_sub_models_of_fewer_lags() -> None:
+    model = AutoregressiveGaussian(2, 6).fit(torch.randn(50, 6, 2, dtype=torch.float64), order=2)
+    x = torch.randn(2, 4, 2, dtype=torch.float64)
+    observed = torch.tensor([[True, False, False, False], [True, True, True, True]])
+    draws = ar_forecast(model, x, observed, 3, 4, torch.Generator().manual_seed(0))
+    assert draws.shape == (4, 2, 3, 2) and bool(draws.isfinite().all())
+
+
+def test_seasonal_naive_chooses_the_true_period() -> None:
+    season = torch.tensor([0.0, 3.0, 1.0, -2.0, 5.0], dtype=torch.float64)
+    x = season.repeat(4)[None, :, None].expand(3, -1, -1).clone()  # (3, 20, 1)
+    observed = torch.arange(20) < torch.tensor([[12], [15], [13]])
+    start = observed.sum(1)
+    truth = torch.stack([x[b, start[b]:start[b] + 4] for b in range(3)])
+    assert choose_period(x, observed, truth, torch.ones(3, 4, dtype=torch.bool)) == 5
+    assert torch.equal(seasonal_naive(x, observed, 4, 5)[0], truth)
+
+
+def test_recurrent_forecast_ignores_padding_and_follows_its_seed() -> None:
+    torch.manual_seed(0)
+    model = RecurrentFlow(2, max_len=10, hidden=8, n_layers=2).eval()
+    x = torch.randn(1, 5, 2)
+    padded = torch.cat([x, torch.zeros(1, 3, 2)], 1)
+    mask = torch.arange(8) < 5
+    first = model.forecast(x, None, 3, 6, torch.Generator().manual_seed(2))
+    again = model.forecast(padded, mask[None], 3, 6, torch.Generator().manual_seed(2))
+    assert first.shape == (6, 1, 3, 2) and torch.allclose(first, again, atol=1e-6)
+    # the first frame is drawn from the MAF given the GRU state after the observed frames
+    state = model.contexts(torch.cat([x, torch.zeros(1, 1, 2)], 1))[:, -1]
+    frame = first[:, 0, 0]
+    log_prob = model.flow.log_prob(frame, context=state.expand(6, -1))
+    assert bool(log_prob.isfinite().all())
+
+
+def test_ets_forecasts_univariate_series_and_refuses_others() -> None:
+    pytest.importorskip("statsmodels")
+    trend = torch.arange(30, dtype=torch.float64)[None, :, None] * 0.5
+    observed = torch.ones(1, 30, dtype=torch.bool)
+    draws = ets_forecast(trend, observed, 4, 50, seed=0)
+    assert draws.shape == (50, 1, 4, 1)
+    assert abs(float(draws[:, 0, 0, 0].median()) - 15.0) < 0.5  # the line continues
+    with pytest.raises(ValueError, match="univariate"):
+        ets_forecast(torch.zeros(1, 30, 2), observed, 4, 5, seed=0)
+
+
+def _record(name: str, seed: int, flow: float) -> dict:
+    scores = {"crps_mean": 1.0, "coverage": {"50": 0.5, "90": 0.9}, "seconds": 1.0}
+    return {"dataset": name, "seed": seed, "horizon": 6, "sequences": 10,
+            "seasonal_naive": scores, "ar": {**scores, "crps_mean": 0.8},
+            "flow": {**scores, "crps_mean": flow, "test_nll": 1.5}}
+
+
+def test_tables_bold_the_best_and_compare_with_the_default_nll() -> None:
+    rows = [_record("GunPoint", 0, 0.5), _record("GunPoint", 1, 0.7)]
+    default = {"records": [{"dataset": "GunPoint", "flow": {"test_nll": 1.4}}]}
+    tables = forecast.markdown_tables(rows, default)
+    crps_row = tables["forecast-crps"].splitlines()[2]
+    assert "**0.6000 ± 0.1414 (90%)**" in crps_row and "0.8000 ± 0.0000 (90%)" in crps_row
+    assert "| GunPoint | 1.500 ± 0.000 | 1.400 | +0.100 |" in tables["forecast-nll"]
