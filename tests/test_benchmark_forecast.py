@@ -45,6 +45,10 @@ def test_ar_draws_of_short_histories_use_the_sub_models_of_fewer_lags() -> None:
     observed = torch.tensor([[True, False, False, False], [True, True, True, True]])
     draws = ar_forecast(model, x, observed, 3, 4, torch.Generator().manual_seed(0))
     assert draws.shape == (4, 2, 3, 2) and bool(draws.isfinite().all())
+    independent = AutoregressiveGaussian(2, 6).fit(torch.randn(50, 6, 2, dtype=torch.float64),
+                                                   order=0)
+    draws = ar_forecast(independent, x, observed, 3, 5000, torch.Generator().manual_seed(0))
+    assert torch.allclose(draws.mean((0, 1, 2)), independent.bias[0], atol=0.1)
 
 
 def test_seasonal_naive_chooses_the_true_period() -> None:

@@ -112,7 +112,8 @@ def ar_forecast(
             mean = recent @ model.weight[k, : k * features] + model.bias[k]
             frame[pick] = mean + eps[pick] @ model.scale_tril[k].T
         frames.append(frame)
-        history = torch.cat([history[:, 1:], frame[:, None]], 1)
+        if order > 0:
+            history = torch.cat([history[:, 1:], frame[:, None]], 1)
         start = start + 1
     return torch.stack(frames, 1).reshape(num, len(x), horizon, features)
 
