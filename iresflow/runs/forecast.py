@@ -109,9 +109,7 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
     generator = torch.Generator(parameter.device).manual_seed(settings.seed)
     parts, worst = [], {"residual": 0.0, "tolerance": math.inf}
     past = torch.where(observed[..., None], x, 0.0)
-    start = (observed * torch.arange(1, x.shape[1] + 1)).amax(1)
-    order = start.argsort(stable=True)  # batches of similar starts share a short window
-    for batch in order.split(run.config.batch_size):
+    for batch in torch.arange(len(x)).split(run.config.batch_size):
         context = None if settings.data is not None else batch_context(
             run.model, getattr(run.dataset, settings.split), index[batch], parameter.device)
         draws = run.model.forecast(
@@ -123,7 +121,8 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
         solve = worst_solve(run.model)
         if solve["residual"] / solve["tolerance"] >= worst["residual"] / worst["tolerance"]:
             worst = solve
-    samples = _raw_frames(run, torch.cat(parts, dim=1)[:, order.argsort()])  # (S, B, H, D)
+    samples = _raw_frames(run, torch.cat(parts, dim=1))  # (S, B, H, D)
+    start = (observed * torch.arange(1, x.shape[1] + 1)).amax(1)
     truth = truth_mask = scores = None
     if held is not None:
         truth, truth_mask = _raw_frames(run, held.truth[None])[0], held.truth_mask

@@ -244,8 +244,9 @@ class ResidualTransform(SequenceTransform):
 
         A causal branch whose output frame :math:`t` reads the input frames :math:`t - R,
         \dots, t` (its ``receptive_radius`` :math:`R`; 0 for a position-wise branch) is solved
-        on the window that starts :math:`R` frames before the batch's first new frame, with
-        every known frame in it pinned: the map :math:`x \mapsto y - g(x_{\rm known},
+        on every sequence's window that starts :math:`R` frames before its first new frame
+        (the windows of a batch shifted to start together), with every known frame in it
+        pinned: the map :math:`x \mapsto y - g(x_{\rm known},
         x_{\rm new})` is still a contraction, its fixed point on the new frames is the full
         inverse's, and the frames before the window are never evaluated. Any other branch is
         inverted whole (:meth:`SequenceTransform.inverse_pinned`).
@@ -255,29 +256,40 @@ class ResidualTransform(SequenceTransform):
         if reach is None or not self.causal or inputs.dim() != 3:
             return super().inverse_pinned(inputs, state, known, context, mask)
         real = known if mask is None else mask
-        positions = torch.arange(inputs.shape[1], device=inputs.device)
-        first_new = int(torch.where(real & ~known, positions, inputs.shape[1]).amin())
-        start = max(0, first_new - reach)
-        y, held, truth = inputs[:, start:], known[:, start:, None], state[:, start:]
-        window = None if mask is None else mask[:, start:, None]
-        args = (held, truth) + (() if window is None else (window[..., 0],))
-        args = args if context is None else (*args, context)
+        length = inputs.shape[1]
+        positions = torch.arange(length, device=inputs.device)
+        last = torch.where(real, positions + 1, 0).amax(1)  # one past each last real frame
+        first_new = torch.where(real & ~known, positions, length).amin(1)
+        begin = torch.minimum(first_new - reach, last - 1).clamp(min=0)  # (B,)
+        width = int((last - begin).amax())
+        spots = (begin[:, None] + torch.arange(width, device=inputs.device))[..., None]
 
-        def pinned(x: Tensor, held: Tensor, truth: Tensor, *rest: Tensor) -> Tensor:
-            rows = rest[0] if window is not None else None
+        def window(values: Tensor) -> Tensor:  # each row's frames from its begin on
+            padded = torch.nn.functional.pad(values, (0, 0, 0, width))
+            return torch.gather(padded, 1, spots.expand(-1, -1, values.shape[-1]))
+
+        y, truth = window(inputs), window(state)
+        held = window(known[..., None].to(inputs.dtype)) > 0
+        inside = window(real[..., None].to(inputs.dtype)) > 0
+        args = (held, truth, inside[..., 0]) if context is None else (
+            held, truth, inside[..., 0], context)
+
+        def pinned(x: Tensor, held: Tensor, truth: Tensor, rows: Tensor, *rest: Tensor) -> Tensor:
             x = torch.where(held, truth, x)
-            return branch(x, rows) if context is None else branch(x, rows, context=rest[-1])
+            return branch(x, rows) if context is None else branch(x, rows, context=rest[0])
 
         with torch.no_grad():
-            right = y if window is None else torch.where(window, y, 0.0)
+            right = torch.where(inside, y, 0.0)
             x, self.last_inverse_stats = fixed_point_inverse(
                 pinned, right, args=args, tol=self.inverse_tol, max_iter=self.inverse_max_iter,
                 solver=self.inverse_solver, on_failure=self.on_failure,
                 x0=torch.where(held, truth, right),
             )
-            x = torch.where(held, truth, x if window is None else torch.where(window, x, y))
-        before = torch.where(known[:, :start, None], state[:, :start], inputs[:, :start])
-        return torch.cat([before, x], dim=1)
+            x = torch.where(held, truth, torch.where(inside, x, y))
+        outputs = torch.where(known[..., None], state, inputs)
+        outputs = torch.nn.functional.pad(outputs, (0, 0, 0, width))
+        outputs = outputs.scatter(1, spots.expand(-1, -1, inputs.shape[-1]), x)
+        return outputs[:, :length]
 
     def extra_repr(self) -> str:
         return (
