@@ -112,14 +112,24 @@ def test_bad_forecast_requests_end_with_one_line(
     assert message in _error_line(capsys)
 
 
-def test_a_file_too_long_or_of_other_features_is_refused(
+def test_a_long_file_is_conditioned_on_its_latest_frames(
     causal_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     longest = load_run(causal_run).model.max_len
     data = tmp_path / "long.npz"
-    np.savez(data, x=np.ones((1, longest, 12), dtype=np.float32))
-    assert main(["forecast", str(causal_run), "--data", str(data), "--horizon", "2"]) == 1
-    assert "runs past the longest sequence this model takes" in _error_line(capsys)
+    x = np.random.default_rng(0).standard_normal((2, longest + 5, 12)).astype(np.float32)
+    x[1, longest:] = 0.0
+    np.savez(data, x=x, lengths=np.array([longest + 5, longest]))
+    out = tmp_path / "long_forecast.npz"
+    assert main(["forecast", str(causal_run), "--data", str(data), "--horizon", "2",
+                 "--num", "3", "--out", str(out)]) == 0
+    saved = np.load(out)
+    assert saved["start"].tolist() == [longest - 2, longest - 2]
+    assert np.allclose(saved["observed"][0], x[0, 7:longest + 5], atol=1e-4)
+    assert np.allclose(saved["observed"][1], x[1, 2:longest], atol=1e-4)
+    assert main(["forecast", str(causal_run), "--data", str(data), "--horizon",
+                 str(longest)]) == 1
+    assert "leaves no frame to condition on" in _error_line(capsys)
     np.savez(data, x=np.ones((1, 4, 3), dtype=np.float32))
     assert main(["forecast", str(causal_run), "--data", str(data)]) == 1
     assert "has 3 features per frame, the run 12" in _error_line(capsys)

@@ -413,3 +413,26 @@ def test_train_evaluate_and_sample_a_table_from_the_command_line(
                  "--out", str(tmp_path / "r2")]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("iresflow: error: cannot load dataset") and "no column 'id'" in err
+
+
+def test_a_causal_table_run_forecasts_the_next_days_of_every_series(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    header = ["station", "date", "temp", "rain"]
+    write_csv(tmp_path / "train.csv", header, series_rows(10, 16, seed=3))
+    recent = write_csv(tmp_path / "recent.csv", header, series_rows(3, 12, seed=5))
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(tmp_path / "train.csv"), "--id-column", "station",
+                 "--time-column", "date", "--window", "8", "--stride", "4", "--causal",
+                 "--out", str(out), "--epochs", "1", "--n-blocks", "1", "--hidden", "8",
+                 "--device", "cpu", "--quiet"]) == 0
+    forecast = tmp_path / "next.npz"
+    assert main(["forecast", str(out), "--data", str(recent), "--horizon", "3", "--num", "4",
+                 "--out", str(forecast)]) == 0
+    assert "after the end of 3 sequences" in capsys.readouterr().out
+    with np.load(forecast) as saved:  # the whole series read, its last 8 - 3 days the past
+        assert saved["samples"].shape == (4, 3, 3, 2) and saved["start"].tolist() == [5] * 3
+        raw, mask = read_table(recent, TableLayout(id_column="station", time_column="date"))
+        observed = np.where(mask[:, 7:, None].numpy(), raw[:, 7:].numpy(), 0.0)
+        scale = np.abs(observed).max(axis=(0, 1))  # float32 in model space: relative to it
+        assert (np.abs(saved["observed"] - observed) <= 1e-5 * scale).all()

@@ -77,9 +77,10 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
     Args:
         run: A loaded run whose model is causal (trained with ``causal = true``).
         settings: Horizon ``H``, draws ``S``, the data (a file's sequences, forecast after their
-            ends; default: the ``split``'s sequences, forecast in place of their last ``H``
-            frames, which are scored), seed and temperature of the noise; default:
-            :class:`~iresflow.runs.settings.ForecastSettings`.
+            ends, each conditioned on its latest ``max_len - H`` frames, a table read as whole
+            series with the run's columns; default: the ``split``'s sequences, forecast in
+            place of their last ``H`` frames, which are scored), seed and temperature of the
+            noise; default: :class:`~iresflow.runs.settings.ForecastSettings`.
         **changes: Fields of the settings to change (``horizon=6``).
 
     Returns:
@@ -88,9 +89,9 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
 
     Raises:
         ConfigError: a run that is not causal, a file for a conditional run, a file whose
-            features differ from the run's, ``H`` frames after a file's sequence that exceed
-            the model's ``max_len`` (its longest training sequence), or a split with no
-            sequence longer than ``H``.
+            features differ from the run's, ``H`` not below the model's ``max_len`` (its
+            longest training sequence) with a file, or a split with no sequence longer than
+            ``H``.
         InversionError: a fixed-point inverse did not converge.
     """
     settings = (settings or ForecastSettings()).replace(**changes)
@@ -103,9 +104,9 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
         held = hold_out(getattr(run.dataset, settings.split), settings.horizon)
         source, x, observed, index = settings.split, held.x, held.observed, held.index
     else:
-        source, (x, observed) = settings.data, _read_observed(run, Path(settings.data))
+        source, (x, observed) = settings.data, _read_observed(run, Path(settings.data),
+                                                              settings.horizon)
         index = torch.arange(len(x))
-        _check_room(run, observed, settings.horizon)
     generator = torch.Generator(parameter.device).manual_seed(settings.seed)
     parts, worst = [], {"residual": 0.0, "tolerance": math.inf}
     past = torch.where(observed[..., None], x, 0.0)
@@ -198,35 +199,44 @@ def hold_out(split: SequenceSplit | StoredSplit, horizon: int) -> HeldOut:
     return HeldOut(x, mask, observed, keep, start, torch.where(real[..., None], truth, 0.0), real)
 
 
-def _check_room(run: LoadedRun, observed: Tensor, horizon: int) -> None:
-    """Refuse a horizon that runs past the longest sequence the model takes."""
-    last = int((observed * torch.arange(1, observed.shape[1] + 1)).amax())
-    longest = run.model.max_len
-    if longest is not None and last + horizon > longest:
-        raise ConfigError(f"horizon = {horizon} frames after the last observed frame (position "
-                          f"{last}) runs past the longest sequence this model takes "
-                          f"({longest} frames, its training data's): give shorter sequences "
-                          "or a shorter horizon")
-
-
-def _read_observed(run: LoadedRun, path: Path) -> tuple[Tensor, Tensor]:
-    """A user file's sequences in the run's model space and their observed frames."""
+def _read_observed(run: LoadedRun, path: Path, horizon: int) -> tuple[Tensor, Tensor]:
+    """A user file's sequences in the run's model space and their observed frames: a table's
+    whole series (its windows are for training), every sequence cut to its latest frames that
+    leave room for the horizon in the model's longest sequence."""
     if run.config.condition != "none":
         raise ConfigError(f"{run.paths.root} is conditional (condition {run.config.condition}): "
                           "forecast the sequences of its splits (leave data unset)")
     kind = user_file_kind(path.name)
     if kind is None:
         raise ConfigError(f"data must be a .npz, .ts, .csv or .parquet file, got {str(path)!r}")
+    longest = run.model.max_len
+    if longest is not None and horizon >= longest:
+        raise ConfigError(f"horizon = {horizon} leaves no frame to condition on in the longest "
+                          f"sequence this model takes ({longest} frames, its training data's)")
     try:
-        raw, mask = read_user_file(kind, path.expanduser(), run.config.table)
+        raw, mask = read_user_file(kind, path.expanduser(),
+                                   run.config.table.replace(window=None, stride=None))
     except ValueError as error:
         raise ConfigError(f"{path}: {error}") from None
     if raw.shape[2] != run.dataset.features:
         raise ConfigError(f"{path} has {raw.shape[2]} features per frame, the run "
                           f"{run.dataset.features}")
+    if longest is not None:
+        raw, mask = _latest(raw, mask, longest - horizon)
     if run.dataset.preprocessing is None:
         return torch.where(mask[..., None], raw, 0.0).float(), mask
     return run.dataset.preprocessing.forward(raw.float(), mask)[0], mask
+
+
+def _latest(raw: Tensor, mask: Tensor, keep: int) -> tuple[Tensor, Tensor]:
+    """Every sequence's last ``keep`` positions up to its last real frame, moved to the start,
+    and their mask."""
+    positions = torch.arange(raw.shape[1])
+    end = (mask * (positions + 1)).amax(1)
+    width = min(keep, raw.shape[1])
+    spots = (end - width).clamp(min=0)[:, None] + torch.arange(width)
+    frames = torch.gather(raw, 1, spots[..., None].expand(-1, -1, raw.shape[2]))
+    return frames, torch.gather(mask, 1, spots)
 
 
 def _raw_frames(run: LoadedRun, frames: Tensor) -> Tensor:

@@ -163,8 +163,9 @@ class ForecastSettings(SettingsRecord):
     num: int = setting(100, "forecast draws per sequence (>= 2: the scores and quantiles need two)")
     data: str | None = setting(
         None,
-        "forecast the next horizon frames after the end of every sequence of this file (read "
-        "like the run's training data, with its table columns)",
+        "forecast the next horizon frames after the end of every sequence of this file, "
+        "conditioned on its latest frames that leave room for them in the run's longest "
+        "sequence (a table is read as whole series with the run's columns)",
         unset="hold out the last horizon frames of every sequence of split, forecast and "
         "score them",
     )
