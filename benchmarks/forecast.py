@@ -18,8 +18,9 @@ averaged over features, energy score, coverage of the central 50% and 90% interv
 * **GRU + MAF**: :func:`benchmarks.baselines.recurrent.train_recurrent_flow` for ``--budget``
   seconds, sampled frame by frame.
 
-The seconds each forecaster takes to draw its forecasts of the whole test split are recorded
-side by side. Run from the repository root::
+The seconds each forecaster takes to draw its forecasts of the held-out test sequences, and
+to draw the ``S`` forecasts of one sequence (the first; the median of three calls after a
+warm-up), are recorded side by side. Run from the repository root::
 
     python -m benchmarks forecast --seeds 3 --budget 60 --out docs/forecast.json \\
         --doc docs/forecasting.md
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +86,19 @@ def _scores(ds: SequenceDataset, held: HeldOut, draws: Tensor, seconds: float
     return forecast_scores(raw.double(), truth.double(), held.truth_mask) | {"seconds": seconds}
 
 
+def latency(draw: Callable[[], Tensor], repeats: int = 3) -> float:
+    """The median seconds of ``draw()`` over ``repeats`` calls after one warm-up call."""
+    draw()
+    seconds = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        draw()
+        seconds.append(time.perf_counter() - begin)
+    return statistics.median(seconds)
+
+
 def run_flow(name: str, ds: SequenceDataset, seed: int, horizon: int, num: int,
-             run_dir: Path) -> dict[str, Any]:
+             run_dir: Path, held: HeldOut) -> dict[str, Any]:
     """The causal flow through the product path: train, evaluate the test split, forecast the
     test sequences of ``ds`` (the first ones of the same split)."""
     config = TrainConfig.from_dict({**data_settings(name), "seed": seed, "causal": True})
@@ -102,8 +115,12 @@ def run_flow(name: str, ds: SequenceDataset, seed: int, horizon: int, num: int,
     forecast = forecast_run(run, horizon=horizon, num=num, seed=seed)
     seconds = time.perf_counter() - begin
     assert forecast.scores is not None
+    past, observed = held.x[:1], held.observed[:1]
+    one = latency(lambda: run.model.forecast(torch.where(observed[..., None], past, 0.0),
+                                             observed, horizon=horizon, num_samples=num))
     return forecast.scores | {
-        "seconds": seconds, "test_nll": evaluation["nll"], "epochs": result.epochs,
+        "seconds": seconds, "latency": one, "test_nll": evaluation["nll"],
+        "epochs": result.epochs,
         "best_epoch": result.best_epoch, "train_seconds": trained,
         "converged": forecast.diagnostics["converged"]}
 
@@ -143,8 +160,10 @@ def run_gru_maf(name: str, ds: SequenceDataset, held: HeldOut, seed: int, horizo
                             torch.Generator().manual_seed(seed + k))
              for k, batch in enumerate(torch.arange(len(held.x)).split(64))]
     draws = torch.cat(parts, dim=1)
-    return _scores(ds, held, draws, time.perf_counter() - begin) | {
-        "test_nll": row["test_nll"], "epochs": row["epochs"], "stopped": row["stopped"]}
+    scores = _scores(ds, held, draws, time.perf_counter() - begin)
+    one = latency(lambda: model.forecast(held.x[:1], held.observed[:1], horizon, num))
+    return scores | {"latency": one, "test_nll": row["test_nll"], "epochs": row["epochs"],
+                     "stopped": row["stopped"]}
 
 
 def run_dataset(name: str, seed: int, num: int, budget: float, work: Path, flow: bool,
@@ -159,7 +178,8 @@ def run_dataset(name: str, seed: int, num: int, budget: float, work: Path, flow:
                               "features": ds.features, "sequences": len(held.index)}
     record.update(run_classical(ds, held, seed, horizon, num))
     if flow:
-        record["flow"] = run_flow(name, ds, seed, horizon, num, work / f"{name}-seed{seed}")
+        record["flow"] = run_flow(name, ds, seed, horizon, num, work / f"{name}-seed{seed}",
+                                  held)
     if budget > 0:
         record["gru_maf"] = run_gru_maf(name, ds, held, seed, horizon, num, budget)
     return record
@@ -198,14 +218,18 @@ def markdown_tables(rows: list[dict[str, Any]], default: dict[str, Any] | None
         reference = _default_nll(default, name)
         gap = (f"{statistics.fmean(causal) - statistics.fmean(reference):+.3f}"
                if causal and reference else "—")
-        times = [statistics.fmean(r[m]["seconds"] for r in runs) if all(m in r for r in runs)
-                 else math.nan for m in ("flow", "gru_maf")]
+        times = [statistics.fmean(r[m][key] for r in runs)
+                 if all(key in r.get(m, {}) for r in runs) else math.nan
+                 for key, m in (("seconds", "flow"), ("seconds", "gru_maf"),
+                                ("latency", "flow"), ("latency", "gru_maf"))]
+        cells = [f"{t:.2f}" if math.isfinite(t) else "—" for t in times[:2]]
+        cells += [f"{1000 * t:.0f}" if math.isfinite(t) else "—" for t in times[2:]]
         nll_rows.append([name, records.mean_sd(causal) if causal else "—",
-                         records.mean_sd(reference) if reference else "—", gap,
-                         *(f"{t:.2f}" if math.isfinite(t) else "—" for t in times)])
+                         records.mean_sd(reference) if reference else "—", gap, *cells])
     crps_header = ["dataset", "H", "sequences", *(NAMES[m] for m in MODELS)]
     nll_header = ["dataset", "causal flow test NLL", "default flow test NLL", "difference",
-                  "flow draw seconds", "GRU + MAF draw seconds"]
+                  "flow: seconds, all", "GRU + MAF: seconds, all", "flow: ms, one",
+                  "GRU + MAF: ms, one"]
     return {"forecast-crps": records.markdown_table(crps_header, crps_rows),
             "forecast-nll": records.markdown_table(nll_header, nll_rows)}
 

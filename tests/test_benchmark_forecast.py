@@ -101,4 +101,5 @@ def test_tables_bold_the_best_and_compare_with_the_default_nll() -> None:
     tables = forecast.markdown_tables(rows, default)
     crps_row = tables["forecast-crps"].splitlines()[2]
     assert "**0.6000 ± 0.1414 (90%)**" in crps_row and "0.8000 ± 0.0000 (90%)" in crps_row
-    assert "| GunPoint | 1.500 ± 0.000 | 1.400 | +0.100 |" in tables["forecast-nll"]
+    assert "| GunPoint | 1.500 ± 0.000 | 1.400 | +0.100 | 1.00 | — | — | — |" in tables[
+        "forecast-nll"]
