@@ -188,10 +188,11 @@ def _write_scores(
     """Write the per-sequence scores and, for a causal run, the frame scores (their files
     listed as ``result["frame_scores"]``)."""
     assert settings.scores is not None
-    write_scores(settings.scores, columns)
-    if run.model.causal:
-        written = write_frame_scores(run, settings.split, settings.scores, columns)
-        result["frame_scores"] = [str(path) for path in written]
+    if not run.model.causal:
+        write_scores(settings.scores, columns)
+        return
+    written = write_frame_scores(run, settings.split, settings.scores, columns)
+    result["frame_scores"] = [str(path) for path in written]
 
 
 def _nll_result(
@@ -339,7 +340,7 @@ def frame_scores(run: LoadedRun, split: str) -> tuple[Tensor, Tensor]:
 def write_frame_scores(
     run: LoadedRun, split: str, scores: str | os.PathLike, columns: dict[str, Any]
 ) -> list[Path]:
-    """Write the frame scores of a causal run beside its per-sequence ``scores`` file.
+    """Write the per-sequence ``scores`` file of a causal run with its frame scores.
 
     An ``.npz`` file gets the arrays ``frame_log_prob`` and ``frame_nll`` ``(B, N)`` (added to
     the file); a ``.csv`` file a second one, ``NAME_frames.csv``, with one row per real frame
@@ -353,7 +354,7 @@ def write_frame_scores(
         columns: Its columns (:func:`sequence_scores`).
 
     Returns:
-        The files written.
+        The files written besides ``scores``.
     """
     log_prob, nll = frame_scores(run, split)
     path = Path(scores)
@@ -362,6 +363,7 @@ def write_frame_scores(
         write_scores(path, columns | {"frame_log_prob": log_prob, "frame_nll": nll})
         frames_file = path
     else:
+        write_scores(path, columns)
         real = ~nll.isnan()
         where = real.nonzero()
         write_scores(frames_file, {"index": where[:, 0], "frame": where[:, 1],
