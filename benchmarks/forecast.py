@@ -56,7 +56,7 @@ from benchmarks.small_data import DATASETS, MAX_AR_ORDER, data_settings, load
 from iresflow.data.datasets import SequenceDataset
 from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.runs.evaluate import evaluate_run
-from iresflow.runs.forecast import HeldOut, forecast_run, hold_out
+from iresflow.runs.forecast import HeldOut, forecast_run, held_out_truth, hold_out, raw_frames
 from iresflow.runs.load import load_run
 from iresflow.runs.scoring import forecast_scores
 from iresflow.train.config import TrainConfig
@@ -79,10 +79,7 @@ def horizon_of(ds: SequenceDataset) -> int:
 def _scores(ds: SequenceDataset, held: HeldOut, draws: Tensor, seconds: float
             ) -> dict[str, Any]:
     """The scores of model-space draws ``(S, B, H, D)`` in original units, and their time."""
-    flat = draws.flatten(0, 1).float()
-    raw = ds.to_raw(flat, torch.ones(flat.shape[:2], dtype=torch.bool)).reshape(draws.shape)
-    every = torch.ones(held.truth.shape[:2], dtype=torch.bool)
-    truth = torch.where(held.truth_mask[..., None], ds.to_raw(held.truth, every), 0.0)
+    raw, truth = raw_frames(ds, draws.float()), held_out_truth(ds, held)
     return forecast_scores(raw.double(), truth.double(), held.truth_mask) | {"seconds": seconds}
 
 

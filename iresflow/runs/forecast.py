@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from iresflow.data.splits import SequenceSplit
+from iresflow.data.splits import SequenceDataset, SequenceSplit
 from iresflow.data.store import StoredSplit
 from iresflow.data.user_files import read_user_file, user_file_kind
 from iresflow.runs.load import LoadedRun
@@ -32,7 +32,10 @@ from iresflow.runs.settings import ForecastSettings
 from iresflow.train.config import ConfigError
 from iresflow.train.likelihood import batch_context, trimmed_batch
 
-__all__ = ["Forecast", "HeldOut", "forecast_run", "hold_out", "save_forecast"]
+__all__ = [
+    "Forecast", "HeldOut", "forecast_run", "held_out_truth", "hold_out", "raw_frames",
+    "save_forecast",
+]
 
 
 @dataclass(frozen=True)
@@ -122,12 +125,11 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
         solve = worst_solve(run.model)
         if solve["residual"] / solve["tolerance"] >= worst["residual"] / worst["tolerance"]:
             worst = solve
-    samples = _raw_frames(run, torch.cat(parts, dim=1))  # (S, B, H, D)
+    samples = raw_frames(run.dataset, torch.cat(parts, dim=1))  # (S, B, H, D)
     start = (observed * torch.arange(1, x.shape[1] + 1)).amax(1)
     truth = truth_mask = scores = None
     if held is not None:
-        truth, truth_mask = _raw_frames(run, held.truth[None])[0], held.truth_mask
-        truth = torch.where(truth_mask[..., None], truth, 0.0)
+        truth, truth_mask = held_out_truth(run.dataset, held), held.truth_mask
         scores = forecast_scores(samples, truth, truth_mask)
     diagnostics = {**worst, "converged": worst["residual"] < worst["tolerance"]}
     return Forecast(samples, run.dataset.to_raw(past, observed), observed, start, index, truth,
@@ -239,11 +241,26 @@ def _latest(raw: Tensor, mask: Tensor, keep: int) -> tuple[Tensor, Tensor]:
     return frames, torch.gather(mask, 1, spots)
 
 
-def _raw_frames(run: LoadedRun, frames: Tensor) -> Tensor:
-    """Model-space frames ``(S, B, H, D)`` in original units."""
+def raw_frames(dataset: SequenceDataset, frames: Tensor) -> Tensor:
+    """Forecast frames in the data's original units.
+
+    Args:
+        dataset: The data whose preprocessing the frames are in.
+        frames: Model-space frames ``(S, B, H, D)``, every one real.
+
+    Returns:
+        The same frames in original units, ``(S, B, H, D)`` in ``frames``' dtype.
+    """
     flat = frames.flatten(0, 1)
-    raw = run.dataset.to_raw(flat, torch.ones(flat.shape[:2], dtype=torch.bool))
+    raw = dataset.to_raw(flat, torch.ones(flat.shape[:2], dtype=torch.bool))
     return raw.reshape(frames.shape)
+
+
+def held_out_truth(dataset: SequenceDataset, held: HeldOut) -> Tensor:
+    """The held-out frames of :func:`hold_out` in original units ``(B, H, D)``, zero where
+    they are not real."""
+    truth = raw_frames(dataset, held.truth[None])[0]
+    return torch.where(held.truth_mask[..., None], truth, 0.0)
 
 
 def save_forecast(forecast: Forecast, path: str | os.PathLike) -> Path:
