@@ -18,7 +18,7 @@ transforms, where values cannot be read, and on ``meta`` tensors, which carry no
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -32,6 +32,8 @@ __all__ = [
     "check_generator",
     "check_inputs",
     "check_int",
+    "check_length",
+    "check_logdet_dtype",
     "check_mask",
     "check_sequence",
     "is_transformed",
@@ -39,6 +41,9 @@ __all__ = [
     "value_checks",
     "values_checked",
 ]
+
+#: The dtypes the log-determinant engines compute in.
+LOGDET_DTYPES = (torch.float32, torch.float64)
 
 _VALUE_CHECKS: ContextVar[bool] = ContextVar("iresflow_value_checks", default=True)
 
@@ -75,9 +80,10 @@ def under_functorch_transform() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
-def is_transformed(x: object) -> bool:
-    """Whether ``x`` is a tensor wrapped by a ``torch.func`` transform (its values are hidden)."""
-    return isinstance(x, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x)
+#: ``is_transformed(x)``: whether the tensor ``x`` is wrapped by a ``torch.func`` transform (its
+#: values are hidden). torch's own predicate, bound here so that the layers that cache values
+#: ask it without a Python call on the hot path.
+is_transformed: Callable[[Tensor], bool] = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def values_checked(x: Tensor) -> bool:
@@ -357,3 +363,41 @@ def check_generator(generator: object) -> torch.Generator | None:
             f"generator must be a torch.Generator or None, got {type(generator).__name__}"
         )
     return generator
+
+
+def check_length(seq_len: int, max_len: int | None, owner: str) -> None:
+    """Reject a sequence longer than the ``max_len`` of a certificate.
+
+    Args:
+        seq_len: Sequence length ``N`` of an input (a Python int, read from its shape).
+        max_len: Longest length the certificate holds for (``None``: any).
+        owner: Name of the branch, for the message.
+
+    Raises:
+        ValueError: ``N > max_len``.
+
+    Example:
+        >>> check_length(4, 6, "TemporalConvBranch")
+    """
+    if max_len is not None and seq_len > max_len:
+        raise ValueError(
+            f"sequence length N={seq_len} exceeds max_len={max_len} of {owner}: its certified "
+            f"Lipschitz bound holds for N <= max_len only"
+        )
+
+
+def check_logdet_dtype(x: Tensor, name: str) -> None:
+    """Require a float32 or float64 ``x``: the log-determinant engines compute in those only.
+
+    Args:
+        x: The batch whose log-determinant is wanted.
+        name: Argument name used in the message.
+
+    Raises:
+        TypeError: any other dtype.
+
+    Example:
+        >>> check_logdet_dtype(torch.zeros(2, 3), "x")
+    """
+    if x.dtype not in LOGDET_DTYPES:
+        raise TypeError(f"{name} must have dtype torch.float32 or torch.float64, got {x.dtype}")

@@ -11,11 +11,11 @@ vector-Jacobian product of the repeated batch applies every sample's own Jacobia
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import overload
 
 import torch
 from torch import Tensor
 
-from iresflow.logdet.base import repeat_rows
 from iresflow.nn.base import LipschitzBranch
 
 PROBES = ("rademacher", "gaussian")
@@ -65,8 +65,8 @@ def sample_probes(
     else:
         v = torch.randn(shape, generator=generator, device=device, dtype=x.dtype)
     v = v.to(x.device)
-    if mask is not None:
-        v = v * repeat_rows(mask, n_probes).unsqueeze(-1).to(x.dtype)
+    if mask is not None:  # copy p of row b is zeroed where sequence b is padded
+        v = (v.view(n_probes, *x.shape) * mask.unsqueeze(-1).to(x.dtype)).view(shape)
     return v
 
 
@@ -91,11 +91,6 @@ def repeated_input(x: Tensor, copies: int, keep_graph: bool) -> Tensor:
     if keep_graph and x.requires_grad:
         return repeat_rows(x, copies)
     return repeat_rows(x.detach(), copies).requires_grad_(True)
-
-
-def repeated_mask(mask: Tensor | None, copies: int) -> Tensor | None:
-    """Repeat a padding mask ``(B, N)`` to ``(P * B, N)`` (``None`` stays ``None``)."""
-    return None if mask is None else repeat_rows(mask, copies)
 
 
 def vjp(y: Tensor, x: Tensor, w: Tensor, create_graph: bool) -> Tensor:
@@ -174,7 +169,7 @@ def hutchinson_logdet(
     batch = x.shape[0]
     copies = v.shape[0] // batch
     graph = needs_graph(branch, x)
-    mask_rep = repeated_mask(mask, copies)
+    mask_rep = repeat_rows(mask, copies)
     x_rep = repeated_input(x, copies, graph)
     if not graph:
         with torch.no_grad():
@@ -191,3 +186,34 @@ def hutchinson_logdet(
     if not graph:
         out, logdet = out.detach(), logdet.detach()
     return out, logdet
+
+
+@overload
+def repeat_rows(t: Tensor, copies: int) -> Tensor: ...
+
+
+@overload
+def repeat_rows(t: None, copies: int) -> None: ...
+
+
+def repeat_rows(t: Tensor | None, copies: int) -> Tensor | None:
+    """``t`` repeated ``copies`` times along dim 0; ``t`` itself (no copy) for one copy, and
+    ``None`` for ``None`` (a batch without a mask).
+
+    The row layout of the repeated batches the engines evaluate a branch on: row ``r`` belongs
+    to sequence ``r mod B``, so a per-sequence tensor (a mask, a context) repeated the same way
+    follows its rows.
+
+    Args:
+        t: Per-sequence tensor with leading dimension ``B``, or ``None``.
+        copies: Number of copies, ``>= 1``.
+
+    Returns:
+        Shape ``(copies * B, ...)`` (``None`` for ``None``).
+
+    Example:
+        >>> repeat_rows(torch.tensor([1, 2]), 3).tolist()
+        [1, 2, 1, 2, 1, 2]
+    """
+    return t if copies == 1 or t is None else t.repeat(copies, *[1] * (t.dim() - 1))
+

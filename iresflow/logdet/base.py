@@ -14,15 +14,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-import torch
 from torch import Tensor
 
-from iresflow._validation import check_inputs, value_checks
+from iresflow._validation import check_inputs, check_logdet_dtype, value_checks
 from iresflow.nn.base import LipschitzBranch
 
-__all__ = ["LogDetEstimator", "check_logdet_dtype", "repeat_rows"]
-
-_DTYPES = (torch.float32, torch.float64)
+__all__ = ["LogDetEstimator"]
 
 
 class LogDetEstimator(ABC):
@@ -89,41 +86,3 @@ class LogDetEstimator(ABC):
         Returns:
             ``(g(x), logdet)`` with shapes ``(B, N, D)`` and ``(B,)``.
         """
-
-
-def check_logdet_dtype(x: Tensor, name: str) -> None:
-    """Require a float32 or float64 ``x``: the log-determinant engines compute in those only.
-
-    Args:
-        x: The batch whose log-determinant is wanted.
-        name: Argument name used in the message.
-
-    Raises:
-        TypeError: any other dtype.
-
-    Example:
-        >>> check_logdet_dtype(torch.zeros(2, 3), "x")
-    """
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"{name} must have dtype torch.float32 or torch.float64, got {x.dtype}")
-
-
-def repeat_rows(t: Tensor, copies: int) -> Tensor:
-    """``t`` repeated ``copies`` times along dim 0; ``t`` itself (no copy) for one copy.
-
-    The row layout of the repeated batches the engines evaluate a branch on: row ``r`` belongs
-    to sequence ``r mod B``, so a per-sequence tensor (a mask, a context) repeated the same way
-    follows its rows.
-
-    Args:
-        t: Per-sequence tensor with leading dimension ``B``.
-        copies: Number of copies, ``>= 1``.
-
-    Returns:
-        Shape ``(copies * B, ...)``.
-
-    Example:
-        >>> repeat_rows(torch.tensor([1, 2]), 3).tolist()
-        [1, 2, 1, 2, 1, 2]
-    """
-    return t if copies == 1 else t.repeat(copies, *[1] * (t.dim() - 1))

@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from iresflow.logdet._hutchinson import needs_graph, repeated_input, repeated_mask
+from iresflow.logdet._hutchinson import needs_graph, repeat_rows, repeated_input
 from iresflow.logdet.base import LogDetEstimator
 from iresflow.nn.base import LipschitzBranch
 
@@ -146,7 +146,7 @@ def _jacobian(
             cot = eye[:, None, :].expand(copies, batch, copies)
         cot = cot.reshape(copies * batch, length, features)
         x_rep = repeated_input(x, copies, graph)
-        y = branch(x_rep, repeated_mask(mask, copies))
+        y = branch(x_rep, repeat_rows(mask, copies))
         (rows,) = torch.autograd.grad(y, x_rep, cot, create_graph=graph, materialize_grads=True)
         if branch.position_wise:
             # rows: (d_out, b, n, d_in) -> (b, n, d_out, d_in), one contiguous copy for the

@@ -61,9 +61,8 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from iresflow._validation import value_checks
-from iresflow.logdet._hutchinson import power_series, repeated_input, repeated_mask, vjp
+from iresflow.logdet._hutchinson import power_series, repeat_rows, repeated_input, vjp
 from iresflow.logdet._state import buffer_snapshot, call_with_buffers
-from iresflow.logdet.base import repeat_rows
 from iresflow.nn.base import Linearization, LinearizedPoint, LipschitzBranch
 
 __all__ = ["NeumannLogDetFunction", "neumann_logdet"]
@@ -108,7 +107,7 @@ class NeumannLogDetFunction(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         batch = x.shape[0]
         copies = v.shape[0] // batch
-        mask_rep = repeated_mask(mask, copies)
+        mask_rep = repeat_rows(mask, copies)
         ctx.branch, ctx.lin, ctx.mask, ctx.params = branch, lin, mask, params
         # The backward re-evaluates the branch under the forward's autocast state (as
         # torch.amp.custom_bwd does), so mixed-precision products see matching dtypes.
@@ -147,7 +146,7 @@ class NeumannLogDetFunction(torch.autograd.Function):
             value_checks(False),
         ):
             if ctx.lin is not None:
-                point = ctx.lin.at(repeat_rows(x, copies), repeated_mask(ctx.mask, copies))
+                point = ctx.lin.at(repeat_rows(x, copies), repeat_rows(ctx.mask, copies))
                 grad_x, grads = _fast_backward(point, grad_out, grad_logdet, u, v)
                 grad_params = [
                     g if need else None for g, need in zip(grads, need_params, strict=True)
@@ -181,7 +180,7 @@ def _autograd_backward(
     copies = v.shape[0] // batch
     with torch.enable_grad():
         x_rep = repeated_input(x, copies, keep_graph=False)
-        y = call_with_buffers(ctx.branch, ctx.snapshot, x_rep, repeated_mask(ctx.mask, copies))
+        y = call_with_buffers(ctx.branch, ctx.snapshot, x_rep, repeat_rows(ctx.mask, copies))
         s = _surrogate(y, x_rep, u, v, batch)
         total = (y[:batch] * grad_out).sum() + (s * grad_logdet).sum()
         return torch.autograd.grad(total, [x_rep, *wanted], materialize_grads=True)
@@ -262,7 +261,7 @@ def neumann_logdet(
     graph = torch.is_grad_enabled()
     with torch.enable_grad():
         x_rep = repeated_input(x, copies, keep_graph=graph)
-        y = branch(x_rep, repeated_mask(mask, copies))
+        y = branch(x_rep, repeat_rows(mask, copies))
         estimate, u = power_series(
             lambda w: vjp(y, x_rep, w, False), v, coeffs, neumann_coeffs=neumann_coeffs
         )

@@ -242,18 +242,9 @@ class RouletteLogDet(LogDetEstimator):
         Returns:
             ``(g(x), logdet)`` with shapes ``(B, N, D)`` and ``(B,)``.
         """
-        m = self.n_exact_terms if branch.training else self.eval_exact_terms
-        c = self.weights(self.sample_count() if count is None else count, m)
-        coeffs, neumann_coeffs = [], [c[0]]
-        for k in range(1, len(c)):
-            coeffs.append((-1) ** (k + 1) / k * c[k])
-            neumann_coeffs.append((-1) ** k * c[k])
-        v = sample_probes(self.probe, self.n_probes, x, mask, self.generator)
-        if self.neumann_gradient and needs_graph(branch, x):
-            return neumann_logdet(
-                branch, x, mask, v, coeffs, neumann_coeffs, memory_efficient=self.memory_efficient
-            )
-        return hutchinson_logdet(branch, x, mask, v, coeffs)
+        return RouletteCall(self, self.sample_count() if count is None else count).estimate(
+            branch, x, mask
+        )
 
 
 @dataclass(frozen=True)
@@ -280,7 +271,19 @@ class RouletteCall(LogDetEstimator):
     def estimate(
         self, branch: LipschitzBranch, x: Tensor, mask: Tensor | None
     ) -> tuple[Tensor, Tensor]:
-        return self.estimator.estimate(branch, x, mask, self.count)
+        """The estimate of :meth:`RouletteLogDet.estimate` with this call's count."""
+        roulette = self.estimator
+        m = roulette.n_exact_terms if branch.training else roulette.eval_exact_terms
+        c = roulette.weights(self.count, m)
+        coeffs, neumann_coeffs = [], [c[0]]
+        for k in range(1, len(c)):
+            coeffs.append((-1) ** (k + 1) / k * c[k])
+            neumann_coeffs.append((-1) ** k * c[k])
+        v = sample_probes(roulette.probe, roulette.n_probes, x, mask, roulette.generator)
+        if roulette.neumann_gradient and needs_graph(branch, x):
+            return neumann_logdet(branch, x, mask, v, coeffs, neumann_coeffs,
+                                  memory_efficient=roulette.memory_efficient)
+        return hutchinson_logdet(branch, x, mask, v, coeffs)
 
 
 def draw_pass_counts(calls: Sequence[RouletteLogDet]) -> list[int]:

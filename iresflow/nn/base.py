@@ -7,12 +7,13 @@ from typing import ClassVar, Literal
 
 from torch import Tensor, nn
 
+from iresflow._validation import check_length
+
 __all__ = [
     "BranchWrapper",
     "LinearizedPoint",
     "LipschitzBranch",
     "Linearization",
-    "check_length",
 ]
 
 
@@ -272,23 +273,3 @@ class BranchWrapper(LipschitzBranch):
             seq_len: Sequence length, passed on to the wrapped branch.
         """
         return self.branch.lipschitz_constant(seq_len)
-
-def check_length(seq_len: int, max_len: int | None, owner: str) -> None:
-    """Reject a sequence longer than the ``max_len`` of a certificate.
-
-    Args:
-        seq_len: Sequence length ``N`` of an input (a Python int, read from its shape).
-        max_len: Longest length the certificate holds for (``None``: any).
-        owner: Name of the branch, for the message.
-
-    Raises:
-        ValueError: ``N > max_len``.
-
-    Example:
-        >>> check_length(4, 6, "TemporalConvBranch")
-    """
-    if max_len is not None and seq_len > max_len:
-        raise ValueError(
-            f"sequence length N={seq_len} exceeds max_len={max_len} of {owner}: its certified "
-            f"Lipschitz bound holds for N <= max_len only"
-        )

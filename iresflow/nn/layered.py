@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from iresflow._validation import check_length
 from iresflow.nn.activations import LipSwish
-from iresflow.nn.base import Linearization, LinearizedPoint, check_length
+from iresflow.nn.base import Linearization, LinearizedPoint
 
 __all__ = [
     "ConvStackLinearization",
@@ -130,6 +131,8 @@ class LayerStackLinearization(Linearization):
         self.taps = [1] * len(weights)
         self.pads = [(0, 0, 0, 0)] * len(weights)  # the "same" padding of every layer's windows
         self.adjoints = self.weights
+        #: The tap matrices of a convolutional stack (``None``: token by token, ``F.linear``).
+        self.forward_matrices: list[Tensor] | None = None
 
     def at(self, x: Tensor, mask: Tensor | None = None) -> LayerStackPoint:
         """The stack at ``x`` ``(R, N, D)`` with an optional padding mask ``(R, N)``."""
@@ -147,8 +150,9 @@ class LayerStackPoint(LinearizedPoint):
     linear map), :meth:`adjoint_layer` (its transpose), :meth:`layer_weight_grad` and
     :meth:`hidden_input` (what the map does to a hidden layer's input). They act token by token
     here (the MLP); the temporal-convolution branch replaces the linear map and the weight
-    gradient with convolutions over time (:class:`ConvStackPoint`). :meth:`vjp`, the product
-    of the power series, applies the adjoints and the masks inline.
+    gradient with convolutions over time (:class:`ConvStackPoint`). The evaluation at ``x``
+    and :meth:`vjp`, the product of the power series, apply the layers, their adjoints and the
+    masks inline.
 
     Args:
         lin: The linearization.
@@ -168,10 +172,22 @@ class LayerStackPoint(LinearizedPoint):
         self.pre: list[Tensor] = []
         self.sigmoids: list[Tensor] = []
         self.slopes: list[Tensor] = []
+        # apply_layer written out (the forward of every estimate): F.linear token by token,
+        # else the windows of the input times the tap matrix, as ConvStackPoint applies it
+        matrices = lin.forward_matrices
         with torch.no_grad():
             h = x.detach() if keep is None else x.detach() * keep
             for i, bias in enumerate(lin.biases):
-                a = self.apply_layer(i, h, bias)
+                if matrices is None:
+                    a = F.linear(h, lin.weights[i], bias)
+                else:
+                    k, windows = lin.taps[i], h
+                    if k > 1:
+                        windows = F.pad(h, lin.forward_pads[i]).unfold(1, k, 1).reshape(
+                            *h.shape[:2], h.shape[2] * k)
+                    a = windows @ matrices[i]
+                    if bias is not None:
+                        a = a.add_(bias)
                 if i == 0 and lin.shift is not None:
                     a = a + self._shift_rows(lin.shift, x.shape[0]).unsqueeze(1)
                 self.inputs.append(h)

@@ -313,7 +313,7 @@ class SpectralLinear(_NormalizedLinear):
         """
         if self.training and self.sigma == "power" and not under_functorch_transform():
             self._power_iteration()
-        return self.weight_normalized()
+        return self.weight / self._scale()  # weight_normalized, one call fewer per forward
 
     def extra_repr(self) -> str:
         return (

@@ -123,7 +123,7 @@ class LipschitzMLP(LipschitzBranch):
                 or ``mask`` is not boolean.
             ValueError: wrong shape, empty dimension, NaN/Inf, or an all-padding sequence.
         """
-        if not is_transformed(x):
+        if not isinstance(x, Tensor) or not is_transformed(x):
             check_sequence(x, "x", features=self.features, like=self.net[0].weight)
             mask = check_mask(mask, x)
             if shift is not None:

@@ -9,8 +9,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from iresflow._validation import check_length, check_logdet_dtype
 from iresflow.inverse.fixed_point import InverseStats, fixed_point_inverse
-from iresflow.logdet.base import LogDetEstimator, check_logdet_dtype
+from iresflow.logdet.base import LogDetEstimator
 from iresflow.logdet.exact import frame_logdets
 from iresflow.logdet.factory import make_logdet
 from iresflow.nn.base import LipschitzBranch
@@ -161,17 +162,20 @@ class ResidualTransform(SequenceTransform):
         return getattr(self.branch, "context_features", None)
 
     def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
-        self.branch.check_length(1 if inputs.dim() == 2 else inputs.shape[1])
-        if self.context_features is None:
+        branch = self.branch
+        check_length(1 if inputs.dim() == 2 else inputs.shape[1], branch.max_len,
+                     type(branch).__name__)
+        context_features = getattr(branch, "context_features", None)
+        if context_features is None:
             if context is not None:
                 raise ValueError("ResidualTransform is unconditional: context must be None")
         else:
             if context is None:
                 raise ValueError(
-                    f"the branch is conditional: context of shape (B, {self.context_features}) "
+                    f"the branch is conditional: context of shape (B, {context_features}) "
                     f"is required"
                 )
-            check_context(context, inputs.shape[0], self.context_features, inputs)
+            check_context(context, inputs.shape[0], context_features, inputs)
         if logdet is not False:
             check_logdet_dtype(inputs, "inputs")
 
