@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from iresflow.data.datasets import load_dataset
+from iresflow.data.datasets import SequenceSplit, load_dataset
 from iresflow.data.store import write_store
-from iresflow.models.config import ModelConfig, default_heads
-from iresflow.models.residual_flow import ResidualSequenceFlow
+from iresflow.models.config import DEFAULT_AR_ORDER, MAX_AUTO_AR_ORDER, ModelConfig, default_heads
+from iresflow.models.distributions import StandardNormalSequence
+from iresflow.models.flow import SequenceFlow
+from iresflow.models.residual_flow import ResidualSequenceFlow, input_order_nll
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.factories import (
     build_model,
     load_data,
     resolve_model_config,
 )
+from iresflow.transforms.actnorm import ActNorm
+from iresflow.transforms.composite import SequenceCompositeTransform
+from iresflow.transforms.temporal import AutoregressiveLinear
 from tests.tiny_runs import TINY
 
 
@@ -48,9 +54,11 @@ def test_resolve_model_config_completes_settings_from_the_data() -> None:
     config = TINY
     dataset = load_data(config)
     resolved = resolve_model_config(config, dataset)
+    nll = input_order_nll(dataset.train, dataset.val, MAX_AUTO_AR_ORDER)
     assert resolved == config.model.replace(
         features=dataset.features, max_len=dataset.max_len, heads=default_heads(dataset.features),
         position_norm="off",  # auto: twelve vowel recordings give no evidence for it
+        ar_order=min(range(len(nll)), key=nll.__getitem__),
     )
     wider = config.replace(model=config.model.replace(max_len=40, heads=2))
     assert resolve_model_config(wider, dataset).max_len == 40
@@ -117,3 +125,67 @@ def test_a_sequence_store_cannot_be_conditioned(tmp_path: Path) -> None:
         dataset = load_data(config)
     with pytest.raises(ConfigError, match="sequence-store folder .* holds none"):
         resolve_model_config(config, dataset)
+
+
+def _initial_val_nll(config: TrainConfig) -> float:
+    """Validation NLL of the model training starts from (exact, after ``initialize``)."""
+    dataset = load_data(config)
+    torch.manual_seed(0)
+    model = build_model(config, dataset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        model.initialize(dataset.train.x, dataset.train.mask)
+    with torch.no_grad():
+        log_prob = model.eval().log_prob(dataset.val.x, dataset.val.mask, method="exact")
+    return dataset.nll(log_prob, dataset.val)
+
+
+def test_an_automatic_ar_order_follows_the_amount_of_data() -> None:
+    """Forty vowel recordings overfit an AR(3) input layer; the automatic order is lower, and
+    the model training starts from is far better on validation than with AR(3)."""
+    config = TrainConfig(max_train=40, max_eval=20, device="cpu",
+                         model=ModelConfig(n_blocks=1, hidden=8))
+    dataset = load_data(config)
+    nll = input_order_nll(dataset.train, dataset.val, MAX_AUTO_AR_ORDER)
+    chosen = resolve_model_config(config, dataset).ar_order
+    assert chosen == min(range(len(nll)), key=nll.__getitem__) == 1
+    assert nll[chosen] < nll[3] - 1.0
+    fixed = config.replace(model=config.model.replace(ar_order=3))
+    assert _initial_val_nll(config) < _initial_val_nll(fixed) - 1.0
+    assert resolve_model_config(fixed, dataset).ar_order == 3  # an explicit order is kept
+    # every training sequence: enough frames for the highest order
+    assert resolve_model_config(config.replace(max_train=None), load_data(
+        config.replace(max_train=None))).ar_order == MAX_AUTO_AR_ORDER
+
+
+def test_input_order_nll_scores_the_initial_input_layers() -> None:
+    """Order p's entry is the validation NLL of ActNorm then AR(p), initialised on train, under
+    a standard normal base, computed here through a flow built from those layers."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 10, 2, generator=g, dtype=torch.float64).cumsum(1)
+    mask = torch.ones(60, 10, dtype=torch.bool)
+    mask[::3, 7:] = False
+    x = torch.where(mask.unsqueeze(-1), x, 0.0)
+    train, val = (SequenceSplit(x[a:b], mask[a:b], torch.zeros(b - a, dtype=torch.float64))
+                  for a, b in ((0, 40), (40, 60)))
+    nll = input_order_nll(train, val, 2)
+    for order, value in enumerate(nll):
+        steps = [ActNorm(2), *([AutoregressiveLinear(2, order)] if order else [])]
+        flow = SequenceFlow(SequenceCompositeTransform(steps), StandardNormalSequence(2),
+                            features=2).double()
+        flow.initialize(train.x, train.mask)
+        expected = -float(flow.eval().log_prob(val.x, val.mask).sum() / val.mask.sum())
+        assert value == pytest.approx(expected, rel=1e-12)
+    assert nll[1] < nll[0]  # a random walk: the lag helps
+    with pytest.raises(ValueError, match="real frame"):
+        input_order_nll(train, SimpleNamespace(x=val.x, mask=torch.zeros_like(val.mask)), 1)
+
+
+def test_a_store_falls_back_to_the_default_order(tmp_path: Path) -> None:
+    lengths = torch.tensor([6, 5] * 20)
+    write_store(tmp_path / "store", lengths, [torch.randn(int(n), 2) for n in lengths])
+    config = TINY.replace(data=str(tmp_path / "store"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dataset = load_data(config)
+    assert resolve_model_config(config, dataset).ar_order == DEFAULT_AR_ORDER

@@ -14,13 +14,19 @@ from iresflow._settings import ConfigError, SettingsRecord, check_minimum, check
 from iresflow.models.distributions import BASES
 from iresflow.models.registry import LAYERS
 
-__all__ = ["LAYER_KINDS", "ModelConfig", "default_heads"]
+__all__ = ["DEFAULT_AR_ORDER", "LAYER_KINDS", "MAX_AUTO_AR_ORDER", "ModelConfig", "default_heads"]
 
 #: Layer kinds of a block recipe (:attr:`ModelConfig.layers`), read from the registry at every use:
 #: residual steps of a registered branch kind (built in: contractive attention, relative mixing,
 #: temporal convolution, position-wise MLP; :mod:`iresflow.models.branches`), or ``"mix"``, an LU
 #: feature mixing.
 LAYER_KINDS = LAYERS.choices
+
+
+#: The order of the autoregressive input layer of a model built without data.
+DEFAULT_AR_ORDER = 3
+#: The highest order an automatic ``ar_order`` chooses from the validation evidence.
+MAX_AUTO_AR_ORDER = 3
 
 
 def default_heads(features: int) -> int:
@@ -63,9 +69,12 @@ class ModelConfig(SettingsRecord):
     max_len: int | None = setting(
         None, "longest sequence the model accepts", unset="the data's longest sequence"
     )
-    ar_order: int = setting(
-        3, "order p of the autoregressive linear layer over frames at the data end, fitted by "
-        "least squares at initialisation (0: none)"
+    ar_order: int | None = setting(
+        None, "order p of the autoregressive linear layer over frames at the data end, fitted "
+        "by least squares at initialisation (0: none)",
+        unset=f"the order 0..{MAX_AUTO_AR_ORDER} whose input layers, fitted on the training "
+        f"split, score best on the validation split, decided when training starts (a model "
+        f"built without data: {DEFAULT_AR_ORDER})",
     )
     position_norm: str = setting(
         "auto", "a shift and scale of their own for every position at the data end, for data "
@@ -140,7 +149,7 @@ class ModelConfig(SettingsRecord):
         for name in ("context_features", "num_classes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0: none), got {getattr(self, name)}")
-        if self.ar_order < 0:
+        if self.ar_order is not None and self.ar_order < 0:
             raise ConfigError(f"ar_order must be >= 0 (0: no autoregressive layer), got "
                               f"{self.ar_order}")
         if self.kernel_size % 2 == 0:
@@ -163,6 +172,13 @@ class ModelConfig(SettingsRecord):
         if self.features is None:
             raise ConfigError("features must be set to resolve the number of heads")
         return default_heads(self.features) if self.heads is None else self.heads
+
+    @property
+    def resolved_ar_order(self) -> int:
+        """``ar_order``, or :data:`DEFAULT_AR_ORDER` when left to the data (a model built
+        without data; training decides it first, :func:`~iresflow.train.factories.
+        resolve_model_config`)."""
+        return DEFAULT_AR_ORDER if self.ar_order is None else self.ar_order
 
     @property
     def conditional(self) -> bool:

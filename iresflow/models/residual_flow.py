@@ -27,15 +27,19 @@ docs/math.md#student-t-base), so
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
+import torch
 from torch import nn
 
 from iresflow._settings import ConfigError
+from iresflow._validation import check_int
 from iresflow.models.branches import layer_steps, needs_positional_encoding
 from iresflow.models.config import ModelConfig
-from iresflow.models.distributions import make_base
+from iresflow.models.distributions import StandardNormalSequence, make_base
 from iresflow.models.flow import SequenceFlow
+from iresflow.models.reference import MaskedSequences
 from iresflow.nn.conditional import ContextEncoder
 from iresflow.nn.positional import make_positional_encoding
 from iresflow.transforms.actnorm import ActNorm
@@ -44,13 +48,14 @@ from iresflow.transforms.conditional import ConditionalAffine
 from iresflow.transforms.positionwise import PositionwiseAffine
 from iresflow.transforms.temporal import AutoregressiveLinear
 
-__all__ = ["ResidualSequenceFlow"]
+__all__ = ["ResidualSequenceFlow", "input_order_nll"]
 
 class ResidualSequenceFlow(SequenceFlow):
     r"""Residual flow for (variable-length) sequences, built from a block recipe.
 
     An ``ActNorm`` and an autoregressive linear layer of order ``ar_order`` at the data end
-    (none with ``ar_order = 0``; with ``position_norm = "on"`` a
+    (none with ``ar_order = 0``; an automatic one, which training decides from the data, builds
+    as ``3``; with ``position_norm = "on"`` a
     :class:`~iresflow.transforms.positionwise.PositionwiseAffine` comes first, in the
     ``ActNorm``'s place; ``"auto"``, which
     :func:`~iresflow.train.factories.resolve_model_config` decides from the data, builds as
@@ -63,8 +68,8 @@ class ResidualSequenceFlow(SequenceFlow):
     causal Transformer (docs/math.md#autoregressive-step); the base over the real frames is
     the standard normal, or a Student-t with learned degrees of freedom, or any density of
     :data:`~iresflow.models.distributions.BASES` (``base``,
-    :func:`~iresflow.models.distributions.make_base`). The default recipe (``ar_order = 3``,
-    blocks of ``conv`` and ``mlp``) contains the AR(3) Gaussian as a special case and starts
+    :func:`~iresflow.models.distributions.make_base`). The default recipe (``ar_order`` automatic,
+    blocks of ``conv`` and ``mlp``) contains the AR(p) Gaussian as a special case and starts
     from it. ``layers=("attention", "mlp")`` with ``ar_order=0`` is the residual-flow
     Transformer; ``layers=("mlp",)`` with ``ar_order=0`` a flow on single frames applied i.i.d.
     to every frame (the ablation without interactions between frames).
@@ -152,12 +157,12 @@ class ResidualSequenceFlow(SequenceFlow):
         if config.position_norm == "on":
             steps.append(PositionwiseAffine(features, config.max_len))
             names.append("input.positionwise")
-        elif config.ar_order > 0:
+        elif config.resolved_ar_order > 0:
             steps.append(ActNorm(features))
             names.append("input.actnorm")
-        if config.ar_order > 0:
-            steps.append(AutoregressiveLinear(
-                features, config.ar_order, context_features=config.resolved_context_features))
+        if config.resolved_ar_order > 0:
+            steps.append(AutoregressiveLinear(features, config.resolved_ar_order,
+                                              context_features=config.resolved_context_features))
             names.append("input.autoregressive")
         for i in range(config.n_blocks):
             for j, kind in enumerate(config.layers):
@@ -174,3 +179,56 @@ class ResidualSequenceFlow(SequenceFlow):
         super().__init__(SequenceCompositeTransform(steps, names), make_base(config.base, features),
                          features=features, max_len=config.max_len, context_encoder=encoder)
         self.config = config
+
+
+def input_order_nll(
+    train: MaskedSequences, val: MaskedSequences, max_order: int, *, position_norm: bool = False
+) -> list[float]:
+    r"""Validation NLL of the flow's input layers at their initial fit, for every AR order.
+
+    For :math:`p = 0, \dots, P`, the data end of :class:`ResidualSequenceFlow` (an
+    ``ActNorm``, or with ``position_norm`` a per-position affine, then an
+    :class:`~iresflow.transforms.temporal.AutoregressiveLinear` of order :math:`p \ge 1`) is
+    initialised on ``train`` as training initialises it (least squares; a sub-model without
+    enough frames starts as the identity) and scored on ``val`` under a standard normal base:
+    the density the flow starts from. An automatic ``ar_order`` takes the best order
+    (:func:`~iresflow.train.factories.resolve_model_config`), so that the initial model is no
+    worse on validation than any other order would make it; the closed-form AR(p) Gaussian of
+    the reports has no identity fallback and prefers too low an order on little data.
+
+    Args:
+        train: Training split (``x`` ``(B, N, D)``, ``mask`` ``(B, N)``).
+        val: Validation split (same ``N`` and ``D``) with at least one real frame.
+        max_order: Highest order :math:`P \ge 0`.
+        position_norm: Whether the flow standardises every position (``position_norm="on"``).
+
+    Returns:
+        The NLL (nats per real validation frame, model space) of every order ``0..P``.
+
+    Example:
+        >>> from iresflow.data.datasets import SequenceSplit
+        >>> x = torch.randn(40, 8, 1, dtype=torch.float64).cumsum(1)  # a random walk: AR(1)
+        >>> full, jac = torch.ones(20, 8, dtype=torch.bool), torch.zeros(20)
+        >>> nll = input_order_nll(SequenceSplit(x[:20], full, jac),
+        ...                       SequenceSplit(x[20:], full, jac), 3)
+        >>> len(nll), nll[1] < nll[0]
+        (4, True)
+    """
+    check_int(max_order, "max_order", 0)
+    features, length = train.x.shape[2], train.x.shape[1]
+    frames = float(val.mask.sum())
+    if frames == 0:
+        raise ValueError("val must hold at least one real frame to choose the order")
+    base = StandardNormalSequence(features)
+    nll = []
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", UserWarning)  # identity sub-models belong to the fit
+        for order in range(max_order + 1):
+            first = PositionwiseAffine(features, length) if position_norm else ActNorm(features)
+            steps = [first, *([AutoregressiveLinear(features, order)] if order else [])]
+            chain = SequenceCompositeTransform(steps).double()
+            chain.initialize(train.x.double(), train.mask)
+            z, logdet = chain(val.x.double(), mask=val.mask)
+            nll.append(-float((base.log_prob(z, val.mask) + logdet).sum()) / frames)
+    return nll
+

@@ -11,16 +11,17 @@ the same data and the same model are rebuilt.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
 from iresflow._settings import check_device
 from iresflow.data.datasets import SequenceDataset, SequenceSplit, load_dataset
 from iresflow.data.store import StoredSplit
-from iresflow.models.config import ModelConfig
+from iresflow.models.config import MAX_AUTO_AR_ORDER, ModelConfig
 from iresflow.models.flow import SequenceFlow
 from iresflow.models.reference import positionwise_evidence
-from iresflow.models.residual_flow import ResidualSequenceFlow
+from iresflow.models.residual_flow import ResidualSequenceFlow, input_order_nll
 from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.distributed import current_world
 
@@ -102,10 +103,11 @@ def resolve_model_config(config: TrainConfig, dataset: SequenceDataset) -> Model
 
     ``features`` is the dataset's, ``max_len`` the dataset's longest sequence unless set, and
     an automatic ``heads`` is fixed to its value for these features, an ``"auto"``
-    ``position_norm`` to ``"on"`` or ``"off"`` by the validation evidence of the data
-    (:func:`~iresflow.models.reference.positionwise_evidence`). The ``condition`` of the
-    run sets the context: with ``"label"`` ``num_classes`` is the number of the dataset's
-    classes, with ``"covariates"`` ``context_features`` is the width ``C`` of its covariates.
+    ``position_norm`` to ``"on"`` or ``"off"`` and an automatic ``ar_order`` to an order by the
+    validation evidence of the data (:func:`~iresflow.models.reference.positionwise_evidence`).
+    The ``condition`` of the run sets the context: with ``"label"`` ``num_classes`` is the
+    number of the dataset's classes, with ``"covariates"`` ``context_features`` is the width
+    ``C`` of its covariates.
 
     Raises:
         ConfigError: settings the data rule out: ``max_len`` shorter than the longest
@@ -133,23 +135,33 @@ def resolve_model_config(config: TrainConfig, dataset: SequenceDataset) -> Model
         )
     except ConfigError as error:
         raise ConfigError(f"incompatible model settings for {dataset.name}: {error}") from None
-    return model.replace(heads=model.resolved_heads,
-                         position_norm=_position_norm(model.position_norm, dataset))
+    return model.replace(heads=model.resolved_heads, **_input_settings(model, dataset))
 
 
-def _position_norm(setting: str, dataset: SequenceDataset) -> str:
-    """``position_norm``, an ``"auto"`` one decided by the validation evidence of the data.
+def _input_settings(model: ModelConfig, dataset: SequenceDataset) -> dict[str, Any]:
+    """``position_norm`` and ``ar_order`` of the input layers, automatic ones decided by the
+    validation evidence of the data.
 
-    ``"on"`` when :func:`~iresflow.models.reference.positionwise_evidence` of the training and
-    validation splits favours it; ``"off"`` without such evidence or without a validation split
-    held in memory (a sequence-store folder).
+    An ``"auto"`` ``position_norm`` is ``"on"`` when
+    :func:`~iresflow.models.reference.positionwise_evidence` of the training and validation
+    splits favours standardising every position. An automatic ``ar_order`` is then the order
+    whose input layers, fitted on the training split, score best on validation
+    (:func:`~iresflow.models.residual_flow.input_order_nll`, orders 0 to
+    :data:`~iresflow.models.config.MAX_AUTO_AR_ORDER`): small data get a low order instead of
+    one that overfits them. Without a validation split held in memory (a sequence-store
+    folder) they are ``"off"`` and :data:`~iresflow.models.config.DEFAULT_AR_ORDER`.
     """
-    if setting != "auto":
-        return setting
     train, val = dataset.train, dataset.val
-    if isinstance(train, StoredSplit) or isinstance(val, StoredSplit) or not bool(val.mask.any()):
-        return "off"
-    return "on" if positionwise_evidence(train, val).favours else "off"
+    in_memory = not (isinstance(train, StoredSplit) or isinstance(val, StoredSplit)
+                     or not bool(val.mask.any()))
+    position_norm = model.position_norm
+    if position_norm == "auto":
+        position_norm = "on" if in_memory and positionwise_evidence(train, val).favours else "off"
+    ar_order = model.resolved_ar_order
+    if model.ar_order is None and in_memory:
+        nll = input_order_nll(train, val, MAX_AUTO_AR_ORDER, position_norm=position_norm == "on")
+        ar_order = min(range(len(nll)), key=nll.__getitem__)
+    return {"position_norm": position_norm, "ar_order": ar_order}
 
 
 def _context_settings(config: TrainConfig, dataset: SequenceDataset) -> dict[str, int]:
