@@ -66,6 +66,28 @@ def test_weights_make_the_series_unbiased(distribution, m):
     assert expectation == pytest.approx(sum(terms), abs=1e-12)
 
 
+def test_weights_follow_a_changed_distribution():
+    """The weights are cached by value: an estimator whose p or lam changes after construction
+    gets the weights of its new distribution, in weights() and in an estimate alike."""
+    estimator = RouletteLogDet("geometric", p=0.5)
+    assert estimator.weights(3, 1) == [1.0, 1.0, 1.0, 2.0, 4.0]
+    estimator.p = 0.75
+    assert estimator.weights(3, 1) == [1.0, 1.0, 1.0, 4.0, 16.0]
+    poisson = RouletteLogDet("poisson", lam=2.0)
+    before = poisson.tail_probabilities(4)
+    poisson.lam = 0.5
+    expected = [float(stats.poisson(0.5).sf(j - 1)) for j in range(1, 5)]
+    assert poisson.tail_probabilities(4) == pytest.approx(expected, rel=1e-12)
+    assert poisson.tail_probabilities(4) != before
+
+    x = torch.zeros(1, 1, 1, dtype=F64)  # one entry: v^T J^k v = (1/2)^k for g(x) = x / 2
+    with torch.no_grad():
+        estimate = RouletteCall(estimator, 2).estimate(ScaleBranch(0.5).eval(), x, None)[1]
+    c = estimator.weights(2, estimator.eval_exact_terms)
+    expected = sum((-1) ** (k + 1) / k * c[k] * 0.5**k for k in range(1, len(c)))
+    assert estimate.item() == pytest.approx(expected, rel=1e-14)
+
+
 @pytest.mark.parametrize("distribution", ["geometric", "poisson"])
 def test_sample_count_distribution(distribution):
     estimator = RouletteLogDet(distribution, generator=torch.Generator().manual_seed(0))

@@ -398,3 +398,17 @@ def test_top_singular_vectors_match_the_svd(shape, complex_):
     torch.testing.assert_close(torch.linalg.vector_norm(v, dim=-1), torch.ones_like(sigma))
     zero_u, zero_v = top_singular_vectors(torch.zeros(3, 2, dtype=torch.float64))
     assert torch.isfinite(zero_u).all() and float(zero_u.abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_the_forward_weight_is_the_normalised_weight_with_the_exact_norm(training):
+    """With the exact norm, one forward's weight is weight_normalized() bit for bit (the forward
+    divides by the scale written out), and the layer maps by it."""
+    torch.manual_seed(0)
+    layer = SpectralLinear(5, 4, coeff=0.5).double().train(training)
+    with torch.no_grad():
+        layer.weight.mul_(3.0)  # a norm above the coefficient: the divisor is active
+    assert torch.equal(layer.forward_weight(), layer.weight_normalized())
+    x = torch.randn(2, 5, dtype=torch.float64)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight_normalized(),
+                                                            layer.bias))

@@ -107,7 +107,8 @@ class NeumannLogDetFunction(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         batch = x.shape[0]
         copies = v.shape[0] // batch
-        mask_rep = repeat_rows(mask, copies)
+        # One probe per sample (the default) evaluates the batch itself: nothing to repeat.
+        mask_rep = mask if copies == 1 else repeat_rows(mask, copies)
         ctx.branch, ctx.lin, ctx.mask, ctx.params = branch, lin, mask, params
         # The backward re-evaluates the branch under the forward's autocast state (as
         # torch.amp.custom_bwd does), so mixed-precision products see matching dtypes.
@@ -118,7 +119,7 @@ class NeumannLogDetFunction(torch.autograd.Function):
             torch.is_autocast_enabled(device_type),
         )
         if lin is not None:
-            point = lin.at(repeat_rows(x, copies), mask_rep)
+            point = lin.at(x if copies == 1 else repeat_rows(x, copies), mask_rep)
             y = point.output
             estimate, u = power_series(point.vjp, v, coeffs, neumann_coeffs=neumann_coeffs)
         else:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -158,20 +159,7 @@ class RouletteLogDet(LogDetEstimator):
             >>> RouletteLogDet("geometric", p=0.5).tail_probabilities(3)
             [1.0, 0.5, 0.25]
         """
-        tails: list[float] = []
-        if self.distribution == "geometric":
-            for j in range(1, n + 1):
-                tails.append((1.0 - self.p) ** (j - 1))
-            return tails
-        for j in range(1, n + 1):
-            tail, i = 0.0, j
-            term = math.exp(-self.lam + j * math.log(self.lam) - math.lgamma(j + 1))
-            while term > 0.0 and (i <= self.lam or term > 1e-17 * tail):
-                tail += term
-                i += 1
-                term *= self.lam / i
-            tails.append(tail)
-        return tails
+        return list(_tails(self.distribution, self.p, self.lam, n))
 
     def weights(self, n: int, m: int) -> list[float]:
         r"""Roulette weights :math:`c_0, \dots, c_{n+m}`: 1 up to :math:`m`, then
@@ -188,10 +176,7 @@ class RouletteLogDet(LogDetEstimator):
             >>> RouletteLogDet("geometric", p=0.5).weights(3, 2)
             [1.0, 1.0, 1.0, 1.0, 2.0, 4.0]
         """
-        weights = [1.0] * (m + 1)
-        for tail in self.tail_probabilities(n):
-            weights.append(1.0 / tail)
-        return weights
+        return list(_weights(self.distribution, self.p, self.lam, n, m))
 
     def sample_count(self) -> int:
         """Draw one roulette count :math:`n` from ``generator`` (on its device).
@@ -274,11 +259,8 @@ class RouletteCall(LogDetEstimator):
         """The estimate of :meth:`RouletteLogDet.estimate` with this call's count."""
         roulette = self.estimator
         m = roulette.n_exact_terms if branch.training else roulette.eval_exact_terms
-        c = roulette.weights(self.count, m)
-        coeffs, neumann_coeffs = [], [c[0]]
-        for k in range(1, len(c)):
-            coeffs.append((-1) ** (k + 1) / k * c[k])
-            neumann_coeffs.append((-1) ** k * c[k])
+        coeffs, neumann_coeffs = _series(roulette.distribution, roulette.p, roulette.lam,
+                                         self.count, m)
         v = sample_probes(roulette.probe, roulette.n_probes, x, mask, roulette.generator)
         if roulette.neumann_gradient and needs_graph(branch, x):
             return neumann_logdet(branch, x, mask, v, coeffs, neumann_coeffs,
@@ -326,3 +308,50 @@ def draw_pass_counts(calls: Sequence[RouletteLogDet]) -> list[int]:
         for i, count in zip(positions, drawn, strict=True):
             counts[i] = count
     return counts
+
+
+# The weights are pure functions of the distribution, the count and the exact terms, cached so
+# that the per-call work of an estimate is the branch's alone (counts repeat: a geometric count
+# with p = 1/2 exceeds 10 once in a thousand draws).
+
+
+@lru_cache(maxsize=1024)
+def _tails(distribution: str, p: float, lam: float, n: int) -> tuple[float, ...]:
+    r""":math:`\mathbb P(N \ge j)` for :math:`j = 1, \dots, n`
+    (:meth:`RouletteLogDet.tail_probabilities`)."""
+    tails: list[float] = []
+    for j in range(1, n + 1):
+        if distribution == "geometric":
+            tails.append((1.0 - p) ** (j - 1))
+            continue
+        tail, i = 0.0, j
+        term = math.exp(-lam + j * math.log(lam) - math.lgamma(j + 1))
+        while term > 0.0 and (i <= lam or term > 1e-17 * tail):
+            tail += term
+            i += 1
+            term *= lam / i
+        tails.append(tail)
+    return tuple(tails)
+
+
+@lru_cache(maxsize=1024)
+def _weights(distribution: str, p: float, lam: float, n: int, m: int) -> tuple[float, ...]:
+    r"""The roulette weights :math:`c_0, \dots, c_{n+m}` (:meth:`RouletteLogDet.weights`)."""
+    weights = [1.0] * (m + 1)
+    for tail in _tails(distribution, p, lam, n):
+        weights.append(1.0 / tail)
+    return tuple(weights)
+
+
+@lru_cache(maxsize=1024)
+def _series(
+    distribution: str, p: float, lam: float, n: int, m: int
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    r"""The power-series weights of one estimate, :math:`a_k = \frac{(-1)^{k+1}}{k} c_k`
+    (:math:`k = 1..K`), and the Neumann weights :math:`(-1)^k c_k` (:math:`k = 0..K`)."""
+    c = _weights(distribution, p, lam, n, m)
+    coeffs, neumann_coeffs = [], [c[0]]
+    for k in range(1, len(c)):
+        coeffs.append((-1) ** (k + 1) / k * c[k])
+        neumann_coeffs.append((-1) ** k * c[k])
+    return tuple(coeffs), tuple(neumann_coeffs)

@@ -35,7 +35,6 @@ from iresflow._validation import (
     check_generator,
     check_inputs,
     check_int,
-    value_checks,
 )
 from iresflow.logdet.base import LogDetEstimator
 from iresflow.logdet.policy import LogDetPolicy, logdet_policy, set_generator
@@ -182,19 +181,19 @@ class SequenceFlow(CausalMethods, nn.Module):
             raise ValueError("return_stderr needs n_samples >= 2 for a stochastic estimator")
         x, mask, c = self._check(x, mask, "x", policy.request, context, initialize=True)
 
-        with value_checks(False):
-            if n_samples == 1 and not policy.exact:  # one stochastic pass (training)
-                return self._log_prob(x, mask, blocks, policy, c)
-            if policy.exact:
-                value = evaluation.exact_in_chunks(
-                    lambda xc, mc, *cc: self._log_prob(xc, mc, blocks, policy, *cc), x, mask,
-                    chunk_size, () if c is None else (c,),
-                )
-                stderr = torch.zeros_like(value)
-            else:
-                value, stderr = evaluation.average_estimates(
-                    lambda: self._log_prob(x, mask, blocks, policy, c), n_samples
-                )
+        # Validated: the chain runs unchecked (check=False) and the base checks nothing.
+        if n_samples == 1 and not policy.exact:  # one stochastic pass (training)
+            return self._log_prob(x, mask, blocks, policy, c)
+        if policy.exact:
+            value = evaluation.exact_in_chunks(
+                lambda xc, mc, *cc: self._log_prob(xc, mc, blocks, policy, *cc), x, mask,
+                chunk_size, () if c is None else (c,),
+            )
+            stderr = torch.zeros_like(value)
+        else:
+            value, stderr = evaluation.average_estimates(
+                lambda: self._log_prob(x, mask, blocks, policy, c), n_samples
+            )
         return (value, stderr) if return_stderr else value
 
     def transform_to_noise(

@@ -311,9 +311,12 @@ class SpectralLinear(_NormalizedLinear):
         Returns:
             Tensor of shape ``(out_features, in_features)``, differentiable w.r.t. ``weight``.
         """
-        if self.training and self.sigma == "power" and not under_functorch_transform():
-            self._power_iteration()
-        return self.weight / self._scale()  # weight_normalized, one call fewer per forward
+        if self.training and self.sigma == "power":
+            if not under_functorch_transform():
+                self._power_iteration()
+            return self.weight / self._scale()
+        # the exact norm: _scale written out, one call fewer per layer and forward
+        return self.weight / torch.clamp(self._norm() / self.coeff, min=1.0)
 
     def extra_repr(self) -> str:
         return (
