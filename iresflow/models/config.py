@@ -175,9 +175,9 @@ class ModelConfig(SettingsRecord):
 
     @property
     def resolved_ar_order(self) -> int:
-        """``ar_order``, or :data:`DEFAULT_AR_ORDER` when left to the data (a model built
-        without data; training decides it first, :func:`~iresflow.train.factories.
-        resolve_model_config`)."""
+        """``ar_order``, or :data:`DEFAULT_AR_ORDER` when left to the data: the order of a model
+        built without data (training decides it first, in
+        :func:`~iresflow.train.factories.resolve_model_config`)."""
         return DEFAULT_AR_ORDER if self.ar_order is None else self.ar_order
 
     @property
