@@ -184,7 +184,8 @@ class ResidualSequenceFlow(SequenceFlow):
 def input_order_nll(
     train: MaskedSequences, val: MaskedSequences, max_order: int, *, position_norm: bool = False
 ) -> list[float]:
-    r"""Validation NLL of the flow's input layers at their initial fit, for every AR order.
+    r"""Validation NLL of the flow's input layers at their initial fit, for every AR order
+    (docs/math.md#ar-order).
 
     For :math:`p = 0, \dots, P`, the data end of :class:`ResidualSequenceFlow` (an
     ``ActNorm``, or with ``position_norm`` a per-position affine, then an
