@@ -39,6 +39,7 @@ from iresflow.runs.report import (
     describe_forecast,
     describe_run,
     describe_samples,
+    describe_training,
 )
 from iresflow.runs.sample import sample_run, save_samples
 from iresflow.runs.settings import (
@@ -336,10 +337,7 @@ def _train(args: argparse.Namespace) -> int:
             config, out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet
         )
     if lead_process():
-        result = finished.result
-        how = "stopped early" if result.stopped_early else "done"
-        print(f"trained {result.epochs} epochs ({how}); best validation NLL "
-              f"{result.best_val_nll:.4f} at epoch {result.best_epoch}")
+        print(describe_training(finished.result, config.patience))
         print(describe_evaluation(finished.evaluation))
         for path in finished.plots:
             print(f"wrote {path}")

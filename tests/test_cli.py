@@ -18,10 +18,13 @@ import torch
 from iresflow.cli import main
 from iresflow.models.distributions import NU_INIT, StudentTSequence
 from iresflow.runs.load import load_run
+from iresflow.runs.report import describe_training
 from iresflow.runs.sample import Samples, sample_run
 from iresflow.train.checkpoint import CheckpointError, load_checkpoint
 from iresflow.train.config import TrainConfig
 from iresflow.train.factories import build_model, load_data
+from iresflow.train.loop import TrainResult
+from iresflow.train.paths import RunPaths
 
 TINY = [
     "--n-blocks", "1", "--hidden", "8", "--max-train", "12", "--max-eval", "6",
@@ -214,7 +217,9 @@ def test_run_folder_errors(run: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     assert "cannot resume" in _error_line(capsys)
     # A finished run resumes with the settings of its folder (the default hidden=64 would clash).
     assert main(["train", "--out", str(run), "--resume", "--quiet"]) == 0
-    assert "trained 1 epochs" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "trained 1 epochs" in out
+    assert "it may have been cut short" in out  # its only epoch is its best: the cap ended it
 
     assert main(["info", str(run), "--device", "tpu"]) == 1
     assert "device must be" in _error_line(capsys)
@@ -428,3 +433,20 @@ def test_sample_reports_residual_against_tolerance(
     printed = capsys.readouterr().out
     assert "residual 2.00e-05 against its tolerance 1.00e-06: NOT converged" in printed
     assert ": converged" not in printed
+
+
+@pytest.mark.parametrize(
+    ("epochs", "best", "stopped_early", "patience", "note"),
+    [
+        (60, 56, False, 10, True),   # the cap came before patience could have run out
+        (60, 50, False, 10, False),  # ten epochs without a better one: stopping was possible
+        (40, 38, True, 2, False),    # early stopping ended it
+        (60, 55, False, 0, True),    # no patience: the last tenth
+        (60, 54, False, 0, False),
+    ],
+)
+def test_train_says_when_a_run_was_cut_short(epochs, best, stopped_early, patience, note):
+    result = TrainResult(RunPaths(Path("run")), epochs, best, -1.0, stopped_early, [])
+    text = describe_training(result, patience)
+    assert text.startswith(f"trained {epochs} epochs")
+    assert ("may have been cut short" in text) == note

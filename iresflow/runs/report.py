@@ -17,6 +17,7 @@ from iresflow.runs.load import LoadedRun
 from iresflow.runs.sample import Samples
 from iresflow.runs.settings import InfoSettings
 from iresflow.train.config import ConfigError
+from iresflow.train.loop import TrainResult
 
 __all__ = [
     "describe_classification",
@@ -25,6 +26,7 @@ __all__ = [
     "describe_reference",
     "describe_run",
     "describe_samples",
+    "describe_training",
 ]
 
 
@@ -84,6 +86,42 @@ def describe_run(run: LoadedRun, settings: InfoSettings | None = None, **changes
         for row in report
     ]
     return "\n".join(lines)
+
+
+def describe_training(result: TrainResult, patience: int) -> str:
+    """How a training run ended, in words, with a note when it was cut short.
+
+    A run that ended at its cap (``epochs`` or ``max_seconds``) with its best epoch among its
+    last ``patience`` epochs (the last tenth with ``patience = 0``) ended before early stopping
+    could tell whether the validation NLL had stopped improving: the note says so.
+
+    Args:
+        result: The summary of the training.
+        patience: The run's ``patience`` setting.
+
+    Returns:
+        One line, or two with the note.
+
+    Example:
+        >>> from pathlib import Path
+        >>> from iresflow.train.paths import RunPaths
+        >>> result = TrainResult(RunPaths(Path("run")), 60, 56, -22.524, False, [])
+        >>> print(describe_training(result, patience=10))  # doctest: +NORMALIZE_WHITESPACE
+        trained 60 epochs (done); best validation NLL -22.5240 at epoch 56
+        note: the best epoch is among the last 10, and the run ended at its cap before early
+        stopping could tell whether the validation NLL had stopped improving: it may have been
+        cut short (train on: --resume with a higher --epochs or --max-seconds)
+    """
+    how = "stopped early" if result.stopped_early else "done"
+    text = (f"trained {result.epochs} epochs ({how}); best validation NLL "
+            f"{result.best_val_nll:.4f} at epoch {result.best_epoch}")
+    window = patience if patience > 0 else max(1, result.epochs // 10)
+    if not result.stopped_early and result.epochs - result.best_epoch < window:
+        text += (f"\nnote: the best epoch is among the last {window}, and the run ended at its "
+                 f"cap before early stopping could tell whether the validation NLL had stopped "
+                 f"improving: it may have been cut short (train on: --resume with a higher "
+                 f"--epochs or --max-seconds)")
+    return text
 
 
 def describe_evaluation(result: dict[str, Any]) -> str:
