@@ -154,16 +154,11 @@ class ResidualSequenceFlow(SequenceFlow):
             encoding = make_positional_encoding(config.positional, features, config.max_len)
         steps: list[nn.Module] = []
         names: list[str] = []
-        if config.position_norm == "on":
-            steps.append(PositionwiseAffine(features, config.max_len))
-            names.append("input.positionwise")
-        elif config.resolved_ar_order > 0:
-            steps.append(ActNorm(features))
-            names.append("input.actnorm")
-        if config.resolved_ar_order > 0:
-            steps.append(AutoregressiveLinear(features, config.resolved_ar_order,
-                                              context_features=config.resolved_context_features))
-            names.append("input.autoregressive")
+        for name, step in _input_steps(features, config.max_len, config.resolved_ar_order,
+                                       config.position_norm == "on",
+                                       config.resolved_context_features):
+            steps.append(step)
+            names.append(name)
         for i in range(config.n_blocks):
             for j, kind in enumerate(config.layers):
                 repeated = config.layers.count(kind) > 1
@@ -225,11 +220,27 @@ def input_order_nll(
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore", UserWarning)  # identity sub-models belong to the fit
         for order in range(max_order + 1):
-            first = PositionwiseAffine(features, length) if position_norm else ActNorm(features)
-            steps = [first, *([AutoregressiveLinear(features, order)] if order else [])]
-            chain = SequenceCompositeTransform(steps).double()
+            # Without input layers (order 0, no per-position map) the first block's ActNorm
+            # standardises the frames: that is the density the flow starts from.
+            steps = [step for _, step in _input_steps(features, length, order, position_norm)]
+            chain = SequenceCompositeTransform(steps or [ActNorm(features)]).double()
             chain.initialize(train.x.double(), train.mask)
             z, logdet = chain(val.x.double(), mask=val.mask)
             nll.append(-float((base.log_prob(z, val.mask) + logdet).sum()) / frames)
     return nll
 
+
+def _input_steps(
+    features: int, max_len: int, order: int, position_norm: bool, context_features: int = 0,
+) -> list[tuple[str, nn.Module]]:
+    """The data end of the flow, named: the per-position map (``position_norm``) or, with an
+    autoregressive layer, an ``ActNorm``; then the autoregressive layer of ``order >= 1``."""
+    steps: list[tuple[str, nn.Module]] = []
+    if position_norm:
+        steps.append(("input.positionwise", PositionwiseAffine(features, max_len)))
+    elif order > 0:
+        steps.append(("input.actnorm", ActNorm(features)))
+    if order > 0:
+        steps.append(("input.autoregressive",
+                      AutoregressiveLinear(features, order, context_features=context_features)))
+    return steps

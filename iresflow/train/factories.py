@@ -104,7 +104,8 @@ def resolve_model_config(config: TrainConfig, dataset: SequenceDataset) -> Model
     ``features`` is the dataset's, ``max_len`` the dataset's longest sequence unless set, and
     an automatic ``heads`` is fixed to its value for these features, an ``"auto"``
     ``position_norm`` to ``"on"`` or ``"off"`` and an automatic ``ar_order`` to an order by the
-    validation evidence of the data (:func:`~iresflow.models.reference.positionwise_evidence`).
+    validation evidence of the data (:func:`~iresflow.models.reference.positionwise_evidence`,
+    :func:`~iresflow.models.residual_flow.input_order_nll`).
     The ``condition`` of the run sets the context: with ``"label"`` ``num_classes`` is the
     number of the dataset's classes, with ``"covariates"`` ``context_features`` is the width
     ``C`` of its covariates.
