@@ -96,11 +96,12 @@ def test_banded_jacobian_of_a_finite_radius_branch_is_the_full_jacobian(device):
                                    atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.parametrize("kernel_size", [1, 3, 5])
+@pytest.mark.parametrize(("kernel_size", "dilation"), [(1, 1), (3, 1), (5, 1), (3, 2)])
 @pytest.mark.parametrize("length", [7, 10, 13])
-def test_block_tridiagonal_logdet_matches_dense_oracle(device, kernel_size, length):
+def test_block_tridiagonal_logdet_matches_dense_oracle(device, kernel_size, dilation, length):
     """Block LU over chunks of R tokens (R = 0, 2, 4; N not a multiple of R; gaps, padding)."""
-    branch = TemporalConvBranch(2, 4, kernel_size, 0.8, max_len=length).to(device, F64)
+    branch = TemporalConvBranch(2, 4, kernel_size, 0.8, max_len=length, dilation=dilation)
+    branch = branch.to(device, F64)
     with torch.no_grad():  # weights beyond the bound: the rescaling is active
         for p in branch.parameters():
             p.mul_(3.0)
@@ -250,10 +251,11 @@ def test_slogdet_is_exact_for_large_batches_with_several_threads():
 
 
 def _causal_batch(
-    device: torch.device, kernel_size: int, length: int
+    device: torch.device, kernel_size: int, length: int, dilation: int = 1
 ) -> tuple[TemporalConvBranch, torch.Tensor, torch.Tensor]:
     """A causal convolution branch beyond its bound, sequences with end padding and a gap."""
-    branch = TemporalConvBranch(2, 4, kernel_size, 0.8, max_len=length, causal=True)
+    branch = TemporalConvBranch(2, 4, kernel_size, 0.8, max_len=length, causal=True,
+                                dilation=dilation)
     branch = branch.to(device, F64)
     with torch.no_grad():
         for p in branch.parameters():
@@ -265,12 +267,13 @@ def _causal_batch(
     return branch, x, mask
 
 
-@pytest.mark.parametrize("kernel_size", [1, 2, 3])
+@pytest.mark.parametrize(("kernel_size", "dilation"), [(1, 1), (2, 1), (3, 1), (2, 3)])
 @pytest.mark.parametrize("length", [3, 9])
-def test_causal_diagonal_blocks_are_those_of_the_dense_jacobian(device, kernel_size, length):
+def test_causal_diagonal_blocks_are_those_of_the_dense_jacobian(device, kernel_size, dilation,
+                                                                length):
     """Coloured with period R + 1 (R < N - 1) or one copy per row (R >= N - 1): the blocks are
     the diagonal of the dense Jacobian, which is zero above it."""
-    branch, x, mask = _causal_batch(device, kernel_size, length)
+    branch, x, mask = _causal_batch(device, kernel_size, length, dilation)
     for m in (mask, None):
         _, blocks = jacobian_blocks(branch, x, m)
         assert blocks.shape == (3, length, 2, 2)

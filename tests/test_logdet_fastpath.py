@@ -37,13 +37,14 @@ class AutogradConv(TemporalConvBranch):
 
 
 def _build(kind: str, fast: bool):
-    """Branch kinds: ``"2"``/``"inf"`` (MLP norms), ``"conv"`` (kernel 3: radius 2) and
-    ``"causal-conv"`` (kernel 2, causal)."""
-    if kind == "conv":
-        return (TemporalConvBranch if fast else AutogradConv)(3, 5, 3, coeff=0.9, max_len=4)
-    if kind == "causal-conv":
-        cls = TemporalConvBranch if fast else AutogradConv
-        return cls(3, 5, 2, coeff=0.9, max_len=4, causal=True)
+    """Branch kinds: ``"2"``/``"inf"`` (MLP norms), ``"conv"`` (kernel 3: radius 2),
+    ``"causal-conv"`` (kernel 2, causal) and their variants dilated by 2 (radius 4)."""
+    cls = TemporalConvBranch if fast else AutogradConv
+    dilation = 2 if kind.startswith("dilated-") else 1
+    if kind.removeprefix("dilated-") == "conv":
+        return cls(3, 5, 3, coeff=0.9, max_len=4, dilation=dilation)
+    if kind.removeprefix("dilated-") == "causal-conv":
+        return cls(3, 5, 2, coeff=0.9, max_len=4, causal=True, dilation=dilation)
     return (LipschitzMLP if fast else AutogradMLP)((3, 8, 6, 3), coeff=0.9, norm=kind)
 
 
@@ -80,7 +81,9 @@ def _run(branch, x, mask, seed, extra=(), **kwargs):
     return [out.detach(), logdet.detach(), *grads, *[b.clone() for b in branch.buffers()]]
 
 
-@pytest.mark.parametrize("norm", ["2", "inf", "conv", "causal-conv"])
+@pytest.mark.parametrize(
+    "norm", ["2", "inf", "conv", "causal-conv", "dilated-conv", "dilated-causal-conv"]
+)
 @pytest.mark.parametrize("reference_memory_efficient", [True, False])
 @pytest.mark.parametrize("n_probes", [1, 3])
 @pytest.mark.parametrize("masked", [False, True])
@@ -100,7 +103,7 @@ def test_fast_path_equals_autograd(device, norm, reference_memory_efficient, n_p
         assert (ours[0][~mask] == 0).all() and (ours[2][~mask] == 0).all()
 
 
-@pytest.mark.parametrize("kind", ["2", "conv", "causal-conv"])
+@pytest.mark.parametrize("kind", ["2", "conv", "causal-conv", "dilated-causal-conv"])
 @pytest.mark.parametrize("reference_memory_efficient", [True, False])
 @pytest.mark.parametrize("masked", [False, True])
 def test_conditional_fast_path_equals_autograd(device, kind, reference_memory_efficient, masked):

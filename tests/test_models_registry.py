@@ -161,6 +161,7 @@ def test_the_built_in_kinds_are_registered_entries():
     assert all(BASES[name].help for name in BASES)
     assert [kind for kind in LAYERS if LAYERS[kind].positional] == ["attention"]
     assert [kind for kind in LAYERS if not LAYERS[kind].residual] == ["mix", "autoregressive"]
+    assert [kind for kind in LAYERS if LAYERS[kind].per_block] == ["conv"]
     assert BASES["normal"].build is StandardNormalSequence
     assert [make_base(name, 2).group for name in ("student-t", "multivariate-t", "sequence-t")
             ] == ["feature", "frame", "sequence"]
@@ -225,3 +226,24 @@ def test_registry_choices_are_a_live_sequence():
     assert dict(colours) == {"red": 1, "blue": 2} and repr(choices) == "('red', 'blue')"
     with pytest.raises(ValueError, match="colour 'red' is already registered"):
         colours.register("red", 3)
+
+
+def test_a_kind_registered_per_block_is_told_its_block():
+    """``per_block=True``: ``build`` receives ``block=i``, 0 nearest the data; other kinds
+    are built as ``build(config, encoding)``."""
+    seen: list[int] = []
+
+    def by_block(config: ModelConfig, encoding: torch.nn.Module | None, *, block: int
+                 ) -> SoftMixingBranch:
+        seen.append(block)
+        return soft_mixing(config, encoding)
+
+    register_branch("by-block", by_block, "soft mixing, told its block", per_block=True)
+    register_branch("soft-mixing", soft_mixing, "a learned softmax average of the frames")
+    try:
+        ResidualSequenceFlow(features=2, max_len=4, n_blocks=3,
+                             layers=("by-block", "soft-mixing", "by-block"))
+    finally:
+        LAYERS.unregister("by-block")
+        LAYERS.unregister("soft-mixing")
+    assert seen == [0, 0, 1, 1, 2, 2]

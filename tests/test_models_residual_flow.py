@@ -59,6 +59,7 @@ CONFIGS = [
     {"layers": ("conv", "mlp"), "ar_order": 2},
     {"layers": ("attention", "conv", "mix"), "ar_order": 1, "kernel_size": 5},
     {"layers": ("relative", "mlp"), "ar_order": 1, "relative_window": 2},
+    {"layers": ("conv", "mlp"), "ar_order": 1, "n_blocks": 2, "dilation": 2},
 ]
 
 
@@ -324,7 +325,8 @@ def test_config_and_defaults(device, dtype):
         "features": 12, "n_blocks": 4, "hidden": 64, "heads": None, "coeff": 0.9,
         "attention": "l2", "positional": "sinusoidal", "max_len": 512, "logdet": "roulette",
         "n_power_iterations": 1, "spectral_norm": "exact", "ar_order": 0,
-        "layers": ("attention", "mlp"), "kernel_size": 3, "causal": False, "base": "normal",
+        "layers": ("attention", "mlp"), "kernel_size": 3, "dilation": 1, "causal": False,
+        "base": "normal",
         "context_features": 0, "num_classes": 0, "relative_window": None,
         "position_norm": "auto",
     }
@@ -503,3 +505,19 @@ def test_the_former_name_still_builds_the_model_with_a_warning():
     assert cls is ResidualSequenceFlow
     with pytest.raises(AttributeError, match="no attribute 'ResidualFlowTransformers'"):
         iresflow.models.ResidualFlowTransformers  # noqa: B018
+
+
+def test_conv_dilation_grows_by_block_and_restarts_within_the_longest_sequence():
+    model = ResidualSequenceFlow(features=2, max_len=20, n_blocks=6, dilation=2, ar_order=0)
+    convs = [step.branch for name, step in model.residual_steps() if name.endswith(".conv")]
+    assert [conv.dilation for conv in convs] == [1, 2, 4, 8, 1, 2]
+    assert [conv.receptive_radius for conv in convs] == [2, 4, 8, 16, 2, 4]
+    causal = ResidualSequenceFlow(features=2, max_len=20, n_blocks=2, dilation=3, causal=True)
+    assert [step.branch.receptive_radius for name, step in causal.residual_steps()
+            if name.endswith(".conv")] == [4, 12]
+    assert ModelConfig(features=2, max_len=20, dilation=2, kernel_size=1).block_dilation(3) == 1
+    assert ModelConfig(features=2, max_len=20).block_dilation(5) == 1
+    with pytest.raises(ConfigError, match="dilation must be >= 1"):
+        ModelConfig(dilation=0)
+    with pytest.raises(ConfigError, match="max_len must be set"):
+        ModelConfig(dilation=2).block_dilation(1)

@@ -333,3 +333,69 @@ def test_causal_branch_masks_padding_and_gaps_and_keeps_its_certificate(device):
     estimate = empirical_lipschitz(branch, x, "2", steps=40, lr=0.2, generator=gen)
     assert 0 < estimate.value <= bound
     assert (jacobian_norm(lambda v: branch(v, mask), estimate.inputs, "2") <= bound).all()
+
+
+def _spaced(weight: torch.Tensor, dilation: int) -> torch.Tensor:
+    """The taps with ``dilation - 1`` zero taps between them, written out tap by tap."""
+    out, inp, k = weight.shape
+    spaced = weight.new_zeros(out, inp, dilation * (k - 1) + 1)
+    for j in range(k):
+        spaced[:, :, dilation * j] = weight[:, :, j]
+    return spaced
+
+
+@pytest.mark.parametrize(
+    ("k", "dilation", "period"), [(3, 2, 9), (3, 3, 12), (2, 4, 8), (5, 2, 11)]
+)
+def test_dilated_circular_norm_is_that_of_the_spaced_taps(device, k, dilation, period):
+    weight = torch.randn(3, 2, k, dtype=F64, device=device)
+    expected = torch.linalg.matrix_norm(_circulant(_spaced(weight, dilation), period), 2)
+    torch.testing.assert_close(circular_conv_norm(weight, period, dilation), expected,
+                               rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="period"):
+        circular_conv_norm(weight, dilation * (k - 1), dilation)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dilation", [2, 3])
+def test_dilated_layer_is_the_spaced_operator_within_its_bound(device, causal, dilation):
+    """Taps d apart: the map of the spaced kernel on every length up to max_len, its norm within
+    the bound, the cached norm and gradient those of the direct computation."""
+    conv = SpectralConv1d(2, 3, 3, 0.7, max_len=7, causal=causal, dilation=dilation)
+    conv = conv.to(device, F64)
+    assert conv.span == 2 * dilation + 1 and conv.period == 7 + 2 * dilation
+    direct = circular_conv_norm(conv.weight, conv.period, dilation)
+    (direct_grad,) = torch.autograd.grad(direct, conv.weight)
+    cached = conv.operator_norm()
+    (cached_grad,) = torch.autograd.grad(cached, conv.weight)
+    torch.testing.assert_close(cached, direct, rtol=1e-12, atol=0)
+    torch.testing.assert_close(cached_grad, direct_grad, rtol=1e-9, atol=1e-12)
+    with torch.no_grad():
+        conv.weight.mul_(10.0 / float(direct))
+    bound = conv.lipschitz_constant().detach()
+    torch.testing.assert_close(bound, torch.tensor(0.7, dtype=F64, device=device))
+    taps = _spaced(conv.weight_normalized().detach(), dilation)
+    for length in range(1, 8):
+        x = torch.randn(2, 2, length, dtype=F64, device=device)
+        matrix = (_causal_zero_padded if causal else _zero_padded)(taps, length)
+        expected = (matrix @ x.transpose(1, 2).reshape(2, -1, 1)).view(2, length, 3)
+        torch.testing.assert_close(conv(x) - conv.bias[:, None], expected.transpose(1, 2))
+        assert torch.linalg.matrix_norm(matrix, ord=2) <= bound * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dilated_branch_reads_frames_dilation_apart(device, causal):
+    """Two convolutions with taps d apart: output frame t reads the frames at lags that are
+    multiples of d, up to the receptive radius, and no others."""
+    dilation, length = 2, 11
+    branch = TemporalConvBranch(3, 4, 3, 0.9, max_len=length, causal=causal, dilation=dilation)
+    branch = branch.to(device, F64)
+    radius = branch.receptive_radius
+    assert radius == (2 if causal else 1) * dilation * 2
+    x = torch.randn(1, length, 3, dtype=F64, device=device)
+    jac = torch.autograd.functional.jacobian(lambda t: branch(t), x)[0, :, :, 0]  # (N, D, N, D)
+    lag = (torch.arange(length)[:, None] - torch.arange(length)[None, :]).to(device)  # t - s
+    read = (lag % dilation == 0) & (lag <= radius) & (lag >= (0 if causal else -radius))
+    blocks = jac.abs().amax(dim=(1, 3))
+    assert blocks[~read].max() == 0
+    assert bool((blocks[read] > 0).all())

@@ -45,7 +45,7 @@ AUTOREGRESSIVE_DEPTH = 2
 
 
 def layer_steps(
-    kind: str, name: str, config: ModelConfig, encoding: nn.Module | None
+    kind: str, name: str, config: ModelConfig, encoding: nn.Module | None, block: int = 0
 ) -> list[tuple[str, nn.Module]]:
     """The named steps of one layer of a registered kind.
 
@@ -60,6 +60,7 @@ def layer_steps(
         name: The layer's step name in the chain (``block0.conv``).
         config: The model's settings.
         encoding: The model's positional encoding, passed to kinds that take one.
+        block: The index of the layer's block, passed to kinds that take it.
 
     Returns:
         ``(step name, step)`` pairs in chain order.
@@ -69,7 +70,8 @@ def layer_steps(
         ConfigError: ``config.causal`` and the kind builds a branch that reads later frames.
     """
     entry = LAYERS[kind]
-    layer = entry.build(config, encoding if entry.positional else None)
+    layer = entry.build(config, encoding if entry.positional else None,
+                        **({"block": block} if entry.per_block else {}))
     if not entry.residual:
         return [(name, layer)]
     if config.causal and not (layer.causal or layer.position_wise):
@@ -103,9 +105,10 @@ def _relative(config: ModelConfig, encoding: nn.Module | None) -> LipschitzBranc
     return RelativeMixingBranch(config.features, config.hidden, window, config.coeff)
 
 
-def _conv(config: ModelConfig, encoding: nn.Module | None) -> LipschitzBranch:
+def _conv(config: ModelConfig, encoding: nn.Module | None, *, block: int) -> LipschitzBranch:
     return TemporalConvBranch(config.features, config.hidden, config.kernel_size, config.coeff,
-                              max_len=config.max_len, causal=config.causal)
+                              max_len=config.max_len, causal=config.causal,
+                              dilation=config.block_dilation(block))
 
 
 def _mlp(config: ModelConfig, encoding: nn.Module | None) -> LipschitzBranch:
@@ -118,7 +121,8 @@ def _mlp(config: ModelConfig, encoding: nn.Module | None) -> LipschitzBranch:
 register_branch("attention", _attention, "contractive self-attention (setting attention) with the "
                 "positional encoding added inside the branch", positional=True)
 register_branch("relative", _relative, "an MLP of a learned average over relative offsets")
-register_branch("conv", _conv, "temporal convolution")
+register_branch("conv", _conv, "temporal convolution (dilated by block: setting dilation)",
+                per_block=True)
 register_branch("mlp", _mlp, "position-wise MLP")
 
 

@@ -94,6 +94,11 @@ class ModelConfig(SettingsRecord):
     )
     hidden: int = setting(64, "hidden width of the feed-forward and convolution branches")
     kernel_size: int = setting(3, "odd kernel size of the temporal convolutions")
+    dilation: int = setting(
+        1, "growth of the dilation of the conv layers from block to block: block i reads frames "
+        "dilation^i apart, starting again at 1 once that would reach past the longest sequence "
+        "(1: none; 2: 1, 2, 4, ...; docs/math.md#temporal-conv)"
+    )
     causal: bool = setting(
         False, "make every layer causal over frames, so noise frame t depends on data frames "
         "<= t only: conv layers read the current and past frames, mlp, mix and autoregressive "
@@ -145,7 +150,8 @@ class ModelConfig(SettingsRecord):
     def check(self) -> None:
         check_range("coeff", self.coeff, 0.0, 1.0)
         check_minimum(self, ("features", "max_len", "n_blocks", "hidden", "heads",
-                             "n_power_iterations", "kernel_size", "relative_window"), 1)
+                             "n_power_iterations", "kernel_size", "relative_window", "dilation"),
+                      1)
         for name in ("context_features", "num_classes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0: none), got {getattr(self, name)}")
@@ -172,6 +178,29 @@ class ModelConfig(SettingsRecord):
         if self.features is None:
             raise ConfigError("features must be set to resolve the number of heads")
         return default_heads(self.features) if self.heads is None else self.heads
+
+    def block_dilation(self, block: int) -> int:
+        r"""The dilation of the conv layers of block ``block`` (0 nearest the data).
+
+        With growth :math:`g` = ``dilation`` and kernel size :math:`k`, block :math:`i` reads
+        frames :math:`g^{i \bmod C}` apart, where :math:`C` counts the powers :math:`g^j` whose
+        reach :math:`g^j (k - 1)` stays below ``max_len`` (at least one): the cycle restarts
+        before a dilation would read nothing but padding.
+
+        Example:
+            >>> config = ModelConfig(features=2, max_len=20, dilation=2)
+            >>> tuple(config.block_dilation(i) for i in range(6))
+            (1, 2, 4, 8, 1, 2)
+        """
+        growth = self.dilation
+        if growth == 1 or self.kernel_size == 1:
+            return 1
+        if self.max_len is None:
+            raise ConfigError("max_len must be set to resolve the dilation of a block")
+        cycle = 1
+        while growth**cycle * (self.kernel_size - 1) < self.max_len:
+            cycle += 1
+        return growth ** (block % cycle)
 
     @property
     def resolved_ar_order(self) -> int:

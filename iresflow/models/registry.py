@@ -146,8 +146,9 @@ class Registry(Mapping[str, E], Generic[E]):
 #: :class:`~iresflow.nn.base.LipschitzBranch`) or the invertible step of a step kind (a
 #: :class:`~iresflow.transforms.base.SequenceTransform`), from the model's
 #: :class:`~iresflow.models.config.ModelConfig` and, for a kind that asks for it, the model's
-#: positional encoding (one module shared by all its layers; ``None`` otherwise).
-LayerBuilder = Callable[[Any, "nn.Module | None"], nn.Module]
+#: positional encoding (one module shared by all its layers; ``None`` otherwise). A kind
+#: registered with ``per_block=True`` is also given the index of its block, ``block=i``.
+LayerBuilder = Callable[..., nn.Module]
 
 
 @dataclass(frozen=True)
@@ -162,12 +163,15 @@ class LayerKind:
             :class:`~iresflow.nn.conditional.ConditionalBranch`); ``False``: ``build`` returns an
             invertible step, conditional by itself where the kind supports a context.
         positional: Whether ``build`` takes the model's positional encoding.
+        per_block: Whether ``build`` takes the index of its block (keyword ``block``, 0 for
+            the block nearest the data), for kinds that change with depth.
     """
 
     build: LayerBuilder
     help: str
     residual: bool = True
     positional: bool = False
+    per_block: bool = False
 
 
 #: The layer kinds of a block recipe (model setting ``layers``), by name.
@@ -175,7 +179,8 @@ LAYERS: Registry[LayerKind] = Registry("layer kind")
 
 
 def register_branch(
-    name: str, build: LayerBuilder, help: str, *, positional: bool = False
+    name: str, build: LayerBuilder, help: str, *, positional: bool = False,
+    per_block: bool = False,
 ) -> None:
     """Register a residual layer kind, usable in the model setting ``layers``.
 
@@ -189,6 +194,7 @@ def register_branch(
         build: ``build(config, encoding) -> LipschitzBranch`` (:data:`LayerBuilder`).
         help: One line saying what the kind is.
         positional: Whether ``build`` takes the model's positional encoding (else ``None``).
+        per_block: Whether ``build`` takes the index of its block as the keyword ``block``.
 
     Raises:
         TypeError: ``name`` or ``help`` is not a string, or ``build`` is not callable.
@@ -204,7 +210,7 @@ def register_branch(
         True
         >>> LAYERS.unregister("wide-mlp")
     """
-    _register_layer(name, LayerKind(build, help, True, bool(positional)))
+    _register_layer(name, LayerKind(build, help, True, bool(positional), bool(per_block)))
 
 
 def register_step(

@@ -163,7 +163,7 @@ class ResidualSequenceFlow(SequenceFlow):
             for j, kind in enumerate(config.layers):
                 repeated = config.layers.count(kind) > 1
                 name = f"block{i}.{kind}{j}" if repeated else f"block{i}.{kind}"
-                for step_name, step in layer_steps(kind, name, config, encoding):
+                for step_name, step in layer_steps(kind, name, config, encoding, i):
                     steps.append(step)
                     names.append(step_name)
         encoder = None

@@ -23,6 +23,10 @@ W_j x_{t + j - (k - 1)}` (zero padding on the left, any :math:`k`). Its indices 
 circular convolution of the same period, onto frames :math:`\ge P - k + 1 \ge N`, which hold
 zeros, so it too is a compression of that operator: the same bound holds
 (docs/math.md#causal-steps).
+
+Dilated by :math:`d`, the taps read frames :math:`d` apart: the convolution with the
+:math:`d (k - 1) + 1` taps :math:`W_0, 0, \dots, 0, W_1, \dots`, so all of the above holds with
+:math:`P = \text{max\_len} + d (k - 1)` and :math:`\hat W(\omega) = \sum_j W_j e^{-i\omega d j}`.
 """
 
 from __future__ import annotations
@@ -49,17 +53,18 @@ from iresflow.nn.linear import check_coefficient, top_singular_vectors
 __all__ = ["SpectralConv1d", "TemporalConvBranch", "circular_conv_norm"]
 
 
-def circular_conv_norm(weight: Tensor, period: int) -> Tensor:
+def circular_conv_norm(weight: Tensor, period: int, dilation: int = 1) -> Tensor:
     r"""Exact 2-norm of the circular convolution of period ``period`` with taps ``weight``.
 
     :math:`\max_m \sigma_{\max}(\hat W(2\pi m / P))` with
-    :math:`\hat W(\omega) = \sum_j W_j e^{-i\omega j}` (docs/math.md#temporal-conv). It bounds
-    the zero-padded convolution of every length :math:`N \le P - k + 1`. Differentiable w.r.t.
-    ``weight`` (through the singular values).
+    :math:`\hat W(\omega) = \sum_j W_j e^{-i\omega d j}` for the taps dilated by :math:`d`
+    (docs/math.md#temporal-conv). It bounds the zero-padded convolution of every length
+    :math:`N \le P - d (k - 1)`. Differentiable w.r.t. ``weight`` (through the singular values).
 
     Args:
         weight: Taps in :func:`torch.nn.functional.conv1d` layout, shape ``(out, in, k)``.
-        period: Period :math:`P \ge k`.
+        period: Period :math:`P \ge d (k - 1) + 1`.
+        dilation: Spacing :math:`d \ge 1` of the taps over time.
 
     Returns:
         0-dim tensor.
@@ -74,12 +79,18 @@ def circular_conv_norm(weight: Tensor, period: int) -> Tensor:
             f"weight must be a floating-point tensor of shape (out, in, k), got "
             f"{tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}"
         )
-    check_int(period, "period", weight.shape[-1])
-    return torch.linalg.matrix_norm(_spectrum(weight, period), ord=2).amax()
+    check_int(dilation, "dilation", 1)
+    check_int(period, "period", dilation * (weight.shape[-1] - 1) + 1)
+    return torch.linalg.matrix_norm(_spectrum(weight, period, dilation), ord=2).amax()
 
 
-def _spectrum(weight: Tensor, period: int) -> Tensor:
-    r""":math:`\hat W(2\pi m / P)` for :math:`0 \le m \le P/2`, shape ``(M, out, in)``."""
+def _spectrum(weight: Tensor, period: int, dilation: int) -> Tensor:
+    r""":math:`\hat W(2\pi m / P)` for :math:`0 \le m \le P/2`, shape ``(M, out, in)``: the FFT
+    of the taps with :math:`d - 1` zeros between them."""
+    if dilation > 1:
+        spaced = weight.new_zeros(*weight.shape[:-1], dilation * (weight.shape[-1] - 1) + 1)
+        spaced[..., ::dilation] = weight
+        weight = spaced
     return torch.fft.rfft(weight, n=period, dim=-1).permute(2, 0, 1)
 
 
@@ -88,7 +99,7 @@ class SpectralConv1d(nn.Module):
 
     The effective taps are :math:`\tilde W = W / \max(1, \|\mathrm{circ}_P(W)\|_2 / c)` with the
     exact circular-embedding norm of :func:`circular_conv_norm` for :math:`P =` ``max_len`` +
-    ``kernel_size`` - 1, recomputed from the parameters in every forward (training and
+    ``span`` - 1, recomputed from the parameters in every forward (training and
     evaluation), so :math:`\|\mathrm{conv}_{\tilde W}\|_2 \le c` holds to rounding on every
     sequence of length :math:`\le` ``max_len``. As for
     :class:`~iresflow.nn.linear.SpectralLinear` with ``sigma="exact"``, the frequency
@@ -101,7 +112,8 @@ class SpectralConv1d(nn.Module):
     Inputs are channels-first like :class:`torch.nn.Conv1d`; "same" zero padding keeps the
     length, or with ``causal=True`` zero padding of :math:`k - 1` frames on the left only, so
     output frame :math:`t` reads input frames :math:`t - k + 1, \dots, t` (the bound is the
-    same, docs/math.md#causal-steps).
+    same, docs/math.md#causal-steps). With ``dilation`` :math:`d` the taps read frames :math:`d`
+    apart, :attr:`span` :math:`= d (k - 1) + 1` frames in all.
 
     Args:
         in_channels: Input channels ``C_in``.
@@ -111,6 +123,7 @@ class SpectralConv1d(nn.Module):
         max_len: Longest sequence the bound must hold for.
         bias: Whether to learn an additive bias.
         causal: Whether the taps read the current and past frames only.
+        dilation: Spacing :math:`d` of the taps over time.
 
     Example:
         >>> conv = SpectralConv1d(2, 3, kernel_size=3, coeff=0.9, max_len=6)
@@ -118,6 +131,8 @@ class SpectralConv1d(nn.Module):
         torch.Size([4, 3, 6])
         >>> bool(conv.lipschitz_constant() <= 0.9 + 1e-6)
         True
+        >>> SpectralConv1d(2, 3, kernel_size=3, coeff=0.9, max_len=6, dilation=2).span
+        5
     """
 
     def __init__(
@@ -130,17 +145,21 @@ class SpectralConv1d(nn.Module):
         max_len: int,
         bias: bool = True,
         causal: bool = False,
+        dilation: int = 1,
     ) -> None:
         super().__init__()
         self.in_channels = check_int(in_channels, "in_channels", 1)
         self.out_channels = check_int(out_channels, "out_channels", 1)
         self.causal = bool(causal)
-        self.kernel_size = (check_int(kernel_size, "kernel_size", 1) if self.causal
-                            else _check_kernel_size(kernel_size))
+        self.kernel_size = check_int(kernel_size, "kernel_size", 1)
+        if self.kernel_size % 2 == 0 and not self.causal:  # "same" padding is symmetric
+            raise ValueError(f"kernel_size must be odd, got {self.kernel_size}")
         self.coeff = check_coefficient(coeff)
         self.max_len = check_int(max_len, "max_len", 1)
+        self.dilation = check_int(dilation, "dilation", 1)
+        self.span = self.dilation * (self.kernel_size - 1) + 1
         # A single tap has no frequency dependence: its norm is the matrix norm (period 1).
-        self.period = self.max_len + self.kernel_size - 1 if self.kernel_size > 1 else 1
+        self.period = self.max_len + self.span - 1 if self.kernel_size > 1 else 1
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels, kernel_size))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_channels))
@@ -163,15 +182,11 @@ class SpectralConv1d(nn.Module):
         one definition of the normalisation (one call per forward)."""
         weight = self.weight
         if is_transformed(weight):  # a torch.func transform hides its values: no cache
-            norm = circular_conv_norm(weight, self.period)
+            norm = circular_conv_norm(weight, self.period, self.dilation)
         else:
             cache = self._cache
-            if (
-                cache is None
-                or cache[0].dtype != weight.dtype
-                or cache[0].device != weight.device
-                or not torch.equal(cache[0], weight.detach())
-            ):
+            if (cache is None or cache[0].dtype != weight.dtype or cache[0].device != weight.device
+                    or not torch.equal(cache[0], weight.detach())):
                 cache = self._top_singular_pair(weight)
                 self._cache = cache
             _, phase, u, v = cache
@@ -188,7 +203,7 @@ class SpectralConv1d(nn.Module):
             m = torch.zeros(1, dtype=torch.long, device=weight.device)
             matrix = work.permute(2, 0, 1)
         else:
-            spectrum = _spectrum(work, self.period)
+            spectrum = _spectrum(work, self.period, self.dilation)
             # The maximising frequency from the top eigenvalues of the smaller Gram matrices,
             # sigma_max^2 (a batch of small Hermitian eigenvalue problems), then singular vectors
             # at that frequency only: a fraction of the cost of a batched SVD.
@@ -197,7 +212,8 @@ class SpectralConv1d(nn.Module):
             m = torch.linalg.eigvalsh(gram)[:, -1:].argmax(dim=0)  # (1,): no host read
             matrix = spectrum.index_select(0, m)
         left, right = top_singular_vectors(matrix)
-        taps = torch.arange(self.kernel_size, device=weight.device, dtype=work.dtype)
+        taps = self.dilation * torch.arange(self.kernel_size, device=weight.device,
+                                            dtype=work.dtype)
         phase = torch.polar(torch.ones_like(taps), -2 * math.pi * m.to(work.dtype) * taps
                             / self.period)
         complex_dtype = torch.promote_types(snapshot.dtype, torch.complex64)
@@ -236,20 +252,20 @@ class SpectralConv1d(nn.Module):
         if x.dim() != 3 or x.shape[1] != self.in_channels:
             raise ValueError(f"x must have shape (B, {self.in_channels}, N), got {tuple(x.shape)}")
         if x.shape[-1] > self.max_len:
-            raise ValueError(
-                f"x has length {x.shape[-1]} > max_len={self.max_len}, for which the "
-                f"certified bound does not hold"
-            )
+            raise ValueError(f"x has length {x.shape[-1]} > max_len={self.max_len}, for which the "
+                             f"certified bound does not hold")
         if self.causal:
-            return F.conv1d(F.pad(x, (self.kernel_size - 1, 0)), self.weight_normalized(),
-                            self.bias)
-        return F.conv1d(x, self.weight_normalized(), self.bias, padding=self.kernel_size // 2)
+            return F.conv1d(F.pad(x, (self.span - 1, 0)), self.weight_normalized(), self.bias,
+                            dilation=self.dilation)
+        return F.conv1d(x, self.weight_normalized(), self.bias, padding=self.span // 2,
+                        dilation=self.dilation)
 
     def extra_repr(self) -> str:
         return (
             f"in_channels={self.in_channels}, out_channels={self.out_channels}, "
             f"kernel_size={self.kernel_size}, coeff={self.coeff}, max_len={self.max_len}, "
             f"bias={self.bias is not None}" + (", causal=True" if self.causal else "")
+            + (f", dilation={self.dilation}" if self.dilation > 1 else "")
         )
 
 
@@ -272,9 +288,11 @@ class TemporalConvBranch(LipschitzBranch):
     (:attr:`receptive_radius`). With ``causal=True`` the first and last convolutions are causal
     (:class:`SpectralConv1d`), so output frame :math:`t` sees the frames
     :math:`t - 2(k - 1), \dots, t` only: the branch is causal over frames (:attr:`causal`) and
-    its Jacobian is block lower-triangular (docs/math.md#causal-steps). With a mask,
-    padded frames are set to zero before every convolution and at the output (at every layer,
-    also inside a sequence), so they never influence real outputs.
+    its Jacobian is block lower-triangular (docs/math.md#causal-steps). With ``dilation``
+    :math:`d` the first and last convolutions read frames :math:`d` apart: :math:`d` times the
+    reach at the same cost and certificate (blocks dilated 1, 2, 4, ... reach exponentially far
+    in their depth). With a mask, padded frames are set to zero before every convolution and
+    at the output (at every layer, also inside a sequence), so they never influence real outputs.
 
     Input validation runs outside ``torch.func`` transforms (the caller of a transform
     validates the batch); the length check ``N <= max_len`` always runs. A per-sequence shift
@@ -289,6 +307,7 @@ class TemporalConvBranch(LipschitzBranch):
         coeff: Certified Lipschitz constant :math:`c \in (0, 1)` of the branch.
         max_len: Longest sequence the certificate must hold for; longer inputs are rejected.
         causal: Whether every output frame reads the current and past frames only.
+        dilation: Spacing :math:`d` of the taps of the first and last convolutions.
 
     Example:
         >>> branch = TemporalConvBranch(2, 8, kernel_size=3, coeff=0.9, max_len=10)
@@ -310,12 +329,14 @@ class TemporalConvBranch(LipschitzBranch):
         *,
         max_len: int,
         causal: bool = False,
+        dilation: int = 1,
     ) -> None:
         super().__init__()
         self.features = check_int(features, "features", 1)
         check_int(hidden, "hidden", 1)
         self.coeff = check_coefficient(coeff, strict=True)
         self.max_len = check_int(max_len, "max_len", 1)
+        self.dilation = check_int(dilation, "dilation", 1)
         per_layer = self.coeff ** (1 / 3)
         dims = (features, hidden, hidden, features)
         layers: list[nn.Module] = []
@@ -323,14 +344,14 @@ class TemporalConvBranch(LipschitzBranch):
             if i > 0:
                 layers.append(LipSwish())
             k = 1 if i == 1 else kernel_size
-            layers.append(
-                SpectralConv1d(c_in, c_out, k, per_layer, max_len=max_len, causal=causal)
-            )
+            layers.append(SpectralConv1d(c_in, c_out, k, per_layer, max_len=max_len,
+                                         causal=causal, dilation=1 if k == 1 else dilation))
         self.net = nn.Sequential(*layers)
         self.causal = bool(causal)
         #: Output frame ``t`` depends on input frames ``t - radius .. t + radius`` only (causal:
         #: ``t - radius .. t``).
-        self.receptive_radius = 2 * (kernel_size - 1) if self.causal else kernel_size - 1
+        reach = self.dilation * (kernel_size - 1)
+        self.receptive_radius = 2 * reach if self.causal else reach
         self.shift_features = hidden
 
     def forward(
@@ -383,9 +404,8 @@ class TemporalConvBranch(LipschitzBranch):
             ValueError: ``seq_len > max_len``.
         """
         if seq_len is not None and check_int(seq_len, "seq_len", 1) > self.max_len:
-            raise ValueError(
-                f"seq_len={seq_len} exceeds max_len={self.max_len}; the bound does not hold"
-            )
+            raise ValueError(f"seq_len={seq_len} exceeds max_len={self.max_len}; the bound does "
+                             f"not hold")
         constants = [
             layer.lipschitz_constant() for layer in self.net if isinstance(layer, SpectralConv1d)
         ]
@@ -418,17 +438,10 @@ class TemporalConvBranch(LipschitzBranch):
         """
         weights = stack_parameters(self.net, methodcaller("weight_normalized"))
         return ConvStackLinearization(*weights, shift=shift, max_len=self.max_len,
-                                      causal=self.causal)
+                                      causal=self.causal, dilation=self.dilation)
 
     def extra_repr(self) -> str:
-        return f"coeff={self.coeff}, max_len={self.max_len}" + (
-            ", causal=True" if self.causal else ""
-        )
+        return (f"coeff={self.coeff}, max_len={self.max_len}"
+                + (", causal=True" if self.causal else "")
+                + (f", dilation={self.dilation}" if self.dilation > 1 else ""))
 
-
-def _check_kernel_size(kernel_size: object) -> int:
-    """Validate an odd positive kernel size (odd for symmetric "same" padding)."""
-    k = check_int(kernel_size, "kernel_size", 1)
-    if k % 2 == 0:
-        raise ValueError(f"kernel_size must be odd, got {k}")
-    return k

@@ -129,6 +129,8 @@ class LayerStackLinearization(Linearization):
         self.shift = None if shift is None else shift.detach()
         self.params = (*weights, *present, *betas, *(() if shift is None else (shift,)))
         self.taps = [1] * len(weights)
+        #: The spacing of every layer's taps over time, and the frames its window spans.
+        self.dilations, self.spans = [1] * len(weights), [1] * len(weights)
         self.pads = [(0, 0, 0, 0)] * len(weights)  # the "same" padding of every layer's windows
         self.adjoints = self.weights
         #: The tap matrices of a convolutional stack (``None``: token by token, ``F.linear``).
@@ -183,8 +185,8 @@ class LayerStackPoint(LinearizedPoint):
                 else:
                     k, windows = lin.taps[i], h
                     if k > 1:
-                        windows = F.pad(h, lin.forward_pads[i]).unfold(1, k, 1).reshape(
-                            *h.shape[:2], h.shape[2] * k)
+                        windows = F.pad(h, lin.forward_pads[i]).unfold(1, lin.spans[i], 1)[
+                            ..., :: lin.dilations[i]].reshape(*h.shape[:2], h.shape[2] * k)
                     a = windows @ matrices[i]
                     if bias is not None:
                         a = a.add_(bias)
@@ -212,7 +214,8 @@ class LayerStackPoint(LinearizedPoint):
 
     def adjoint_layer(self, l: int, g: Tensor) -> Tensor:
         r"""Its adjoint :math:`g \mapsto g \tilde W_l`, shape ``(R, N, H_l)``."""
-        return _windows(g, self.lin.taps[l], self.lin.pads[l]) @ self.lin.adjoints[l]
+        lin = self.lin
+        return _windows(g, lin.taps[l], lin.pads[l], lin.dilations[l]) @ lin.adjoints[l]
 
     def layer_weight_grad(self, l: int, g: Tensor, h: Tensor, k: Tensor, t: Tensor) -> Tensor:
         r""":math:`\partial/\partial\tilde W_l` of :math:`\langle g, \tilde W_l h\rangle +
@@ -235,14 +238,16 @@ class LayerStackPoint(LinearizedPoint):
     def vjp(self, w: Tensor) -> Tensor:
         # adjoint_layer and hidden_input written out: this is the hot loop of the power series
         # _windows written out too, with the paddings of the linearization
-        taps, pads, adjoints = self.lin.taps, self.lin.pads, self.lin.adjoints
+        lin = self.lin
+        taps, pads, adjoints, spans = lin.taps, lin.pads, lin.adjoints, lin.spans
         g = w if self.keep is None else w * self.keep
         for l in range(len(adjoints) - 1, -1, -1):
             if l < len(self.slopes):
                 g = g.mul_(self.slopes[l])  # g is a fresh product: scaled in place
             k = taps[l]
             if k > 1:
-                g = F.pad(g, pads[l]).unfold(1, k, 1).reshape(*g.shape[:2], g.shape[2] * k)
+                g = F.pad(g, pads[l]).unfold(1, spans[l], 1)[..., :: lin.dilations[l]].reshape(
+                    *g.shape[:2], g.shape[2] * k)
             g = g @ adjoints[l]
         return g if self.keep_hidden is None else g * self.keep_hidden
 
@@ -306,8 +311,9 @@ class ConvStackLinearization(LayerStackLinearization):
             frame), as for :class:`LayerStackLinearization`.
         max_len: Longest sequence the branch's certificate holds for (``None``: any).
         causal: Whether the convolutions are causal (zero padding of ``k - 1`` frames on the
-            left, :class:`~iresflow.nn.conv.SpectralConv1d`); their adjoints then pad on the
-            right.
+            left, :class:`~iresflow.nn.conv.SpectralConv1d`); their adjoints then pad
+            on the right.
+        dilation: Spacing of the taps over time of the layers with more than one tap.
     """
 
     masks_hidden = True
@@ -321,17 +327,24 @@ class ConvStackLinearization(LayerStackLinearization):
         shift: Tensor | None = None,
         max_len: int | None = None,
         causal: bool = False,
+        dilation: int = 1,
     ) -> None:
         super().__init__(weights, biases, betas, shift)
         self.max_len = max_len
         self.taps, self.pads, self.forward_matrices, self.adjoints = [], [], [], []
+        self.dilations, self.spans = [], []
         #: The padding of every layer's input windows (``pads``: of its adjoint's).
         self.forward_pads: list[tuple[int, int, int, int]] = []
         for w in self.weights:
             k = w.shape[-1]
+            d = dilation if k > 1 else 1
+            span = d * (k - 1) + 1
             self.taps.append(k)
-            self.forward_pads.append((0, 0, k - 1, 0) if causal else (0, 0, k // 2, k // 2))
-            self.pads.append((0, 0, 0, k - 1) if causal else (0, 0, k // 2, k // 2))
+            self.dilations.append(d)
+            self.spans.append(span)
+            self.forward_pads.append((0, 0, span - 1, 0) if causal else (0, 0, span // 2,
+                                                                            span // 2))
+            self.pads.append((0, 0, 0, span - 1) if causal else (0, 0, span // 2, span // 2))
             self.forward_matrices.append(w.reshape(w.shape[0], -1).T)
             self.adjoints.append(w.flip(-1).transpose(1, 2).reshape(-1, w.shape[1]))
 
@@ -341,13 +354,15 @@ class ConvStackLinearization(LayerStackLinearization):
         return ConvStackPoint(self, x, mask)
 
 
-def _windows(h: Tensor, size: int, pad: tuple[int, int, int, int]) -> Tensor:
-    """Windows ``out[r, t, c * size + j] = h[r, t + j - left, c]`` (zero outside the
-    sequence) with ``pad = (0, 0, left, right)``, ``left + right = size - 1``, shape
+def _windows(h: Tensor, size: int, pad: tuple[int, int, int, int], dilation: int = 1) -> Tensor:
+    """Windows ``out[r, t, c * size + j] = h[r, t + d j - left, c]`` (zero outside the
+    sequence) with ``pad = (0, 0, left, right)``, ``left + right = d (size - 1)``, shape
     ``(R, N, C size)``."""
     if size == 1:
         return h
-    return F.pad(h, pad).unfold(1, size, 1).reshape(*h.shape[:2], h.shape[2] * size)
+    span = dilation * (size - 1) + 1
+    return F.pad(h, pad).unfold(1, span, 1)[..., ::dilation].reshape(*h.shape[:2],
+                                                                     h.shape[2] * size)
 
 
 class ConvStackPoint(LayerStackPoint):
@@ -355,20 +370,22 @@ class ConvStackPoint(LayerStackPoint):
     with "same"-padded (or causal) convolutions over time (tensors stay ``(R, N, C)``) and
     padded frames zeroed at every layer input.
 
-    With taps :math:`W_j` and :math:`p = (k - 1) / 2` (causal: :math:`p = k - 1`), the
-    convolution is :math:`y_t = \sum_j W_j x_{t + j - p}` and its adjoint
-    :math:`\bar x_s = \sum_j W_{k - 1 - j}^\top \bar y_{s + j - (k - 1 - p)}`: both are products
-    of input windows with a tap matrix."""
+    With taps :math:`W_j` dilated by :math:`d` and :math:`p = (k - 1) / 2` (causal:
+    :math:`p = k - 1`), the convolution is :math:`y_t = \sum_j W_j x_{t + d (j - p)}` and its
+    adjoint :math:`\bar x_s = \sum_j W_{k - 1 - j}^\top \bar y_{s + d (j - (k - 1 - p))}`: both
+    are products of input windows with a tap matrix."""
 
     lin: ConvStackLinearization
 
     def apply_layer(self, l: int, h: Tensor, bias: Tensor | None = None) -> Tensor:
         lin = self.lin
-        out = _windows(h, lin.taps[l], lin.forward_pads[l]) @ lin.forward_matrices[l]
+        windows = _windows(h, lin.taps[l], lin.forward_pads[l], lin.dilations[l])
+        out = windows @ lin.forward_matrices[l]
         return out if bias is None else out.add_(bias)
 
     def layer_weight_grad(self, l: int, g: Tensor, h: Tensor, k: Tensor, t: Tensor) -> Tensor:
         weight = self.lin.weights[l]
         # Both terms in one product of the stacked output cotangents with the input windows.
-        windows = _windows(torch.cat([h, t]), weight.shape[-1], self.lin.forward_pads[l])
+        windows = _windows(torch.cat([h, t]), weight.shape[-1], self.lin.forward_pads[l],
+                           self.lin.dilations[l])
         return (as_rows(torch.cat([g, k])).T @ as_rows(windows)).view(weight.shape)
