@@ -258,6 +258,12 @@ def test_bad_arguments_raise(device):
         circular_conv_norm(torch.randn(1, 1, 5, dtype=F64), 4)
     with pytest.raises(ValueError, match="shape"):
         SpectralConv1d(2, 2, 3, 0.9, max_len=4)(torch.randn(1, 3, 4))
+    with pytest.raises(ValueError, match="dilation must be positive"):
+        TemporalConvBranch(2, 4, 3, 0.9, max_len=4, dilation=0)
+    with pytest.raises(TypeError, match="dilation must be an int"):
+        SpectralConv1d(2, 2, 3, 0.9, max_len=4, dilation=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dilation must be positive"):
+        circular_conv_norm(torch.randn(1, 1, 3, dtype=F64), 8, 0)
 
 
 @pytest.mark.parametrize("kernel_size", [1, 3, 5])
