@@ -239,14 +239,15 @@ class LayerStackPoint(LinearizedPoint):
         # adjoint_layer and hidden_input written out: this is the hot loop of the power series
         # _windows written out too, with the paddings of the linearization
         lin = self.lin
-        taps, pads, adjoints, spans = lin.taps, lin.pads, lin.adjoints, lin.spans
+        taps, pads, adjoints, spans, dilations = (lin.taps, lin.pads, lin.adjoints, lin.spans,
+                                                  lin.dilations)
         g = w if self.keep is None else w * self.keep
         for l in range(len(adjoints) - 1, -1, -1):
             if l < len(self.slopes):
                 g = g.mul_(self.slopes[l])  # g is a fresh product: scaled in place
             k = taps[l]
             if k > 1:
-                g = F.pad(g, pads[l]).unfold(1, spans[l], 1)[..., :: lin.dilations[l]].reshape(
+                g = F.pad(g, pads[l]).unfold(1, spans[l], 1)[..., :: dilations[l]].reshape(
                     *g.shape[:2], g.shape[2] * k)
             g = g @ adjoints[l]
         return g if self.keep_hidden is None else g * self.keep_hidden
@@ -342,9 +343,9 @@ class ConvStackLinearization(LayerStackLinearization):
             self.taps.append(k)
             self.dilations.append(d)
             self.spans.append(span)
-            self.forward_pads.append((0, 0, span - 1, 0) if causal else (0, 0, span // 2,
-                                                                            span // 2))
-            self.pads.append((0, 0, 0, span - 1) if causal else (0, 0, span // 2, span // 2))
+            same = (0, 0, span // 2, span // 2)  # symmetric: the forward's and the adjoint's
+            self.forward_pads.append((0, 0, span - 1, 0) if causal else same)
+            self.pads.append((0, 0, 0, span - 1) if causal else same)
             self.forward_matrices.append(w.reshape(w.shape[0], -1).T)
             self.adjoints.append(w.flip(-1).transpose(1, 2).reshape(-1, w.shape[1]))
 
