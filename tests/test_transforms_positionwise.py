@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from iresflow.data.datasets import SequenceSplit
 from iresflow.data.store import write_store
 from iresflow.models.reference import (
-    EVIDENCE_STANDARD_ERRORS,
+    EVIDENCE_LEVEL,
     AutoregressiveGaussian,
     positionwise_evidence,
 )
@@ -134,9 +135,14 @@ def test_sequences_longer_than_max_len_are_refused_and_vectors_use_position_zero
 def test_evidence_favours_position_dependent_data_only() -> None:
     g = torch.Generator().manual_seed(1)
     profile = positionwise_evidence(_profile_split(40, 8, g), _profile_split(20, 8, g))
-    assert profile.favours and profile.gain > EVIDENCE_STANDARD_ERRORS * profile.stderr
+    assert profile.favours and profile.gain > 0 and profile.pvalue < EVIDENCE_LEVEL
     stationary = positionwise_evidence(_ar1_split(40, 8, g), _ar1_split(20, 8, g))
     assert not stationary.favours and stationary.sequences == 20
+    # One wild validation sequence outweighs the others' gains in the mean, not in the ranks.
+    val = _profile_split(20, 8, g)
+    val.x[0, 0] += 200.0
+    wild = positionwise_evidence(_profile_split(40, 8, g), val)
+    assert wild.gain < 0 and wild.favours
 
 
 def test_evidence_gain_is_the_likelihood_gain_through_the_layer() -> None:
@@ -161,7 +167,13 @@ def test_evidence_gain_is_the_likelihood_gain_through_the_layer() -> None:
         scores.append(model.log_prob(va))
     diff = scores[0] + logdet - scores[1]
     assert evidence.gain == pytest.approx(float(diff.mean()), rel=1e-9)
-    assert evidence.stderr == pytest.approx(float(diff.std() / math.sqrt(12)), rel=1e-9)
+    # The one-sided signed-rank p-value by enumeration: the share of the 2^12 sign patterns of
+    # the ranks of |gain| whose positive rank sum reaches the observed one (no ties here).
+    ranks = diff.abs().argsort().argsort() + 1
+    observed = int(ranks[diff > 0].sum())
+    signs = torch.tensor(list(itertools.product((0, 1), repeat=12)))
+    assert evidence.pvalue == pytest.approx(float(((signs @ ranks) >= observed).double().mean()),
+                                            rel=1e-9)
 
 
 def _npz(tmp_path: Path, split: SequenceSplit) -> str:

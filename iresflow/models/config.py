@@ -79,8 +79,9 @@ class ModelConfig(SettingsRecord):
     position_norm: str = setting(
         "auto", "a shift and scale of their own for every position at the data end, for data "
         "whose law depends on the position (daily profiles, image rows); auto: on when it "
-        "improves the closed-form AR(p) Gaussian on the validation split by two standard "
-        "errors (decided when training starts; a model built without data: off)",
+        "improves the closed-form AR(p) Gaussian on the validation sequences by a one-sided "
+        "signed-rank test at the 5% level (decided when training starts; a model built "
+        "without data: off)",
         ("auto", "on", "off"),
     )
     n_blocks: int = setting(3, "number of blocks")

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
+from scipy import stats
 from torch import Tensor, nn
 
 from iresflow._validation import check_int, check_mask, check_sequence
@@ -47,9 +48,9 @@ __all__ = [
     "positionwise_evidence",
 ]
 
-#: Standard errors by which the validation gain of per-position standardisation must exceed
-#: zero for :attr:`PositionwiseEvidence.favours` (docs/math.md#positionwise-affine).
-EVIDENCE_STANDARD_ERRORS = 2.0
+#: Level of the one-sided signed-rank test of :attr:`PositionwiseEvidence.favours`
+#: (docs/math.md#positionwise-affine).
+EVIDENCE_LEVEL = 0.05
 
 
 class MaskedSequences(Protocol):
@@ -340,18 +341,20 @@ class PositionwiseEvidence:
         gain: Mean over validation sequences of the log-likelihood gain (nats per sequence,
             model space) of the AR(p) Gaussian on per-position standardised frames over the
             AR(p) Gaussian on the frames themselves.
-        stderr: Standard error of that mean (``inf`` with fewer than two sequences).
+        pvalue: One-sided p-value of the Wilcoxon signed-rank test of the per-sequence gains
+            against a distribution symmetric about zero (1 with fewer than two sequences or no
+            nonzero gain).
         sequences: Number of validation sequences.
     """
 
     gain: float
-    stderr: float
+    pvalue: float
     sequences: int
 
     @property
     def favours(self) -> bool:
-        """Whether the gain exceeds :data:`EVIDENCE_STANDARD_ERRORS` standard errors."""
-        return self.gain > 0 and self.gain > EVIDENCE_STANDARD_ERRORS * self.stderr
+        """Whether the gains are positive at the level :data:`EVIDENCE_LEVEL`."""
+        return self.pvalue < EVIDENCE_LEVEL
 
 
 def positionwise_evidence(
@@ -364,7 +367,8 @@ def positionwise_evidence(
     the frames standardised by the per-position moments of ``train``
     (:func:`~iresflow.transforms.positionwise.positionwise_moments`), whose log-density
     includes the log-determinant of the standardisation. The paired per-sequence difference of
-    their validation log-likelihoods is the evidence (docs/math.md#positionwise-affine).
+    their validation log-likelihoods is the evidence, tested by ranks, so that one sequence
+    with a large gain or loss neither decides nor masks it (docs/math.md#positionwise-affine).
 
     Args:
         train: Training split (``x`` ``(B, N, D)``, ``mask`` ``(B, N)``).
@@ -402,5 +406,7 @@ def positionwise_evidence(
     diff = (per_position.log_prob(*val_standardised) + jacobian
             - plain.log_prob(val.x, val.mask))
     count = diff.shape[0]
-    stderr = float(diff.std() / math.sqrt(count)) if count > 1 else math.inf
-    return PositionwiseEvidence(float(diff.mean()), stderr, count)
+    informative = count > 1 and bool((diff != 0).any())
+    pvalue = (float(stats.wilcoxon(diff.detach().cpu().numpy(), alternative="greater").pvalue)
+              if informative else 1.0)
+    return PositionwiseEvidence(float(diff.mean()), pvalue, count)
