@@ -13,16 +13,24 @@ train/test splits, and the three shipped datasets through their names. Per datas
   chosen on the validation split, refitted on train and validation;
 * **sequence Gaussian**: a full-covariance Gaussian over the flattened sequence, fitted on train
   and validation, where it applies (fixed length, more fitting sequences than :math:`N D`);
-* **GRU + MAF**: :class:`benchmarks.baselines.recurrent.RecurrentFlow` trained by
-  :func:`iresflow.train.fit.fit` for ``--budget`` seconds (0: skipped);
+* **GRU + MAF** and **Transformer + MAF** (``--peers``): :class:`benchmarks.baselines.recurrent.
+  RecurrentFlow` with either encoder of the past, trained by :func:`iresflow.train.fit.fit` for
+  ``--budget`` seconds (0: skipped; ``flow``: the flow's wall time on the same dataset and seed,
+  at least 60 s);
 * the per-sequence NLL distribution of the flow and of the AR Gaussian
   (:func:`iresflow.models.worst_cases.summarize_sequence_nll`: median, worst, sequences far
   above the median).
+
+The held-out datasets (:mod:`benchmarks.held_out`, ``--datasets uschange ...``) are read from
+the long-format tables a user would have, with ``iresflow train``'s table settings.
 
 Run from the repository root::
 
     python -m benchmarks small_data --seeds 3 --budget 60 --out docs/small_data.json \\
         --doc docs/small_data.md
+    python -m benchmarks small_data --datasets uschange m1_yearly daphnet bleeding elnino \\
+        fertility --seeds 3 --budget flow --peers gru transformer --out docs/held_out.json \\
+        --doc docs/held_out.md
 
 prints the markdown table, writes the records (one per dataset and seed) to ``--out`` and,
 with ``--doc``, the table into the page between its ``<!-- small-data:start -->`` /
@@ -33,6 +41,7 @@ with ``--doc``, the table into the page between its ``<!-- small-data:start -->`
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import math
 import statistics
@@ -49,14 +58,16 @@ import torch
 
 from benchmarks import cli, records
 from benchmarks.baselines.gaussian import SequenceGaussian
-from benchmarks.baselines.recurrent import train_recurrent_flow
+from benchmarks.baselines.recurrent import ENCODERS, train_recurrent_flow
+from benchmarks.held_out import HELD_OUT, table_settings
 from benchmarks.results_specs import gru_maf_config, variable_length
-from iresflow.data.datasets import SequenceDataset, load_dataset
+from iresflow.data.datasets import SequenceDataset
 from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.models.worst_cases import summarize_sequence_nll
 from iresflow.runs.evaluate import evaluate_run
 from iresflow.runs.load import load_run
 from iresflow.train.config import TrainConfig
+from iresflow.train.factories import load_data
 from iresflow.train.loop import train
 
 #: UEA/UCR archive datasets bundled in the aeon wheel, in the suite's order.
@@ -65,6 +76,10 @@ ARCHIVE = ("BasicMotions", "CardanoSentiment", "ItalyPowerDemand", "GunPoint", "
 SHIPPED = ("japanese_vowels", "digits_rows", "co2_windows")
 DATASETS = ARCHIVE + SHIPPED
 MAX_AR_ORDER = 3
+#: The record key and the table's name of each peer (an encoder of the past).
+PEERS = {"gru": ("gru_maf", "GRU + MAF"), "transformer": ("transformer_maf", "Transformer + MAF")}
+#: The least budget of a peer given the flow's wall time (``--budget flow``), in seconds.
+MIN_MATCHED_BUDGET = 60.0
 #: The fields that identify a record.
 KEY = ("dataset", "seed")
 
@@ -98,22 +113,28 @@ def archive_files(name: str) -> tuple[Path, Path]:
     return paths
 
 
-def data_settings(name: str) -> dict[str, str | None]:
-    """The ``data`` and ``test_data`` settings a user would give for a dataset."""
+@functools.cache
+def _held_out_folder() -> Path:
+    """This process's folder of the held-out datasets' table files."""
+    return Path(tempfile.mkdtemp(prefix="iresflow-held-out-"))
+
+
+def data_settings(name: str) -> dict[str, Any]:
+    """The ``data`` and ``test_data`` settings a user would give for a dataset (and the table
+    settings of a held-out one)."""
     if name in SHIPPED:
         return {"data": name, "test_data": None}
+    if name in HELD_OUT:
+        return table_settings(name, _held_out_folder())
     train_path, test_path = archive_files(name)
     return {"data": str(train_path), "test_data": str(test_path)}
 
 
 def load(name: str, seed: int) -> SequenceDataset:
     """The dataset through iresflow's loader, as ``iresflow train`` loads it (warnings muted)."""
-    settings = data_settings(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "split with fewer than 30 sequences"
-        if settings["test_data"] is None:
-            return load_dataset(name, seed=seed)
-        return load_dataset(settings["data"], test_path=settings["test_data"], seed=seed)
+        return load_data(TrainConfig.from_dict({**data_settings(name), "seed": seed}))
 
 
 def sequence_gaussian_applies(ds: SequenceDataset) -> str | None:
@@ -176,20 +197,23 @@ def run_references(ds: SequenceDataset) -> dict[str, Any]:
     return record
 
 
-def run_gru_maf(name: str, ds: SequenceDataset, seed: int, budget: float) -> dict[str, Any]:
-    """The GRU + MAF baseline trained for ``budget`` optimisation seconds.
+def run_peer(name: str, ds: SequenceDataset, seed: int, budget: float,
+             encoder: str = "gru") -> dict[str, Any]:
+    """A GRU + MAF or Transformer + MAF peer trained for ``budget`` optimisation seconds.
 
     Through :func:`~iresflow.train.fit.fit`, the loop of ``iresflow train``, with the results
     table's protocol for a baseline (:func:`benchmarks.results_specs.train_config`).
     """
-    row = train_recurrent_flow(gru_maf_config(name, seed, budget, **data_settings(name)), ds)
-    return {key: row[key] for key in ("test_nll", "epochs", "stopped")}
+    config = gru_maf_config(name, seed, budget, **data_settings(name))
+    row = train_recurrent_flow(config, ds, encoder=encoder)
+    return {"budget": budget, **{key: row[key] for key in ("test_nll", "epochs", "stopped")}}
 
 
-def run_dataset(name: str, seed: int, budget: float, settings: dict[str, Any] | None,
-                work: Path, flow: bool = True) -> dict[str, Any]:
+def run_dataset(name: str, seed: int, budget: float | str, settings: dict[str, Any] | None,
+                work: Path, flow: bool = True, peers: Sequence[str] = ("gru",)) -> dict[str, Any]:
     """Every model of the suite on one dataset and seed (the flow unless ``flow=False``, with
-    the :func:`run_flow` ``settings``)."""
+    the :func:`run_flow` ``settings``; the ``peers`` for ``budget`` seconds, or ``"flow"``: the
+    flow's wall time, at least :data:`MIN_MATCHED_BUDGET`)."""
     ds = load(name, seed)
     record: dict[str, Any] = {
         "dataset": name, "seed": seed, "features": ds.features, "max_len": ds.max_len,
@@ -198,8 +222,11 @@ def run_dataset(name: str, seed: int, budget: float, settings: dict[str, Any] | 
     record.update(run_references(ds))
     if flow:
         record["flow"] = run_flow(name, seed, work / f"{name}-seed{seed}", settings)
-    if budget > 0:
-        record["gru_maf"] = run_gru_maf(name, ds, seed, budget)
+    if budget == "flow":
+        budget = max(MIN_MATCHED_BUDGET, record["flow"]["seconds"] if flow else 0.0)
+    if float(budget) > 0:
+        for encoder in peers:
+            record[PEERS[encoder][0]] = run_peer(name, ds, seed, float(budget), encoder)
     return record
 
 
@@ -235,11 +262,14 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         rows: :func:`run_dataset` records (several seeds of a dataset are averaged).
 
     Returns:
-        A markdown table; the best NLL of every row is in bold, and † marks a GRU + MAF that
-        reached its time budget (rather than early stopping) on at least one seed.
+        A markdown table; the best NLL of every row is in bold, and † marks a peer that
+        reached its time budget (rather than early stopping) on at least one seed. The
+        Transformer + MAF has a column where a record has it.
     """
+    order = DATASETS + HELD_OUT
     names = sorted(dict.fromkeys(r["dataset"] for r in rows),  # the suite's order first
-                   key=lambda name: DATASETS.index(name) if name in DATASETS else len(DATASETS))
+                   key=lambda name: order.index(name) if name in order else len(order))
+    peers = [key for key, _ in PEERS.values() if key == "gru_maf" or any(key in r for r in rows)]
     table = []
     for name in names:
         runs = [r for r in rows if r["dataset"] == name]
@@ -249,32 +279,51 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
             "ar": [r["ar"]["test_nll"] for r in runs],
             "sequence_gaussian": [r["sequence_gaussian"]["test_nll"] for r in runs
                                   if "test_nll" in r["sequence_gaussian"]],
-            "gru_maf": [r["gru_maf"]["test_nll"] for r in runs if "gru_maf" in r],
+            **{key: [r[key]["test_nll"] for r in runs if key in r] for key in peers},
         }
         means = {k: statistics.fmean(v) for k, v in columns.items() if v}
         best = min(means.values())
         cells = {k: (f"**{_mean(v)}**" if v and means[k] == best else _mean(v))
                  for k, v in columns.items()}
-        if any(r.get("gru_maf", {}).get("stopped") == "time" for r in runs):
-            cells["gru_maf"] += " †"
+        for key in peers:
+            if any(r.get(key, {}).get("stopped") == "time" for r in runs):
+                cells[key] += " †"
         flow_sequences = [r["flow"]["sequences"] for r in runs if "flow" in r]
         orders = "/".join(str(r["ar"]["order"]) for r in runs)
         sizes = "/".join(str(s) for s in first["sizes"])
         length = f"≤ {first['max_len']}" if first["variable_length"] else str(first["max_len"])
         table.append([name, sizes, str(first["features"]), length, first["unit"], cells["flow"],
-                      f"{cells['ar']} ({orders})", cells["sequence_gaussian"], cells["gru_maf"],
+                      f"{cells['ar']} ({orders})", cells["sequence_gaussian"],
+                      *(cells[key] for key in peers),
                       _worst(flow_sequences), _worst([r["ar"]["sequences"] for r in runs])])
+    names_of = dict(PEERS.values())
     header = ["dataset", "train/val/test", "D", "N", "unit", "iresflow default",
-              "AR(p) Gaussian (p)", "sequence Gaussian", "GRU + MAF",
+              "AR(p) Gaussian (p)", "sequence Gaussian", *(names_of[key] for key in peers),
               "flow: median / worst / far", "AR: median / worst / far"]
     return records.markdown_table(header, table)
 
 
+def _budget(text: str) -> float | str:
+    """A ``--budget``: seconds ``>= 0`` or ``flow``."""
+    if text == "flow":
+        return text
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be seconds or 'flow', got {text!r}") from None
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text!r}")
+    return seconds
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    cli.add_datasets(parser, DATASETS)
+    cli.add_datasets(parser, DATASETS + HELD_OUT, default=DATASETS)
     cli.add_seeds(parser)
-    parser.add_argument("--budget", type=float, default=60.0,
-                        help="optimisation seconds of the GRU + MAF (0: skip it; default: 60)")
+    parser.add_argument("--budget", type=_budget, default=60.0,
+                        help="optimisation seconds of each peer (0: skip them; 'flow': the "
+                        f"flow's wall time, at least {MIN_MATCHED_BUDGET:g}; default: 60)")
+    parser.add_argument("--peers", nargs="+", choices=ENCODERS, default=["gru"],
+                        help="the peers' encoders of the past (default: gru)")
     cli.add_settings(parser, epochs=None)
     parser.add_argument("--no-flow", action="store_true",
                         help="skip the flow: only the references and the GRU + MAF")
@@ -287,17 +336,15 @@ def run(args: argparse.Namespace) -> int:
     if args.table_from is not None:
         rows = cli.table_from(args, KEY)["records"]
     else:
-        if args.budget < 0:
-            raise SystemExit("--budget must be >= 0")
         earlier, rows = cli.stored(args, {}), []
         with tempfile.TemporaryDirectory() as work:
             for name in args.datasets:
                 for seed in cli.seeds(args):
                     record = run_dataset(name, seed, args.budget, cli.settings(args), Path(work),
-                                         flow=not args.no_flow)
+                                         flow=not args.no_flow, peers=args.peers)
                     rows.append(record)
-                    scores = {model: f"{record[model]['test_nll']:.3f}"
-                              for model in ("flow", "gru_maf") if model in record}
+                    scores = {model: f"{record[model]['test_nll']:.3f}" for model in
+                              ("flow", *(key for key, _ in PEERS.values())) if model in record}
                     print(f"{name} seed {seed}: AR({record['ar']['order']}) "
                           f"{record['ar']['test_nll']:.3f}, {scores}", file=sys.stderr,
                           flush=True)

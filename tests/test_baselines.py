@@ -22,7 +22,7 @@ from benchmarks.baselines.cnf import (
 )
 from benchmarks.baselines.gaussian import FrameGaussian, SequenceGaussian, fit_gaussian
 from benchmarks.baselines.nflows_models import frame_maf, sequence_maf, sequence_realnvp
-from benchmarks.baselines.recurrent import RecurrentFlow, left_align
+from benchmarks.baselines.recurrent import ENCODERS, RecurrentFlow, left_align
 from benchmarks.figures import mean_curve
 from benchmarks.results_report import entries, provenance_text, summarize, target_check
 from benchmarks.results_specs import FULL, mode_budget
@@ -250,23 +250,29 @@ def test_order_selection_picks_the_true_order_and_refits_on_both_splits() -> Non
 # GRU + conditional MAF
 
 
-def _tiny_recurrent(dtype: torch.dtype) -> RecurrentFlow:
-    model = RecurrentFlow(2, max_len=4, hidden=6, n_layers=2).to(dtype)
+@pytest.fixture(params=ENCODERS)
+def encoder(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _tiny_recurrent(dtype: torch.dtype, encoder: str) -> RecurrentFlow:
+    model = RecurrentFlow(2, max_len=4, hidden=8, n_layers=2, encoder=encoder).to(dtype)
     with torch.no_grad():  # leave nflows' identity start: a conditional with real structure
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))
     return model
 
 
-def test_recurrent_flow_is_the_product_of_its_conditionals(dtype: torch.dtype) -> None:
-    model = _tiny_recurrent(dtype)
+def test_recurrent_flow_is_the_product_of_its_conditionals(dtype: torch.dtype,
+                                                           encoder: str) -> None:
+    model = _tiny_recurrent(dtype, encoder)
     x = torch.randn(3, 3, 2, dtype=dtype)
     expected = []
     for seq, m in zip(x, MASK, strict=True):
         frames, total = seq[m], torch.zeros((), dtype=dtype)
-        for t in range(len(frames)):  # the GRU rerun on the prefix, one frame at a time
-            prefix = torch.cat([model.start[None], frames[:t]])
-            context = model.gru(prefix[None])[0][:, -1]
+        for t in range(len(frames)):  # the encoder rerun on the prefix, one frame at a time
+            prefix = torch.cat([frames[:t], torch.full((1, 2), 7.0, dtype=dtype)])
+            context = model.past(prefix[None])[:, -1]  # the last row reads frames[:t] only
             total = total + model.flow.log_prob(frames[t : t + 1], context=context)[0]
         expected.append(total)
     garbage = torch.where(MASK[..., None], x, 1e3)  # padded values must not matter
@@ -275,15 +281,15 @@ def test_recurrent_flow_is_the_product_of_its_conditionals(dtype: torch.dtype) -
     torch.testing.assert_close(model.log_prob(x[:1], holes), model.log_prob(x[:1, 1:]))
 
 
-def test_recurrent_flow_gradients_noise_and_samples(dtype: torch.dtype) -> None:
-    model = _tiny_recurrent(dtype)
+def test_recurrent_flow_gradients_noise_and_samples(dtype: torch.dtype, encoder: str) -> None:
+    model = _tiny_recurrent(dtype, encoder)
     x = torch.randn(3, 3, 2, dtype=dtype)
     model.log_prob(x, MASK).sum().backward()
     assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters())
     z = model.transform_to_noise(x, MASK)
     assert torch.equal(z[~MASK], x[~MASK])
     with torch.no_grad():  # the noise of the first frame is the MAF of the start state
-        context = model.gru(model.start[None, None].to(dtype))[0][:, 0]
+        context = model.past(torch.zeros(1, 1, 2, dtype=dtype))[:, 0]
         first = model.flow._transform(x[:, 0], context=context.expand(3, -1))[0]
     torch.testing.assert_close(z[:, 0], first)
     samples, mask = model.sample(3, lengths=torch.tensor([3, 1, 2]),
@@ -294,10 +300,10 @@ def test_recurrent_flow_gradients_noise_and_samples(dtype: torch.dtype) -> None:
     assert torch.equal(samples, again) and samples.dtype == dtype
 
 
-def test_recurrent_flow_samples_follow_its_density() -> None:
+def test_recurrent_flow_samples_follow_its_density(encoder: str) -> None:
     """With one affine layer and D = 1 the model is a Gaussian per frame given its past: the
     sampled standardised noise must be standard normal and serially uncorrelated."""
-    model = RecurrentFlow(1, max_len=3, hidden=4, n_layers=1).double()
+    model = RecurrentFlow(1, max_len=3, hidden=4, n_layers=1, encoder=encoder).double()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))

@@ -15,7 +15,7 @@ from benchmarks.baselines.forecasters import (
     ets_forecast,
     seasonal_naive,
 )
-from benchmarks.baselines.recurrent import RecurrentFlow
+from benchmarks.baselines.recurrent import ENCODERS, RecurrentFlow
 from iresflow.models.reference import AutoregressiveGaussian
 
 
@@ -61,20 +61,32 @@ def test_seasonal_naive_chooses_the_true_period() -> None:
     assert torch.equal(seasonal_naive(x, observed, 4, 5)[0], truth)
 
 
-def test_recurrent_forecast_ignores_padding_and_follows_its_seed() -> None:
+@pytest.mark.parametrize("encoder", ENCODERS)
+def test_recurrent_forecast_ignores_padding_and_follows_its_seed(encoder: str) -> None:
     torch.manual_seed(0)
-    model = RecurrentFlow(2, max_len=10, hidden=8, n_layers=2).eval()
-    x = torch.randn(1, 5, 2)
-    padded = torch.cat([x, torch.zeros(1, 3, 2)], 1)
-    mask = torch.arange(8) < 5
-    first = model.forecast(x, None, 3, 6, torch.Generator().manual_seed(2))
-    again = model.forecast(padded, mask[None], 3, 6, torch.Generator().manual_seed(2))
-    assert first.shape == (6, 1, 3, 2) and torch.allclose(first, again, atol=1e-6)
-    # the first frame is drawn from the MAF given the GRU state after the observed frames
-    state = model.contexts(torch.cat([x, torch.zeros(1, 1, 2)], 1))[:, -1]
-    frame = first[:, 0, 0]
-    log_prob = model.flow.log_prob(frame, context=state.expand(6, -1))
-    assert bool(log_prob.isfinite().all())
+    model = RecurrentFlow(2, max_len=10, hidden=8, n_layers=2, encoder=encoder).double().eval()
+    with torch.no_grad():  # away from the zero start of the Transformer's output layer
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(2, 5, 2, dtype=torch.float64)
+    mask = torch.arange(8) < torch.tensor([[5], [3]])
+    padded = torch.where(mask[..., None], torch.cat([x, torch.zeros(2, 3, 2)], 1), 1e3)
+    draws = model.forecast(padded, mask, 3, 6, torch.Generator().manual_seed(2))
+    assert draws.shape == (6, 2, 3, 2)
+    # frame by frame: the MAF's inverse of the generator's noise given the encoder's output
+    # for the observed frames and the frames drawn before it, the encoder rerun on each prefix
+    generator = torch.Generator().manual_seed(2)
+    noise = [torch.randn(12, 2, dtype=torch.float64, generator=generator) for _ in range(3)]
+    for b, length in enumerate((5, 3)):
+        for s in range(6):
+            prefix = x[b, :length]
+            for h in range(3):
+                rows = torch.cat([prefix, torch.zeros(1, 2, dtype=torch.float64)])
+                context = model.past(rows[None])[:, -1]
+                frame = model.flow._transform.inverse(noise[h][s * 2 + b][None],
+                                                      context)[0][0]
+                torch.testing.assert_close(draws[s, b, h], frame)
+                prefix = torch.cat([prefix, frame[None]])
 
 
 def test_ets_forecasts_univariate_series_and_refuses_others() -> None:

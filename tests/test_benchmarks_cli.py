@@ -20,6 +20,7 @@ TABLES = [
     (["results", "--table-from", "docs/results_convergence.json"],
      ["docs/results_convergence.md", "README.md"]),
     (["small_data", "--table-from", "docs/small_data.json"], ["docs/small_data.md"]),
+    (["small_data", "--table-from", "docs/held_out.json"], ["docs/held_out.md"]),
     (["recipes", "--table-from", "docs/recipes.json"], ["docs/recipes.md"]),
 ]
 

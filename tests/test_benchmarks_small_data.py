@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -10,20 +11,27 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import cli
+from benchmarks import cli, small_data
+from benchmarks.held_out import HELD_OUT, read_tsf_series, table_settings, train_command
 from benchmarks.records import merge_records
 from benchmarks.small_data import (
     ARCHIVE,
     KEY,
+    MIN_MATCHED_BUDGET,
     archive_files,
     load,
     markdown_table,
+    run_dataset,
     run_references,
     sequence_gaussian_applies,
 )
+from iresflow.cli import parse_train_config
 from iresflow.data.datasets import load_dataset
+from iresflow.train.config import TrainConfig
 
 HAS_AEON = importlib.util.find_spec("aeon") is not None
+HAS_HELD_OUT = all(importlib.util.find_spec(m) is not None
+                   for m in ("aeon", "statsmodels", "pandas"))
 pytestmark = pytest.mark.filterwarnings("ignore:.*fewer than 30:UserWarning")
 
 
@@ -124,3 +132,87 @@ def test_archive_datasets_load_with_their_official_splits() -> None:
     assert (ds.features, ds.max_len) == (6, 100)
     assert all(archive_files(name)[0].is_file() for name in ARCHIVE)
     assert torch.isfinite(ds.test.x).all()
+
+
+def test_table_has_a_transformer_column_where_a_record_has_one() -> None:
+    records = [_record("a", 0, 1.0, 2.0, 3.0)]
+    assert "Transformer" not in markdown_table(records).splitlines()[0]
+    records[0]["transformer_maf"] = {"test_nll": 0.5, "stopped": "time"}
+    lines = markdown_table(records).splitlines()
+    header = [cell.strip() for cell in lines[0].split("|")[1:-1]]
+    row = [cell.strip() for cell in lines[2].split("|")[1:-1]]
+    assert header[8:10] == ["GRU + MAF", "Transformer + MAF"] and len(row) == len(header)
+    assert row[8] == "3.000" and row[9] == "**0.500** †"
+
+
+def test_budget_is_seconds_or_the_flows_wall_time() -> None:
+    assert cli.parse(["small_data", "--budget", "flow"]).budget == "flow"
+    assert cli.parse(["small_data", "--budget", "12"]).budget == 12.0
+    for bad in ("-1", "soon", "nan"):
+        with pytest.raises(SystemExit):
+            cli.parse(["small_data", "--budget", bad])
+    args = cli.parse(["small_data", "--datasets", "elnino", "--peers", "gru", "transformer"])
+    assert args.datasets == ["elnino"] and args.peers == ["gru", "transformer"]
+    assert cli.parse(["small_data"]).datasets == list(small_data.DATASETS)
+
+
+@pytest.mark.parametrize(("flow_seconds", "budget"), [(75.0, 75.0), (10.0, MIN_MATCHED_BUDGET)])
+def test_peers_matched_to_the_flow_get_its_wall_time(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, flow_seconds: float, budget: float
+) -> None:
+    ds = load_dataset(str(_npz(tmp_path, 60, 4)), seed=0)
+    calls: list[tuple[str, float]] = []
+    monkeypatch.setattr(small_data, "load", lambda name, seed: ds)
+    monkeypatch.setattr(small_data, "run_flow",
+                        lambda *args: {"test_nll": 0.0, "seconds": flow_seconds})
+    monkeypatch.setattr(small_data, "run_peer", lambda name, ds, seed, seconds, encoder: (
+        calls.append((encoder, seconds)) or {"test_nll": 1.0}))
+    record = run_dataset("a", 0, "flow", None, tmp_path, peers=("gru", "transformer"))
+    assert calls == [("gru", budget), ("transformer", budget)]
+    assert record["gru_maf"] == record["transformer_maf"] == {"test_nll": 1.0}
+    calls.clear()
+    assert "gru_maf" not in run_dataset("a", 0, 0.0, None, tmp_path) and not calls
+
+
+def test_tsf_series_are_read_after_the_data_line(tmp_path: Path) -> None:
+    path = tmp_path / "toy.tsf"
+    path.write_text("# a comment\n@attribute series_name string\n@data\n"
+                    "T1:1979-01-01 00-00-00:1,2.5,4\nT2:1980-01-01 00-00-00:7,8\n")
+    series = read_tsf_series(path)
+    assert [s.tolist() for s in series] == [[1.0, 2.5, 4.0], [7.0, 8.0]]
+    with pytest.raises(ValueError, match="uschange"):
+        table_settings("nope", tmp_path)
+
+
+@pytest.mark.skipif(not HAS_HELD_OUT, reason="the held-out datasets need aeon and statsmodels")
+def test_held_out_datasets_are_read_from_their_tables(tmp_path: Path) -> None:
+    shapes = {"uschange": (5, 12), "m1_yearly": (1, 57), "daphnet": (9, 200),
+              "bleeding": (1, 200), "elnino": (1, 12), "fertility": (1, 52)}
+    assert tuple(shapes) == HELD_OUT
+    for name, shape in shapes.items():
+        ds = load(name, seed=0)
+        assert (ds.features, ds.max_len) == shape, name
+        assert torch.isfinite(ds.test.x).all() and len(ds.test) >= 4
+    ragged = load("m1_yearly", seed=0).train.mask.sum(1)
+    assert int(ragged.min()) < int(ragged.max())  # variable length
+    settings = table_settings("m1_yearly", tmp_path)  # log growth of the competition's series
+    first = read_tsf_series(archive_files("BasicMotions")[0].parents[1] / "m1_yearly_dataset"
+                            / "m1_yearly_dataset.tsf")[0]
+    table = np.genfromtxt(settings["data"], delimiter=",", names=True)
+    np.testing.assert_allclose(table["growth"][table["series"] == 0], np.diff(np.log(first)))
+
+
+@pytest.mark.skipif(not HAS_HELD_OUT, reason="the held-out datasets need aeon and statsmodels")
+def test_held_out_command_writes_the_files_a_printed_command_trains_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["held_out", "--out", str(tmp_path), "--datasets", "fertility",
+                     "uschange"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["fertility", "uschange"]
+    for name, line in zip(("fertility", "uschange"), lines, strict=True):
+        words = shlex.split(line.split(": ", 1)[1])
+        assert words[:2] == ["iresflow", "train"]
+        settings = table_settings(name, tmp_path)
+        assert train_command(settings) == shlex.join(words)
+        assert parse_train_config(words[2:]) == TrainConfig.from_dict(settings)
