@@ -21,9 +21,9 @@ from benchmarks import records
 
 #: The subcommands, in the order of ``python -m benchmarks --help``.
 COMMANDS = (
-    "results", "small_data", "held_out", "forecast", "recipes", "long_range", "order",
-    "conditional", "robustness", "gaussian_baseline", "scaling", "length_scaling", "compiled",
-    "larger_than_memory", "attention", "inverse", "residual_mlp", "train_epoch",
+    "results", "small_data", "held_out", "forecast", "sampling", "recipes", "long_range",
+    "order", "conditional", "robustness", "gaussian_baseline", "scaling", "length_scaling",
+    "compiled", "larger_than_memory", "attention", "inverse", "residual_mlp", "train_epoch",
 )
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out"

@@ -36,7 +36,6 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,7 @@ from benchmarks.baselines.forecasters import (
 from benchmarks.baselines.recurrent import train_recurrent_flow
 from benchmarks.results_specs import gru_maf_config
 from benchmarks.small_data import DATASETS, MAX_AR_ORDER, data_settings, load
+from benchmarks.timing import median_seconds
 from iresflow.data.datasets import SequenceDataset
 from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.runs.evaluate import evaluate_run
@@ -83,17 +83,6 @@ def _scores(ds: SequenceDataset, held: HeldOut, draws: Tensor, seconds: float
     return forecast_scores(raw.double(), truth.double(), held.truth_mask) | {"seconds": seconds}
 
 
-def latency(draw: Callable[[], Tensor], repeats: int = 3) -> float:
-    """The median seconds of ``draw()`` over ``repeats`` calls after one warm-up call."""
-    draw()
-    seconds = []
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        draw()
-        seconds.append(time.perf_counter() - begin)
-    return statistics.median(seconds)
-
-
 def run_flow(name: str, ds: SequenceDataset, seed: int, horizon: int, num: int,
              run_dir: Path, held: HeldOut) -> dict[str, Any]:
     """The causal flow through the product path: train, evaluate the test split, forecast the
@@ -113,7 +102,7 @@ def run_flow(name: str, ds: SequenceDataset, seed: int, horizon: int, num: int,
     seconds = time.perf_counter() - begin
     assert forecast.scores is not None
     past, observed = held.x[:1], held.observed[:1]
-    one = latency(lambda: run.model.forecast(torch.where(observed[..., None], past, 0.0),
+    one = median_seconds(lambda: run.model.forecast(torch.where(observed[..., None], past, 0.0),
                                              observed, horizon=horizon, num_samples=num))
     return forecast.scores | {
         "seconds": seconds, "latency": one, "test_nll": evaluation["nll"],
@@ -158,7 +147,7 @@ def run_gru_maf(name: str, ds: SequenceDataset, held: HeldOut, seed: int, horizo
              for k, batch in enumerate(torch.arange(len(held.x)).split(64))]
     draws = torch.cat(parts, dim=1)
     scores = _scores(ds, held, draws, time.perf_counter() - begin)
-    one = latency(lambda: model.forecast(held.x[:1], held.observed[:1], horizon, num))
+    one = median_seconds(lambda: model.forecast(held.x[:1], held.observed[:1], horizon, num))
     return scores | {"latency": one, "test_nll": row["test_nll"], "epochs": row["epochs"],
                      "stopped": row["stopped"]}
 

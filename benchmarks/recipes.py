@@ -76,7 +76,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     "AR(3), relative + mlp": {"ar_order": 3, "layers": ("relative", "mlp"),
                               "relative_window": 32},
     # An affine step conditioned on all past frames by an unconstrained causal Transformer
-    # (docs/math.md#autoregressive-step) before the default residual steps of every block.
+    # (docs/math.md#autoregressive-step) before the default residual steps of every block:
+    # long memory without a certificate to spend (docs/small_data.md#autoregressive-step).
     "autoregressive + conv + mlp": {"layers": ("autoregressive", "conv", "mlp")},
 }
 QUICK = {"epochs": 2, "max_train": 48, "max_eval": 16}

@@ -41,9 +41,11 @@ with ``--doc``, the table into the page between its ``<!-- small-data:start -->`
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import importlib.util
 import math
+import shutil
 import statistics
 import sys
 import tempfile
@@ -115,8 +117,10 @@ def archive_files(name: str) -> tuple[Path, Path]:
 
 @functools.cache
 def _held_out_folder() -> Path:
-    """This process's folder of the held-out datasets' table files."""
-    return Path(tempfile.mkdtemp(prefix="iresflow-held-out-"))
+    """This process's folder of the held-out datasets' table files, removed at its exit."""
+    folder = tempfile.mkdtemp(prefix="iresflow-held-out-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return Path(folder)
 
 
 def data_settings(name: str) -> dict[str, Any]:
@@ -255,6 +259,25 @@ def _worst(summaries: Sequence[dict[str, Any]]) -> str:
     return f"{median:.2f} / {worst_text} / {far}"
 
 
+def flow_label(rows: Sequence[dict[str, Any]]) -> str:
+    """The flow's column header: ``iresflow default``, or the settings of ``iresflow train``
+    that differ from the defaults and that every record's flow shares (an ablation).
+
+    Example:
+        >>> flow_label([{"flow": {"settings": {"layers": ["autoregressive", "mlp"], "seed": 1}}},
+        ...             {"flow": {"settings": {"layers": ["autoregressive", "mlp"]}}}])
+        'iresflow, layers = autoregressive,mlp'
+    """
+    settings = [r["flow"].get("settings", {}) for r in rows if "flow" in r]
+    shared = {key: value for key, value in (settings[0] if settings else {}).items()
+              if all(other.get(key) == value for other in settings)}
+    if not shared:
+        return "iresflow default"
+    return "iresflow, " + ", ".join(
+        f"{key} = {','.join(map(str, value)) if isinstance(value, list) else value}"
+        for key, value in shared.items())
+
+
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """One row per dataset: mean test NLL over seeds per model, then per-sequence worst cases.
 
@@ -297,7 +320,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
                       *(cells[key] for key in peers),
                       _worst(flow_sequences), _worst([r["ar"]["sequences"] for r in runs])])
     names_of = dict(PEERS.values())
-    header = ["dataset", "train/val/test", "D", "N", "unit", "iresflow default",
+    header = ["dataset", "train/val/test", "D", "N", "unit", flow_label(rows),
               "AR(p) Gaussian (p)", "sequence Gaussian", *(names_of[key] for key in peers),
               "flow: median / worst / far", "AR: median / worst / far"]
     return records.markdown_table(header, table)
@@ -328,6 +351,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-flow", action="store_true",
                         help="skip the flow: only the references and the GRU + MAF")
     cli.add_records(parser, "small_data", ("small-data",))
+    parser.add_argument("--block", dest="blocks", type=lambda name: (name,),
+                        default=("small-data",),
+                        help="the name of the block of the --doc pages the table goes into "
+                        "(default: small-data)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -352,5 +379,5 @@ def run(args: argparse.Namespace) -> int:
         rows = written
     table = markdown_table(rows)
     print(table)
-    cli.publish(args, {"small-data": table})
+    cli.publish(args, {args.blocks[0]: table})
     return 0 if all(math.isfinite(r["flow"]["test_nll"]) for r in rows if "flow" in r) else 1

@@ -1,9 +1,10 @@
-"""Timing helpers of the speed benchmarks: a device clock, the fastest of repeated calls, and
-a sweep over sequence lengths with its log-log slope."""
+"""Timing helpers of the speed benchmarks: a device clock, the median and the fastest of repeated
+calls, and a sweep over sequence lengths with its log-log slope."""
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -26,6 +27,17 @@ def measure(step: Callable[[], object], calls: int = 1) -> tuple[float, float]:
     for _ in range(calls):
         step()
     return (time.perf_counter() - start_wall) / calls, (time.process_time() - start_cpu) / calls
+
+
+def median_seconds(call: Callable[[], object], repeats: int = 3) -> float:
+    """The median wall seconds of ``call()`` over ``repeats`` calls after one warm-up call."""
+    call()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 def fastest(call: Callable[[], object], repeats: int, device: torch.device) -> float:

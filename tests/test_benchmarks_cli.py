@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import cli, records
+from iresflow.cli import main as iresflow_main
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The commands that regenerate the docs tables from their stored records, and the pages.
@@ -21,6 +22,7 @@ TABLES = [
      ["docs/results_convergence.md", "README.md"]),
     (["small_data", "--table-from", "docs/small_data.json"], ["docs/small_data.md"]),
     (["small_data", "--table-from", "docs/held_out.json"], ["docs/held_out.md"]),
+    (["long_range", "--table-from", "docs/long_range.json"], ["docs/attention.md"]),
     (["recipes", "--table-from", "docs/recipes.json"], ["docs/recipes.md"]),
 ]
 
@@ -192,3 +194,16 @@ def test_recipes_and_robustness_tiny_runs(tmp_path, capsys) -> None:
     assert cli.main(["robustness", *tiny, "--max-train", "16", "--max-eval", "8",
                      "--only", "synthetic D=1"]) == 0
     assert "verdict" in capsys.readouterr().out
+
+
+def test_sampling_times_the_flow_beside_its_peers(tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    assert iresflow_main(["train", "--data", "co2_windows", "--epochs", "1", "--max-train", "16",
+                          "--max-eval", "8", "--n-blocks", "1", "--hidden", "8", "--out",
+                          str(run), "--quiet", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert cli.main(["sampling", "--run", str(run), "--num", "2", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("2 sequences of N = 52 frames, D = 1")
+    assert all(f"  {name} " in out for name in ("iresflow", "GRU + MAF", "Transformer + MAF"))
+    assert "block0.conv" in out and "1.00 x the flow's time" in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import shlex
 from pathlib import Path
 from typing import Any
@@ -216,3 +217,20 @@ def test_held_out_command_writes_the_files_a_printed_command_trains_on(
         settings = table_settings(name, tmp_path)
         assert train_command(settings) == shlex.join(words)
         assert parse_train_config(words[2:]) == TrainConfig.from_dict(settings)
+
+
+def test_an_ablation_table_names_its_settings_and_goes_into_its_block(tmp_path: Path) -> None:
+    records = [_record("a", 0, 1.0, 2.0, 3.0), _record("a", 1, 1.5, 2.0, 3.0)]
+    for r in records:
+        r["flow"]["settings"] = {"layers": ["autoregressive", "mlp"]}
+    records[0]["flow"]["settings"]["epochs"] = 5  # not shared: not in the label
+    header = markdown_table(records).splitlines()[0].split("|")[6].strip()
+    assert header == "iresflow, layers = autoregressive,mlp"
+    records[1]["flow"]["settings"] = {}
+    assert markdown_table(records).splitlines()[0].split("|")[6].strip() == "iresflow default"
+    stored, page = tmp_path / "records.json", tmp_path / "page.md"
+    stored.write_text(json.dumps({"records": records}))
+    page.write_text("# p\n<!-- other:start -->\n<!-- other:end -->\n")
+    assert cli.main(["small_data", "--table-from", str(stored), "--doc", str(page),
+                     "--block", "other"]) == 0
+    assert "| a | 8/1/5 |" in page.read_text()

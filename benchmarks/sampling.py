@@ -1,0 +1,66 @@
+"""Sampling speed of a trained flow against the frame-by-frame samplers of its peers, side by side.
+
+The flow of a trained run (``iresflow train``'s folder) draws ``--num`` sequences of its
+dataset's longest length ``N`` with ``flow.sample`` (every step inverted over all frames at once:
+fixed-point iterations for the residual steps, Jacobi sweeps for the autoregressive ones); the
+GRU + MAF and the Transformer + MAF of the small-data suite
+(:class:`benchmarks.baselines.recurrent.RecurrentFlow`, its state and MADE width) draw the same
+number of sequences of the same length, one frame after another. A peer's drawing cost does not
+depend on its weights (it runs the same layers whatever they hold), so the peers are timed
+untrained; the flow's does (its inverses stop at their tolerance), so it is timed trained. Each
+time is the median of ``--repeats`` calls after a warm-up, on ``--threads`` CPU threads. Prints
+the seconds, the ratio of every peer's time to the flow's (above 1: the flow is faster) and the
+most iterations of every step of the flow's last inverse. Run from the repository root::
+
+    iresflow train --data BasicMotions_TRAIN.ts --test-data BasicMotions_TEST.ts --out runs/bm
+    python -m benchmarks sampling --run runs/bm
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from benchmarks import cli
+from benchmarks.baselines.recurrent import ENCODERS, GRU_HIDDEN, RecurrentFlow
+from benchmarks.timing import median_seconds
+from iresflow.runs.load import load_run
+
+#: The row name of each peer's encoder.
+PEER_NAMES = {"gru": "GRU + MAF", "transformer": "Transformer + MAF"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", type=Path, required=True, help="a trained run folder")
+    parser.add_argument("--num", type=int, default=100, help="sequences per draw (default: 100)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed calls per sampler (default: 3)")
+    cli.add_threads(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Time the samplers and print the table; 1 if the flow's inverse did not converge."""
+    trained = load_run(args.run, device="cpu")
+    flow, length, features = trained.model.eval(), trained.dataset.max_len, trained.dataset.features
+    generator = torch.Generator().manual_seed(0)
+    samplers: dict[str, Callable[[], object]] = {
+        "iresflow": lambda: flow.sample(args.num, seq_len=length, generator=generator)}
+    for encoder in ENCODERS:
+        peer = RecurrentFlow(features, length, hidden=GRU_HIDDEN, encoder=encoder).eval()
+        samplers[PEER_NAMES[encoder]] = (
+            lambda peer=peer: peer.sample(args.num, seq_len=length, generator=generator))
+    with torch.no_grad():
+        seconds = {name: median_seconds(call, args.repeats) for name, call in samplers.items()}
+        flow.sample(args.num, seq_len=length, generator=generator)
+    diagnostics = flow.inverse_diagnostics()
+    print(f"{args.num} sequences of N = {length} frames, D = {features} "
+          f"({torch.get_num_threads()} thread(s))")
+    for name, value in seconds.items():
+        ratio = value / seconds["iresflow"]
+        print(f"  {name:<20} {value:8.3f} s   {ratio:5.2f} x the flow's time")
+    print("  flow's inverse, most iterations per step: " + ", ".join(
+        f"{block['name']} {block['max_iterations']}" for block in diagnostics["blocks"]))
+    return 0 if diagnostics["converged"] else 1
