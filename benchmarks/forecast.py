@@ -7,8 +7,9 @@ most 24) and forecast from the frames before them with ``S`` draws each; every f
 scored in the data's original units by :func:`iresflow.runs.scoring.forecast_scores` (CRPS
 averaged over features, energy score, coverage of the central 50% and 90% intervals):
 
-* **flow (causal)**: ``iresflow train`` with every default but ``causal = true``
-  (:func:`iresflow.train.loop.train`), then :func:`iresflow.runs.forecast.forecast_run`, the
+* **flow (causal)**: ``iresflow train`` with every default but ``causal = true`` (and the
+  settings of ``--set``, an ablation, recorded with it) (:func:`iresflow.train.loop.train`),
+  then :func:`iresflow.runs.forecast.forecast_run`, the
   path of ``iresflow forecast``; its test NLL (``evaluate_run(method="auto")``) is recorded
   beside the default flow's of ``--default-from`` (the small-data records);
 * **seasonal naive**: the last season repeated, the period chosen on the validation split;
@@ -84,10 +85,12 @@ def _scores(ds: SequenceDataset, held: HeldOut, draws: Tensor, seconds: float
 
 
 def run_flow(name: str, ds: SequenceDataset, seed: int, horizon: int, num: int,
-             run_dir: Path, held: HeldOut) -> dict[str, Any]:
+             run_dir: Path, held: HeldOut, settings: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
     """The causal flow through the product path: train, evaluate the test split, forecast the
     test sequences of ``ds`` (the first ones of the same split)."""
-    config = TrainConfig.from_dict({**data_settings(name), "seed": seed, "causal": True})
+    config = TrainConfig.from_dict({**data_settings(name), "seed": seed, "causal": True,
+                                    **(settings or {})})
     begin = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -153,8 +156,10 @@ def run_gru_maf(name: str, ds: SequenceDataset, held: HeldOut, seed: int, horizo
 
 
 def run_dataset(name: str, seed: int, num: int, budget: float, work: Path, flow: bool,
-                limit: int | None = None) -> dict[str, Any]:
-    """Every forecaster on one dataset and seed (the first ``limit`` test sequences)."""
+                limit: int | None = None, settings: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+    """Every forecaster on one dataset and seed (the first ``limit`` test sequences; the
+    flow's ``settings`` of ``iresflow train`` that differ from the defaults, an ablation)."""
     ds = load(name, seed)
     horizon = horizon_of(ds)
     if limit is not None and limit < len(ds.test):
@@ -165,7 +170,7 @@ def run_dataset(name: str, seed: int, num: int, budget: float, work: Path, flow:
     record.update(run_classical(ds, held, seed, horizon, num))
     if flow:
         record["flow"] = run_flow(name, ds, seed, horizon, num, work / f"{name}-seed{seed}",
-                                  held)
+                                  held, settings) | {"settings": settings or {}}
     if budget > 0:
         record["gru_maf"] = run_gru_maf(name, ds, held, seed, horizon, num, budget)
     return record
@@ -223,6 +228,7 @@ def markdown_tables(rows: list[dict[str, Any]], default: dict[str, Any] | None
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli.add_datasets(parser, DATASETS)
     cli.add_seeds(parser)
+    cli.add_settings(parser, epochs=None)
     parser.add_argument("--num", type=int, default=100, help="draws per forecast (default: 100)")
     parser.add_argument("--budget", type=float, default=60.0,
                         help="optimisation seconds of the GRU + MAF (0: skip it; default: 60)")
@@ -250,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
             for name in args.datasets:
                 for seed in cli.seeds(args):
                     record = run_dataset(name, seed, args.num, args.budget, Path(work),
-                                         flow=not args.no_flow, limit=args.max_sequences)
+                                         flow=not args.no_flow, limit=args.max_sequences,
+                                         settings=cli.settings(args))
                     rows.append(record)
                     crps = {m: f"{record[m]['crps_mean']:.4g}" for m in MODELS if m in record}
                     print(f"{name} seed {seed}: CRPS {crps}", file=sys.stderr, flush=True)

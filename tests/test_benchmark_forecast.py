@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from benchmarks import forecast
+from benchmarks import cli, forecast
 from benchmarks.baselines.forecasters import (
     ar_forecast,
     choose_period,
@@ -115,3 +115,24 @@ def test_tables_bold_the_best_and_compare_with_the_default_nll() -> None:
     assert "**0.6000 ± 0.1414 (90%)**" in crps_row and "0.8000 ± 0.0000 (90%)" in crps_row
     assert "| GunPoint | 1.500 ± 0.000 | 1.400 | +0.100 | 1.00 | — | — | — |" in tables[
         "forecast-nll"]
+
+
+def test_the_causal_flow_takes_the_settings_of_an_ablation(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path) -> None:
+    args = cli.parse(["forecast", "--datasets", "co2_windows", "--set",
+                      'layers=["autoregressive","mlp"]'])
+    assert cli.settings(args) == {"layers": ["autoregressive", "mlp"]}
+    trained = []
+
+    class Stop(Exception):
+        """The run itself is not needed."""
+
+    def stop(config, *rest, **options):
+        trained.append(config)
+        raise Stop
+
+    monkeypatch.setattr(forecast, "train", stop)
+    with pytest.raises(Stop):
+        forecast.run_flow("co2_windows", None, 0, 4, 2, tmp_path, None, cli.settings(args))
+    (config,) = trained
+    assert config.model.causal and config.model.layers == ("autoregressive", "mlp")
