@@ -14,7 +14,7 @@ cover what the small-data suite lacks:
 * ``daphnet``: 9 accelerometer channels of a walking subject at 64 Hz (aeon
   ``Daphnet_S06R02E0``), windows of 200 frames: long, multivariate, 35 sequences.
 * ``bleeding``: arterial blood pressure of a patient (aeon ``KDD-TSAD_135``, its normal
-  training part and its test part with an anomaly), windows of 200 beats' samples every 50:
+  training part and its test part with an anomaly), windows of 200 samples every 50:
   long, 21 training sequences.
 * ``elnino``: monthly sea-surface temperature 1950-2010 (statsmodels ``elnino``), one year per
   sequence: N = 12, 61 sequences.
@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HELD_OUT", "read_tsf_series", "table_settings", "train_command"]
+__all__ = ["HELD_OUT", "aeon_file", "read_tsf_series", "table_settings", "train_command"]
 
 #: The held-out datasets, in the table's order.
 HELD_OUT = ("uschange", "m1_yearly", "daphnet", "bleeding", "elnino", "fertility")
@@ -47,11 +47,17 @@ HELD_OUT = ("uschange", "m1_yearly", "daphnet", "bleeding", "elnino", "fertility
 _USCHANGE_TRAIN = 0.8
 
 
-def _aeon_file(*parts: str) -> Path:
-    """A data file shipped in aeon's wheel, located without importing aeon (slow)."""
+def aeon_file(*parts: str) -> Path:
+    """A data file shipped in aeon's wheel (``datasets/data/PARTS``), located without importing
+    aeon (its import is slow).
+
+    Raises:
+        ImportError: aeon is not installed.
+        FileNotFoundError: the installed aeon does not ship the file.
+    """
     spec = importlib.util.find_spec("aeon")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the held-out datasets need aeon: pip install iresflow[benchmarks]")
+        raise ImportError("the dataset ships with aeon: pip install iresflow[benchmarks]")
     path = Path(list(spec.submodule_search_locations)[0], "datasets", "data", *parts)
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed aeon")
@@ -72,7 +78,7 @@ def read_tsf_series(path: Path) -> list[np.ndarray]:
 def _uschange(folder: Path) -> dict[str, Any]:
     import pandas as pd
 
-    frame = pd.read_csv(_aeon_file("Uschange", "Uschange.csv"), index_col=0)
+    frame = pd.read_csv(aeon_file("Uschange", "Uschange.csv"), index_col=0)
     cut = int(len(frame) * _USCHANGE_TRAIN)
     frame.iloc[:cut].to_csv(folder / "uschange_train.csv", index=False)
     frame.iloc[cut:].to_csv(folder / "uschange_test.csv", index=False)
@@ -86,7 +92,7 @@ def _m1_yearly(folder: Path) -> dict[str, Any]:
     import pandas as pd
 
     rows = []
-    for index, values in enumerate(read_tsf_series(_aeon_file("m1_yearly_dataset",
+    for index, values in enumerate(read_tsf_series(aeon_file("m1_yearly_dataset",
                                                                "m1_yearly_dataset.tsf"))):
         growth = np.diff(np.log(values))
         rows.append(pd.DataFrame({"series": index, "year": np.arange(len(growth)),
@@ -98,7 +104,7 @@ def _m1_yearly(folder: Path) -> dict[str, Any]:
 def _daphnet(folder: Path) -> dict[str, Any]:
     import pandas as pd
 
-    frame = pd.read_csv(_aeon_file("Daphnet_S06R02E0", "S06R02E0.csv"))
+    frame = pd.read_csv(aeon_file("Daphnet_S06R02E0", "S06R02E0.csv"))
     frame.drop(columns=["timestamp", "is_anomaly"]).to_csv(folder / "daphnet.csv", index=False)
     return {"data": str(folder / "daphnet.csv"), "window": 200}
 
@@ -108,7 +114,7 @@ def _bleeding(folder: Path) -> dict[str, Any]:
 
     paths = {}
     for part in ("TRAIN", "TEST"):
-        frame = pd.read_csv(_aeon_file("KDD-TSAD_135",
+        frame = pd.read_csv(aeon_file("KDD-TSAD_135",
                                        f"135_UCR_Anomaly_InternalBleeding16_{part}.csv"))
         paths[part] = folder / f"bleeding_{part.lower()}.csv"
         frame[["timestamp", "value"]].to_csv(paths[part], index=False)

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import functools
-import importlib.util
 import math
 import shutil
 import statistics
@@ -61,7 +60,7 @@ import torch
 from benchmarks import cli, records
 from benchmarks.baselines.gaussian import SequenceGaussian
 from benchmarks.baselines.recurrent import ENCODERS, train_recurrent_flow
-from benchmarks.held_out import HELD_OUT, table_settings
+from benchmarks.held_out import HELD_OUT, aeon_file, table_settings
 from benchmarks.results_specs import gru_maf_config, variable_length
 from iresflow.data.datasets import SequenceDataset
 from iresflow.models.reference import AutoregressiveGaussian
@@ -89,8 +88,6 @@ KEY = ("dataset", "seed")
 def archive_files(name: str) -> tuple[Path, Path]:
     """The official ``_TRAIN.ts`` and ``_TEST.ts`` files of an archive dataset in aeon's wheel.
 
-    The installed package is located without importing it (aeon's import is slow).
-
     Args:
         name: A dataset of :data:`ARCHIVE`.
 
@@ -104,15 +101,7 @@ def archive_files(name: str) -> tuple[Path, Path]:
     """
     if name not in ARCHIVE:
         raise ValueError(f"name must be one of {ARCHIVE}, got {name!r}")
-    spec = importlib.util.find_spec("aeon")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the archive datasets ship with aeon: pip install iresflow[benchmarks]")
-    folder = Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data" / name
-    paths = folder / f"{name}_TRAIN.ts", folder / f"{name}_TEST.ts"
-    for path in paths:
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing from the installed aeon")
-    return paths
+    return aeon_file(name, f"{name}_TRAIN.ts"), aeon_file(name, f"{name}_TEST.ts")
 
 
 @functools.cache

@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from benchmarks import cli, small_data
-from benchmarks.held_out import HELD_OUT, read_tsf_series, table_settings, train_command
+from benchmarks.held_out import (
+    HELD_OUT,
+    aeon_file,
+    read_tsf_series,
+    table_settings,
+    train_command,
+)
 from benchmarks.records import merge_records
 from benchmarks.small_data import (
     ARCHIVE,
@@ -197,8 +203,7 @@ def test_held_out_datasets_are_read_from_their_tables(tmp_path: Path) -> None:
     ragged = load("m1_yearly", seed=0).train.mask.sum(1)
     assert int(ragged.min()) < int(ragged.max())  # variable length
     settings = table_settings("m1_yearly", tmp_path)  # log growth of the competition's series
-    first = read_tsf_series(archive_files("BasicMotions")[0].parents[1] / "m1_yearly_dataset"
-                            / "m1_yearly_dataset.tsf")[0]
+    first = read_tsf_series(aeon_file("m1_yearly_dataset", "m1_yearly_dataset.tsf"))[0]
     table = np.genfromtxt(settings["data"], delimiter=",", names=True)
     np.testing.assert_allclose(table["growth"][table["series"] == 0], np.diff(np.log(first)))
 

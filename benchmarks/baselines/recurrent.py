@@ -169,7 +169,6 @@ class RecurrentFlow(nn.Module):
             raise ValueError(f"encoder must be one of {ENCODERS}, got {encoder!r}")
         self.features = features
         self.max_len = max_len
-        self.encoder = encoder
         self.past = (_GRUPast if encoder == "gru" else _TransformerPast)(features, hidden)
         layers: list[nn.Module] = []
         for i in range(n_layers):
