@@ -251,17 +251,19 @@ def _curve(history: list[dict[str, float]]) -> list[tuple[float, float]]:
 
 
 def table(name: str, runs: list[dict[str, Any]]) -> str:
-    """One dataset's rows as Markdown: test NLL (mean ± sd over seeds), gap closed, usage."""
+    """One dataset's rows as Markdown: test NLL (mean ± sd over seeds), gap closed, usage; a
+    model that only some seeds ran says on how many."""
     rows = [["exact density (floor)", mean_sd([r["floor"] for r in runs]), "1", "—", "—", "—"],
             [f"AR(p ≤ {MAX_AR_ORDER}) Gaussian (p = {','.join(str(r['ar_order']) for r in runs)})",
              mean_sd([r["ar"] for r in runs]), "0", "—", "—", "—"]]
-    for model in models(runs[0]):
-        per_seed = [r[model] for r in runs]
+    for model in dict.fromkeys(m for r in runs for m in models(r)):
+        per_seed = [r[model] for r in runs if model in r]
+        label = model if len(per_seed) == len(runs) else f"{model} ({len(per_seed)} seed(s))"
         use = "—"
         if per_seed[0]["attention_usage"] is not None:
             use = (f"{mean_sd([r['attention_usage'] for r in per_seed], 2)} / "
                    f"{mean_sd([r['attention_use_full_length'] for r in per_seed], 2)}")
-        rows.append([model, mean_sd([r["test_nll"] for r in per_seed]),
+        rows.append([label, mean_sd([r["test_nll"] for r in per_seed]),
                      mean_sd([r["gap_closed"] for r in per_seed], 2),
                      mean_sd([r["train_seconds"] for r in per_seed], 0),
                      ",".join(str(r["best_epoch"]) for r in per_seed), use])

@@ -73,3 +73,18 @@ def test_results_of_the_same_seed_are_merged_by_model() -> None:
     runs = merge_records([later, earlier], KEY)  # the first file given wins
     assert {model: runs[0][model]["v"] for model in models(runs[0])} == {"a": 1, "b": 3, "c": 4}
     assert [r["seed"] for r in runs] == [0, 1]
+
+
+def test_a_model_that_only_some_seeds_ran_says_on_how_many() -> None:
+    def row(test_nll: float, best_epoch: int) -> dict:
+        return {"test_nll": test_nll, "gap_closed": 0.5, "train_seconds": 10.0,
+                "best_epoch": best_epoch, "attention_usage": None}
+
+    runs = [{"dataset": "d", "seed": 0, "floor": 0.0, "ar": 1.0, "ar_order": 3,
+             "a": row(0.5, 4), "b": row(0.7, 2)},
+            {"dataset": "d", "seed": 1, "floor": 0.0, "ar": 1.0, "ar_order": 3,
+             "a": row(0.3, 6)}]
+    lines = table("d", runs).splitlines()
+    assert lines[0] == "### d (test NLL, nats/frame; 2 seed(s))"
+    assert lines[-2].startswith("| a | 0.400 ± 0.141 | 0.50 ± 0.00 | 10 ± 0 | 4,6 |")
+    assert lines[-1].startswith("| b (1 seed(s)) | 0.700 | 0.50 | 10 | 2 |")
