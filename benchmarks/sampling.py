@@ -25,12 +25,9 @@ from pathlib import Path
 import torch
 
 from benchmarks import cli
-from benchmarks.baselines.recurrent import ENCODERS, GRU_HIDDEN, RecurrentFlow
+from benchmarks.baselines.recurrent import ENCODERS, GRU_HIDDEN, PEER_NAMES, RecurrentFlow
 from benchmarks.timing import median_seconds
 from iresflow.runs.load import load_run
-
-#: The row name of each peer's encoder.
-PEER_NAMES = {"gru": "GRU + MAF", "transformer": "Transformer + MAF"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -34,7 +34,7 @@ Run from the repository root::
 
 prints the markdown table, writes the records (one per dataset and seed) to ``--out`` and,
 with ``--doc``, the table into the page between its ``<!-- small-data:start -->`` /
-``<!-- small-data:end -->`` markers. The flow and the GRU + MAF can run apart (``--budget 0``;
+``<!-- small-data:end -->`` markers. The flow and the peers can run apart (``--budget 0``;
 ``--no-flow``) and be merged by ``--table-from``.
 """
 
@@ -59,7 +59,7 @@ import torch
 
 from benchmarks import cli, records
 from benchmarks.baselines.gaussian import SequenceGaussian
-from benchmarks.baselines.recurrent import ENCODERS, train_recurrent_flow
+from benchmarks.baselines.recurrent import ENCODERS, PEER_NAMES, train_recurrent_flow
 from benchmarks.held_out import HELD_OUT, aeon_file, table_settings
 from benchmarks.results_specs import gru_maf_config, variable_length
 from iresflow.data.datasets import SequenceDataset
@@ -78,7 +78,7 @@ SHIPPED = ("japanese_vowels", "digits_rows", "co2_windows")
 DATASETS = ARCHIVE + SHIPPED
 MAX_AR_ORDER = 3
 #: The record key and the table's name of each peer (an encoder of the past).
-PEERS = {"gru": ("gru_maf", "GRU + MAF"), "transformer": ("transformer_maf", "Transformer + MAF")}
+PEERS = {encoder: (f"{encoder}_maf", PEER_NAMES[encoder]) for encoder in ENCODERS}
 #: The least budget of a peer given the flow's wall time (``--budget flow``), in seconds.
 MIN_MATCHED_BUDGET = 60.0
 #: The fields that identify a record.
@@ -112,13 +112,19 @@ def _held_out_folder() -> Path:
     return Path(folder)
 
 
+@functools.cache
+def _held_out_settings(name: str) -> dict[str, Any]:
+    """The settings of a held-out dataset, its files written once per process."""
+    return table_settings(name, _held_out_folder())
+
+
 def data_settings(name: str) -> dict[str, Any]:
     """The ``data`` and ``test_data`` settings a user would give for a dataset (and the table
     settings of a held-out one)."""
     if name in SHIPPED:
         return {"data": name, "test_data": None}
     if name in HELD_OUT:
-        return table_settings(name, _held_out_folder())
+        return dict(_held_out_settings(name))
     train_path, test_path = archive_files(name)
     return {"data": str(train_path), "test_data": str(test_path)}
 
@@ -338,7 +344,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the peers' encoders of the past (default: gru)")
     cli.add_settings(parser, epochs=None)
     parser.add_argument("--no-flow", action="store_true",
-                        help="skip the flow: only the references and the GRU + MAF")
+                        help="skip the flow: only the references and the peers")
     cli.add_records(parser, "small_data", ("small-data",))
     parser.add_argument("--block", dest="blocks", type=lambda name: (name,),
                         default=("small-data",),

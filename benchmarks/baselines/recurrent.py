@@ -38,7 +38,7 @@ from iresflow.train.config import TrainConfig
 from iresflow.train.fit import fit
 from iresflow.train.likelihood import split_log_prob
 
-__all__ = ["ENCODERS", "GRU_HIDDEN", "GRU_LR", "GRU_PATIENCE", "TRANSFORMER_DEPTH",
+__all__ = ["ENCODERS", "GRU_HIDDEN", "GRU_LR", "GRU_PATIENCE", "PEER_NAMES", "TRANSFORMER_DEPTH",
            "TRANSFORMER_HEADS", "RecurrentFlow", "left_align", "train_recurrent_flow"]
 
 #: The GRU + MAF of the small-data and long-range benchmarks: a fixed architecture (state and
@@ -49,6 +49,8 @@ GRU_HIDDEN, GRU_LR, GRU_PATIENCE = 64, 3e-3, 20
 TRANSFORMER_DEPTH, TRANSFORMER_HEADS = 2, 4
 #: The encoders of the past a :class:`RecurrentFlow` takes.
 ENCODERS = ("gru", "transformer")
+#: The name of the peer each encoder makes, in tables.
+PEER_NAMES = {"gru": "GRU + MAF", "transformer": "Transformer + MAF"}
 
 
 def left_align(x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
