@@ -268,11 +268,12 @@ def train_config(spec: ModelSpec, name: str, lr: float, seed: int, budget: Budge
     """The training settings of a row: the protocol's, and an iresflow row's model settings.
 
     Adam at the constant learning rate ``lr`` (no warm-up, no schedule), minibatches of
-    ``budget.batch_size``, gradient-norm clipping at :data:`GRAD_CLIP`, at most
-    ``budget.max_epochs`` epochs and ``budget.max_seconds`` seconds of optimisation (0: no
-    limit), early stopping after ``budget.patience`` epochs without a better validation NLL; the
-    rest are the defaults of ``iresflow train`` (validation with 4 roulette estimates per
-    sequence for a flow), or the flat settings ``overrides`` (e.g. the data's).
+    ``budget.batch_size`` in epochs of one pass over the training split, gradient-norm
+    clipping at :data:`GRAD_CLIP`, at most ``budget.max_epochs`` epochs and
+    ``budget.max_seconds`` seconds of optimisation (0: no limit), early stopping after
+    ``budget.patience`` epochs without a better validation NLL; the rest are the defaults of
+    ``iresflow train`` (validation with 4 roulette estimates per sequence for a flow), or the
+    flat settings ``overrides`` (e.g. the data's).
 
     Example:
         >>> config = train_config(SPECS["iresflow"], "co2_windows", 3e-3, 1, FULL)
@@ -282,6 +283,6 @@ def train_config(spec: ModelSpec, name: str, lr: float, seed: int, budget: Budge
     recipe = IRESFLOW_RECIPES[spec.recipe] if spec.recipe is not None else {}
     return TrainConfig.from_dict({
         "data": name, "seed": seed, "device": "cpu", "lr": lr, "batch_size": budget.batch_size,
-        "epochs": budget.max_epochs, "max_seconds": budget.max_seconds,
+        "epochs": budget.max_epochs, "min_steps": 1, "max_seconds": budget.max_seconds,
         "patience": budget.patience, "scheduler": "none", "warmup": 0, "clip": GRAD_CLIP,
         **recipe, **overrides})

@@ -35,7 +35,8 @@ Run from the repository root::
 prints the markdown table, writes the records (one per dataset and seed) to ``--out`` and,
 with ``--doc``, the table into the page between its ``<!-- small-data:start -->`` /
 ``<!-- small-data:end -->`` markers. The flow and the peers can run apart (``--budget 0``;
-``--no-flow``) and be merged by ``--table-from``.
+``--no-flow``) and be merged by ``--table-from``. Every model trains on ``--threads`` torch
+threads (default one), so that two suites can share two cores without slowing each other down.
 """
 
 from __future__ import annotations
@@ -343,6 +344,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", nargs="+", choices=ENCODERS, default=["gru"],
                         help="the peers' encoders of the past (default: gru)")
     cli.add_settings(parser, epochs=None)
+    cli.add_threads(parser)
     parser.add_argument("--no-flow", action="store_true",
                         help="skip the flow: only the references and the peers")
     cli.add_records(parser, "small_data", ("small-data",))

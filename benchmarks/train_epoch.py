@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -112,7 +111,7 @@ def _worker_epoch(args: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "epoch_s": min(times[1:]),
         "first_epoch_s": times[0],
-        "steps": math.ceil(len(session.dataset.train) / session.config.batch_size),
+        "steps": session.steps_per_epoch,
         "parameters": sum(p.numel() for p in session.model.parameters()),
     }
     if args["eval"]:

@@ -429,7 +429,7 @@ def _dataset(train: SequenceSplit, val: SequenceSplit) -> SequenceDataset:
 
 def _config(**settings: object) -> TrainConfig:
     """The trainer of ``iresflow train`` with the results table's optimisation protocol."""
-    protocol = {"scheduler": "none", "warmup": 0, "clip": 100.0, "device": "cpu"}
+    protocol = {"scheduler": "none", "warmup": 0, "clip": 100.0, "device": "cpu", "min_steps": 1}
     return TrainConfig.from_dict({**protocol, **settings})
 
 

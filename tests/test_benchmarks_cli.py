@@ -21,7 +21,13 @@ TABLES = [
     (["results", "--table-from", "docs/results_convergence.json"],
      ["docs/results_convergence.md", "README.md"]),
     (["small_data", "--table-from", "docs/small_data.json"], ["docs/small_data.md"]),
+    (["small_data", "--table-from", "docs/small_data_one_pass.json", "--block",
+      "small-data-one-pass"], ["docs/small_data.md"]),
+    (["small_data", "--table-from", "docs/small_data_autoregressive.json", "--block",
+      "small-data-autoregressive"], ["docs/small_data.md"]),
     (["small_data", "--table-from", "docs/held_out.json"], ["docs/held_out.md"]),
+    (["small_data", "--table-from", "docs/held_out_one_pass.json", "--block",
+      "held-out-one-pass"], ["docs/held_out.md"]),
     (["long_range", "--table-from", "docs/long_range.json"], ["docs/attention.md"]),
     (["recipes", "--table-from", "docs/recipes.json"], ["docs/recipes.md"]),
 ]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from iresflow.cli import main, parse_train_config
-from iresflow.data.batching import epoch_batches
+from iresflow.data.batching import epoch_batches, epoch_steps
 from iresflow.data.datasets import load_dataset
 from iresflow.data.preprocessing import Standardization
 from iresflow.data.store import SequenceStore, StoredSplit, is_store, write_store
@@ -244,6 +244,32 @@ def test_buckets_visit_every_sequence_once_with_less_padding() -> None:
             assert padding(batches) < padding(plain) / 2
     with pytest.raises(ValueError, match="bucket"):
         epoch_batches(frames, 8, torch.Generator(), bucket=-1)
+
+
+@pytest.mark.parametrize("bucket", [0, 3])
+def test_an_epoch_of_small_data_is_several_fresh_passes(bucket: int) -> None:
+    frames = torch.randint(1, 20, (11,), generator=torch.Generator().manual_seed(3))
+    one = epoch_batches(frames, 4, torch.Generator().manual_seed(5), bucket=bucket)
+    batches = epoch_batches(frames, 4, torch.Generator().manual_seed(5), bucket=bucket,
+                            min_steps=7)
+    assert len(one) == 3 and len(batches) == epoch_steps(11, 4, 7) == 9
+    passes = [torch.cat(batches[i:i + 3]) for i in range(0, 9, 3)]
+    for visit in passes:  # every pass holds every sequence once
+        assert sorted(visit.tolist()) == list(range(11))
+    assert all(torch.equal(a, b) for a, b in zip(batches[:3], one, strict=True))
+    assert not torch.equal(passes[1], passes[2])  # each pass shuffled afresh
+    assert len(epoch_batches(frames, 4, torch.Generator(), bucket=bucket, min_steps=3)) == 3
+
+
+def test_epoch_steps_rejects_bad_counts() -> None:
+    assert epoch_steps(12, 4) == 3 and epoch_steps(12, 4, 4) == 6 and epoch_steps(5, 8, 1) == 1
+    for args, name in (((0, 4, 1), "sequences"), ((5, 0, 1), "batch_size"),
+                       ((5, 4, 0), "min_steps"), ((5, 4, 2.0), "min_steps"),
+                       ((True, 4, 1), "sequences")):
+        with pytest.raises(ValueError, match=name):
+            epoch_steps(*args)
+    with pytest.raises(ValueError, match="frames"):
+        epoch_batches(torch.zeros(0, dtype=torch.long), 4, torch.Generator())
 
 
 def test_store_settings_from_the_command_line(

@@ -13,7 +13,7 @@ from iresflow.train.distributed import World
 from iresflow.train.epoch import COSINE_FLOOR, PATIENCE_LR_FRACTION, TrainingSession
 from iresflow.train.factories import load_data
 from iresflow.train.loop import train
-from tests.tiny_runs import TINY
+from tests.tiny_runs import TINY, forget_setting
 
 
 def _record_step_lrs(monkeypatch: pytest.MonkeyPatch) -> list[float]:
@@ -68,6 +68,28 @@ def test_the_warmup_help_states_the_learning_rate_of_every_warmup_step() -> None
         session.warmup.step()
     assert rates[0] == pytest.approx(lr / (steps + 1), rel=1e-12)
     assert rates == pytest.approx([k * lr / (steps + 1) for k in range(1, steps + 2)], rel=1e-12)
+
+
+def test_an_epoch_takes_min_steps_in_whole_passes(tmp_path: Path) -> None:
+    # 12 sequences in batches of 6: 2 steps per pass, so at least 5 steps are 3 passes
+    config = TINY.replace(min_steps=5, epochs=2, warmup=1, scheduler="none")
+    result = train(config, tmp_path / "run", progress=False)
+    assert [row["steps"] for row in result.history] == [6.0, 6.0]
+    session = TrainingSession(config, load_data(config), torch.nn.Linear(1, 1),
+                              torch.device("cpu"), World(0, 1))
+    assert session.steps_per_epoch == 6 and session.warmup_steps == 6
+    with pytest.raises(ConfigError, match="min_steps"):
+        TINY.replace(min_steps=0)
+
+
+def test_a_run_written_before_min_steps_resumes_one_pass_per_epoch(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    train(TINY, folder, progress=False)  # one pass per epoch, as before min_steps
+    paths = forget_setting(folder, "min_steps")
+    saved = TrainConfig.from_toml(paths.config, stored=True)
+    assert saved.min_steps == 1 and TrainConfig().min_steps > 1
+    resumed = train(saved.replace(epochs=2), folder, resume=True, progress=False)
+    assert [row["steps"] for row in resumed.history] == [2.0, 2.0]
 
 
 def test_warmup_resumes_exactly(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from iresflow.data.npz import read_npz_covariates
+from iresflow.data.partition import blocked_split, default_val_fraction, random_split, split_sizes
 from iresflow.data.preprocessing import (
     LogitTransform,
     Preprocessing,
@@ -32,13 +33,7 @@ from iresflow.data.readers import (
     read_ts,
     read_weekly_csv,
 )
-from iresflow.data.splits import (
-    SequenceDataset,
-    SequenceSplit,
-    default_val_fraction,
-    random_split,
-    split_sizes,
-)
+from iresflow.data.splits import SequenceDataset, SequenceSplit
 from iresflow.data.store import SequenceStore, StoredSplit, is_store
 from iresflow.data.synthetic import load_synthetic, synthetic_names
 from iresflow.data.table_columns import is_data_frame
@@ -242,10 +237,17 @@ def _load_user(
         covariates = (None if test_covariates is None
                       else torch.cat([covariates, test_covariates]))
     generator = torch.Generator().manual_seed(seed)
+    gap = layout.overlap if kind == "table" else 0
+
+    def split(total: int, val_fraction: float, test_fraction: float) -> tuple[Tensor, ...]:
+        if gap > 0:  # overlapping windows: blocks in time order, no frame shared between splits
+            return blocked_split(total, val_fraction, test_fraction, gap)
+        return random_split(total, val_fraction, test_fraction, generator)
+
     try:
         if test is None:
             val_fraction = _val_fraction(val_fraction, raw.shape[0])
-            indices = random_split(raw.shape[0], val_fraction, TEST_FRACTION, generator)
+            indices = split(raw.shape[0], val_fraction, TEST_FRACTION)
         else:
             test_raw, test_mask = test
             if test_raw.shape[2] != raw.shape[2]:
@@ -258,7 +260,7 @@ def _load_user(
             n_train_file = raw.shape[0]
             val_fraction = _val_fraction(val_fraction, n_train_file)
             raw, mask = (torch.cat(pair) for pair in zip(*parts, strict=True))
-            train, val, _ = random_split(n_train_file, val_fraction, 0.0, generator)
+            train, val, _ = split(n_train_file, val_fraction, 0.0)
             indices = (train, val, torch.arange(n_train_file, raw.shape[0]))
         name = file.name if isinstance(file, Path) else "DataFrame"
         _warn_small_splits(name, indices)

@@ -11,8 +11,8 @@ preprocessing, so that negative log-likelihoods are reported in the original uni
 
 where :math:`u_b` counts the frames (``"nats/frame"``) or the dimensions (``"bits/dim"``, then
 divided by :math:`\ln 2`) of sequence :math:`b`. :func:`~iresflow.data.datasets.load_dataset`
-builds them, holding out :func:`default_val_fraction` of the sequences for validation unless told
-otherwise.
+builds them, holding out :func:`~iresflow.data.partition.default_val_fraction` of the sequences
+for validation unless told otherwise (:mod:`iresflow.data.partition`).
 """
 
 from __future__ import annotations
@@ -27,82 +27,9 @@ from iresflow._validation import check_finite, check_mask, check_sequence
 from iresflow.data.preprocessing import Preprocessing
 from iresflow.data.store import StoredSplit
 
-__all__ = [
-    "SequenceDataset", "SequenceSplit", "default_val_fraction", "random_split", "split_sizes",
-]
+__all__ = ["SequenceDataset", "SequenceSplit"]
 
 _UNITS = ("nats/frame", "bits/dim")
-
-#: Fraction of the sequences held out for validation when none is given, for data with at least
-#: :data:`MIN_VAL_SEQUENCES` / ``VAL_FRACTION`` sequences (:func:`default_val_fraction`).
-VAL_FRACTION = 0.1
-#: Sequences the default validation split holds at least, where that takes at most
-#: :data:`MAX_VAL_FRACTION` of the data: a tenth of a few dozen sequences is too few to choose the
-#: best epoch and to stop early on.
-MIN_VAL_SEQUENCES = 10
-#: Largest fraction of the data the default validation split takes.
-MAX_VAL_FRACTION = 0.25
-
-
-def default_val_fraction(total: int) -> float:
-    """The validation fraction used when none is given (docs/datasets.md#validation-split).
-
-    :data:`VAL_FRACTION`, raised for small data so that the validation split holds
-    :data:`MIN_VAL_SEQUENCES` sequences, but never above :data:`MAX_VAL_FRACTION`.
-
-    Args:
-        total: Number of sequences the validation split is drawn from (of weeks for
-            ``co2_windows``), at least 1.
-
-    Returns:
-        The fraction, in ``[VAL_FRACTION, MAX_VAL_FRACTION]``.
-
-    Example:
-        >>> default_val_fraction(270), default_val_fraction(40), default_val_fraction(20)
-        (0.1, 0.25, 0.25)
-        >>> round(default_val_fraction(67) * 67)
-        10
-    """
-    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-        raise ValueError(f"total must be an int >= 1, got {total!r}")
-    return min(max(VAL_FRACTION, MIN_VAL_SEQUENCES / total), MAX_VAL_FRACTION)
-
-
-def split_sizes(total: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
-    """Sizes of the training, validation and test splits of ``total`` sequences: at least one
-    for validation, one for test unless ``test_fraction`` is 0, the rest (at least 2) training.
-
-    Raises:
-        ValueError: fewer than two sequences left for training.
-
-    Example:
-        >>> split_sizes(100, 0.1, 0.1), split_sizes(20, 0.25, 0.0)
-        ((80, 10, 10), (15, 5, 0))
-    """
-    n_val = max(1, round(val_fraction * total))
-    n_test = max(1, round(test_fraction * total)) if test_fraction > 0 else 0
-    n_train = total - n_val - n_test
-    if n_train < 2:
-        raise ValueError(
-            f"{total} sequences are too few to split with val_fraction={val_fraction} and "
-            f"test_fraction={test_fraction} (the training split needs at least 2)"
-        )
-    return n_train, n_val, n_test
-
-
-def random_split(
-    total: int, val_fraction: float, test_fraction: float, generator: torch.Generator
-) -> tuple[Tensor, Tensor, Tensor]:
-    """A random split of ``total`` sequences into the sizes of :func:`split_sizes`.
-
-    Returns:
-        The sorted int64 indices of the training, validation and test sequences.
-    """
-    n_train, n_val, _ = split_sizes(total, val_fraction, test_fraction)
-    perm = torch.randperm(total, generator=generator)
-    train, val, test = perm[:n_train], perm[n_train : n_train + n_val], perm[n_train + n_val :]
-    return train.sort().values, val.sort().values, test.sort().values
-
 
 @dataclass
 class SequenceSplit:

@@ -102,6 +102,19 @@ class TableLayout(SettingsRecord):
                 f"column {twice!r} is named twice (the id, time and value columns are distinct)"
             )
 
+    @property
+    def overlap(self) -> int:
+        """How many of the next windows of a series share a frame with a window: 0 without
+        windows or with ``stride >= window``, else ``(window - 1) // stride``.
+
+        Example:
+            >>> TableLayout(window=12, stride=3).overlap, TableLayout(window=12).overlap
+            (3, 0)
+        """
+        if self.window is None or self.stride is None:
+            return 0
+        return (self.window - 1) // self.stride
+
 
 #: Names of the :class:`TableLayout` settings, in order.
 TABLE_SETTINGS = tuple(f.name for f in dataclasses.fields(TableLayout))

@@ -42,7 +42,7 @@ from iresflow._settings import (
     check_range,
     setting,
 )
-from iresflow.data.splits import MAX_VAL_FRACTION, MIN_VAL_SEQUENCES, VAL_FRACTION
+from iresflow.data.partition import MAX_VAL_FRACTION, MIN_VAL_SEQUENCES, VAL_FRACTION
 from iresflow.data.tables import TABLE_SETTINGS, TableLayout
 from iresflow.data.user_files import USER_FILE_SUFFIXES, user_file_kind
 from iresflow.models.config import ModelConfig
@@ -76,9 +76,10 @@ NESTED: dict[str, tuple[type[SettingsRecord], tuple[str, ...]]] = {
 }
 
 #: Settings added after runs were first written, with the value that reproduces such a run: the
-#: noise density was standard normal before ``base`` existed, and no layer was per position
-#: before ``position_norm``.
-SETTINGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"base": "normal", "position_norm": "off"}
+#: noise density was standard normal before ``base`` existed, no layer was per position before
+#: ``position_norm``, and an epoch was one pass over the training split before ``min_steps``.
+SETTINGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"base": "normal", "position_norm": "off",
+                                                "min_steps": 1}
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,11 @@ class TrainConfig(SettingsRecord):
     weight_decay: float = setting(0.0, "weight decay")
     batch_size: int = setting(32, "sequences per minibatch")
     epochs: int = setting(60, "maximum number of epochs")
+    min_steps: int = setting(
+        16, "fewest optimiser steps of an epoch: a training split of fewer batches is passed over "
+        "as many times as that takes, each pass a fresh shuffle, so small data get enough steps "
+        "between two validations (1: one pass per epoch; docs/cli.md#epochs)"
+    )
     max_seconds: float = setting(
         0.0, "stop after this many seconds of optimisation in total (validation excluded), "
         "checked after every step; the epoch cut short is validated as usual (0: no limit)"
@@ -218,7 +224,8 @@ class TrainConfig(SettingsRecord):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         check_minimum(
-            self, ("batch_size", "epochs", "eval_n_samples", "max_train", "max_eval", "nproc"), 1
+            self, ("batch_size", "epochs", "min_steps", "eval_n_samples", "max_train", "max_eval",
+                   "nproc"), 1
         )
         if self.warmup < 0:
             raise ConfigError(f"warmup must be >= 0 epochs (0: off), got {self.warmup}")

@@ -1,7 +1,8 @@
 r"""One training run between epochs: the optimisation state, a training epoch, validation.
 
-Every epoch visits the training sequences once, in an order drawn from a seeded
-:class:`torch.Generator`, and minimises the negative log-likelihood per unit of the batch,
+Every epoch passes over the training sequences (as often as ``min_steps`` steps take), each pass
+in an order drawn from a seeded :class:`torch.Generator`, minimising the negative log-likelihood
+per unit of the batch,
 
 .. math:: \mathcal L = -\frac{\sum_b \log p_\theta(x_b)}{\sum_b u_b},
 
@@ -43,7 +44,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from iresflow.data.batching import epoch_batches
+from iresflow.data.batching import epoch_batches, epoch_steps
 from iresflow.data.datasets import SequenceDataset
 from iresflow.models.flow import SequenceFlow
 from iresflow.train.averaging import averaged_parameters, load_average, moving_average
@@ -105,14 +106,8 @@ class TrainingSession:
         history: One metrics dict per completed epoch.
     """
 
-    def __init__(
-        self,
-        config: TrainConfig,
-        dataset: SequenceDataset,
-        model: nn.Module,
-        device: torch.device,
-        world: World,
-    ) -> None:
+    def __init__(self, config: TrainConfig, dataset: SequenceDataset, model: nn.Module,
+                 device: torch.device, world: World) -> None:
         self.config, self.dataset, self.model, self.device = config, dataset, model, device
         self.world = world
         self.flow = model if isinstance(model, SequenceFlow) else None
@@ -131,7 +126,7 @@ class TrainingSession:
             fused=True if device.type in ("cpu", "cuda") else None,
         )
         # Warm-up first: it scales the starting lr, which the epoch schedule then multiplies.
-        self.warmup_steps = config.warmup * math.ceil(len(dataset.train) / config.batch_size)
+        self.warmup_steps = config.warmup * self.steps_per_epoch
         self.warmup: torch.optim.lr_scheduler.LinearLR | None = None
         if self.warmup_steps > 0:
             self.warmup = torch.optim.lr_scheduler.LinearLR(
@@ -160,6 +155,11 @@ class TrainingSession:
         self.bad_epochs = 0
         self.out_of_time = False
         self.history: list[dict[str, float]] = []
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimiser steps of a full epoch (:func:`~iresflow.data.batching.epoch_steps`)."""
+        return epoch_steps(len(self.dataset.train), self.config.batch_size, self.config.min_steps)
 
     @property
     def cosine_epochs(self) -> int:
@@ -242,19 +242,18 @@ class TrainingSession:
 
     # -- epochs -----------------------------------------------------------------------------
     def train_epoch(self, bar: tqdm) -> dict[str, float]:
-        """One pass over the training sequences; returns the epoch's training metrics.
+        """One epoch (one pass, or the passes ``min_steps`` asks for); its training metrics.
 
-        The pass ends early, after the step at which the optimisation seconds of the run reach
+        The epoch ends early, after the step at which the optimisation seconds of the run reach
         ``max_seconds`` (:attr:`out_of_time`).
 
         Raises:
             TrainingDivergedError: every step was non-finite, or one was with ``on_nan = stop``.
         """
-        start, spent, budget = time.perf_counter(), self.train_seconds, self.config.max_seconds
-        train, world = self.dataset.train, self.world
-        batches = epoch_batches(
-            train.frames, self.config.batch_size, self.shuffle, self.config.bucket
-        )
+        train, world, config = self.dataset.train, self.world, self.config
+        start, spent, budget = time.perf_counter(), self.train_seconds, config.max_seconds
+        batches = epoch_batches(train.frames, config.batch_size, self.shuffle, config.bucket,
+                                config.min_steps)
         log_prob = torch.zeros(len(train), dtype=torch.float64)
         kept = torch.zeros(len(train), dtype=torch.bool)  # sequences of the finite steps
         grad_norms = []

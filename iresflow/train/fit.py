@@ -12,7 +12,6 @@ of the best validation epoch.
 from __future__ import annotations
 
 import copy
-import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -86,7 +85,7 @@ def run_epochs(session: TrainingSession, *, progress: bool, after_epoch: EpochHo
     while (reason := session.stop_reason()) is None:
         session.epoch += 1
         bar = tqdm(
-            total=math.ceil(len(session.dataset.train) / config.batch_size),
+            total=session.steps_per_epoch,
             desc=f"epoch {session.epoch}/{config.epochs}",
             disable=None if progress else True,
             leave=False,
