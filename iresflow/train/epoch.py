@@ -275,6 +275,7 @@ class TrainingSession:
                 grad_norms.append(norm)
                 self._apply()
                 kept[index] = True
+                log_prob[index] = 0.0  # a later pass replaces an earlier one, on whichever rank
                 if weight > 0:
                     log_prob[part] = batch_log_prob.detach().double().cpu()
                 if not bar.disable and bar.n % 10 == 1:
