@@ -9,10 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 from test_data_tables import write_csv
+from tiny_runs import TINY, forget_setting
 
 from iresflow.data import TableLayout, load_dataset
 from iresflow.data.partition import blocked_split, split_sizes
 from iresflow.data.splits import SequenceDataset, SequenceSplit
+from iresflow.runs.load import load_run
+from iresflow.train.config import ConfigError, TrainConfig
+from iresflow.train.factories import load_data
+from iresflow.train.loop import train
 
 
 @pytest.mark.parametrize(("total", "val", "test", "gap"), [(40, 0.25, 0.1, 3), (12, 0.25, 0.0, 2),
@@ -79,3 +84,38 @@ def test_windows_that_do_not_overlap_keep_the_random_split(tmp_path: Path) -> No
     first, second = _load(path, layout), _load(path, layout, seed=1)
     assert len(first.train) + len(first.val) + len(first.test) == 10 + 13
     assert _frames(first, first.val) != _frames(second, second.val)
+
+
+def test_window_split_random_keeps_the_split_of_earlier_runs(tmp_path: Path) -> None:
+    path = _day_series(tmp_path, {"a": 60, "b": 80})
+    layout = TableLayout(id_column="id", time_column="day", window=6, stride=2,
+                         window_split="random")
+    first, second = _load(path, layout), _load(path, layout, seed=1)
+    assert len(first.train) + len(first.val) + len(first.test) == 66  # none left out
+    assert _frames(first, first.train) & _frames(first, first.val)  # what blocks prevent
+    assert _frames(first, first.val) != _frames(second, second.val)
+    with pytest.raises(ConfigError, match="window_split must be one of blocks, random"):
+        TableLayout(window=6, stride=2, window_split="time")
+
+
+def test_a_run_written_before_window_split_reloads_with_its_random_split(tmp_path: Path) -> None:
+    rows = [[day, float(day)] for day in range(80)]
+    data = write_csv(tmp_path / "s.csv", ["day", "v"], rows)
+    config = TINY.replace(data=str(data), table=TableLayout(time_column="day", window=6,
+                                                            stride=2, window_split="random"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        train(config, tmp_path / "run", progress=False)
+        paths = forget_setting(tmp_path / "run", "window_split")
+        saved = TrainConfig.from_toml(paths.config, stored=True)
+        assert saved.table.window_split == "random" and TableLayout().window_split == "blocks"
+        run = load_run(tmp_path / "run")
+        random, blocks = (load_data(config.replace(table=config.table.replace(window_split=k)))
+                          for k in ("random", "blocks"))
+    assert torch.equal(run.dataset.val.x, random.val.x)
+    assert not torch.equal(run.dataset.val.x, blocks.val.x)
+    # a run on other data written before the setting loads too: it changes nothing there
+    vowels = TrainConfig.from_dict({"data": "japanese_vowels"}, stored=True)
+    assert vowels.table.given() == [] and vowels.table.window_split == "random"
+    with pytest.raises(ConfigError, match="window is a setting of table data"):
+        TrainConfig(table=TableLayout(window=6, window_split="random"))

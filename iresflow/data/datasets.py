@@ -237,7 +237,7 @@ def _load_user(
         covariates = (None if test_covariates is None
                       else torch.cat([covariates, test_covariates]))
     generator = torch.Generator().manual_seed(seed)
-    gap = layout.overlap if kind == "table" else 0
+    gap = layout.overlap if kind == "table" and layout.window_split == "blocks" else 0
 
     def split(total: int, val_fraction: float, test_fraction: float) -> tuple[Tensor, ...]:
         if gap > 0:  # overlapping windows: blocks in time order, no frame shared between splits
@@ -406,7 +406,7 @@ def _check_table_arguments(name: str, path: object, test_path: object, table: ob
     """Table settings and DataFrames are for table data only (``ValueError``)."""
     if name == "table" or user_file_kind(name) == "table":
         return
-    if table not in (None, TableLayout()):
+    if isinstance(table, TableLayout) and table.given():
         raise ValueError(f"table is only used by table data (.csv, .parquet, a pandas DataFrame), "
                          f"not {name!r}")
     if any(is_data_frame(value) for value in (path, test_path)):

@@ -84,6 +84,13 @@ class TableLayout(SettingsRecord):
         None, "table data: frames from the start of one window to the start of the next",
         unset="the window",
     )
+    window_split: str = setting(
+        "blocks", "table data: how windows that overlap (a stride shorter than the window) are "
+        "split: blocks in table order, leaving out the windows that overlap the next block, so "
+        "no frame lies in two splits (docs/datasets.md#validation-split); or random, as other "
+        "sequences, where a validation window can share frames with training ones",
+        ("blocks", "random"),
+    )
 
     def check(self) -> None:
         check_minimum(self, ("window", "stride"), 1)
@@ -102,18 +109,28 @@ class TableLayout(SettingsRecord):
                 f"column {twice!r} is named twice (the id, time and value columns are distinct)"
             )
 
+    def given(self) -> list[str]:
+        """The settings that differ from their defaults and change how a table is read, in
+        order (``window_split`` does nothing without a window; older runs record ``random``).
+
+        Example:
+            >>> TableLayout(window=4, window_split="random").given(), TableLayout().given()
+            (['window', 'window_split'], [])
+        """
+        changed = [f.name for f in dataclasses.fields(self)
+                   if getattr(self, f.name) != getattr(TableLayout(), f.name)]
+        return changed if self.window is not None else [n for n in changed if n != "window_split"]
+
     @property
     def overlap(self) -> int:
-        """How many of the next windows of a series share a frame with a window: 0 without
-        windows or with ``stride >= window``, else ``(window - 1) // stride``.
+        """How many of the next windows of a series share a frame with a window (those left out
+        between two blocks of the split): ``(window - 1) // stride``, 0 without overlap.
 
         Example:
             >>> TableLayout(window=12, stride=3).overlap, TableLayout(window=12).overlap
             (3, 0)
         """
-        if self.window is None or self.stride is None:
-            return 0
-        return (self.window - 1) // self.stride
+        return 0 if self.window is None or self.stride is None else (self.window - 1) // self.stride
 
 
 #: Names of the :class:`TableLayout` settings, in order.

@@ -77,9 +77,10 @@ NESTED: dict[str, tuple[type[SettingsRecord], tuple[str, ...]]] = {
 
 #: Settings added after runs were first written, with the value that reproduces such a run: the
 #: noise density was standard normal before ``base`` existed, no layer was per position before
-#: ``position_norm``, and an epoch was one pass over the training split before ``min_steps``.
+#: ``position_norm``, an epoch was one pass over the training split before ``min_steps``, and
+#: overlapping table windows were split at random before ``window_split``.
 SETTINGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"base": "normal", "position_norm": "off",
-                                                "min_steps": 1}
+                                                "min_steps": 1, "window_split": "random"}
 
 
 @dataclass(frozen=True)
@@ -246,8 +247,9 @@ class TrainConfig(SettingsRecord):
             if kinds[0] != kinds[1]:
                 raise ConfigError(f"test_data = {self.test_data!r} is not a file of the kind of "
                                   f"data = {self.data!r}")
-        if self.table != TableLayout() and user_file_kind(self.data) != "table":
-            name = next(name for name in TABLE_SETTINGS if getattr(self.table, name) is not None)
+        given = self.table.given()
+        if given and user_file_kind(self.data) != "table":
+            name = given[0]
             raise ConfigError(f"{name} is a setting of table data (a .csv or .parquet file), "
                               f"not of data = {self.data!r}")
 
@@ -278,7 +280,7 @@ class TrainConfig(SettingsRecord):
 
         Example:
             >>> names = [f.name for f, _ in TrainConfig.settings()]
-            >>> tuple(names[9:12])
+            >>> tuple(names[10:13])
             ('max_eval', 'condition', 'max_len')
         """
         hints = typing.get_type_hints(cls)
