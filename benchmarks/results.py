@@ -77,6 +77,7 @@ from benchmarks.results_specs import (
     train_config,
     variable_length,
 )
+from iresflow.data.batching import epoch_steps
 from iresflow.data.datasets import SequenceDataset
 from iresflow.train.epoch import TrainingSession
 from iresflow.train.fit import fit
@@ -162,7 +163,7 @@ def fit_row(spec: ModelSpec, model: nn.Module | None, ds: SequenceDataset, lr: f
         result = fit(train_config(spec, ds.name, lr, seed, budget), ds,
                      None if spec.recipe is not None else model, on_epoch=on_epoch)
         model = result.model
-        epochs = result.steps / math.ceil(len(ds.train) / budget.batch_size)
+        epochs = result.steps / epoch_steps(len(ds.train), budget.batch_size)  # one pass each
         record: dict[str, Any] = {
             "epochs": epochs, "best_epoch": result.best_epoch,
             "seconds_per_epoch": result.train_seconds / epochs, "stopped": result.stopped,
