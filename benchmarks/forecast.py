@@ -21,7 +21,11 @@ averaged over features, energy score, coverage of the central 50% and 90% interv
 
 The seconds each forecaster takes to draw its forecasts of the held-out test sequences, and
 to draw the ``S`` forecasts of one sequence (the first; the median of three calls after a
-warm-up), are recorded side by side. Run from the repository root::
+warm-up), are recorded with the scores; the tables leave them out, since records of
+different runs may be merged into one table (``--table-from``), and ``python -m benchmarks
+sampling --run RUN --horizon H`` times the forecasters side by side. The second table gives
+the causal flow's test NLL beside the default flow's and counts the causal runs whose best
+epoch is their last (cut short). Run from the repository root::
 
     python -m benchmarks forecast --seeds 3 --budget 60 --out docs/forecast.json \\
         --doc docs/forecasting.md
@@ -31,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import statistics
 import sys
 import tempfile
@@ -186,7 +189,7 @@ def _default_nll(default: dict[str, Any] | None, name: str) -> list[float]:
 def markdown_tables(rows: list[dict[str, Any]], default: dict[str, Any] | None
                     ) -> dict[str, str]:
     """The CRPS table (best in bold; coverage of the 90% interval in brackets), and the
-    causal-versus-default NLL and drawing-time table."""
+    causal-versus-default NLL table with the causal runs whose best epoch is their last."""
     names = sorted(dict.fromkeys(r["dataset"] for r in rows), key=DATASETS.index)
     crps_rows, nll_rows = [], []
     for name in names:
@@ -209,18 +212,13 @@ def markdown_tables(rows: list[dict[str, Any]], default: dict[str, Any] | None
         reference = _default_nll(default, name)
         gap = (f"{statistics.fmean(causal) - statistics.fmean(reference):+.3f}"
                if causal and reference else "—")
-        times = [statistics.fmean(r[m][key] for r in runs)
-                 if all(key in r.get(m, {}) for r in runs) else math.nan
-                 for key, m in (("seconds", "flow"), ("seconds", "gru_maf"),
-                                ("latency", "flow"), ("latency", "gru_maf"))]
-        cells = [f"{t:.2f}" if math.isfinite(t) else "—" for t in times[:2]]
-        cells += [f"{1000 * t:.0f}" if math.isfinite(t) else "—" for t in times[2:]]
+        short = [r["flow"]["best_epoch"] == r["flow"]["epochs"] for r in runs if "flow" in r]
         nll_rows.append([name, records.mean_sd(causal) if causal else "—",
-                         records.mean_sd(reference) if reference else "—", gap, *cells])
+                         records.mean_sd(reference) if reference else "—", gap,
+                         f"{sum(short)} of {len(short)}" if short else "—"])
     crps_header = ["dataset", "H", "sequences", *(NAMES[m] for m in MODELS)]
     nll_header = ["dataset", "causal flow test NLL", "default flow test NLL", "difference",
-                  "flow: seconds, all", "GRU + MAF: seconds, all", "flow: ms, one",
-                  "GRU + MAF: ms, one"]
+                  "causal runs cut short"]
     return {"forecast-crps": records.markdown_table(crps_header, crps_rows),
             "forecast-nll": records.markdown_table(nll_header, nll_rows)}
 

@@ -10,10 +10,19 @@ depend on its weights (it runs the same layers whatever they hold), so the peers
 untrained; the flow's does (its inverses stop at their tolerance), so it is timed trained. Each
 time is the median of ``--repeats`` calls after a warm-up, on ``--threads`` CPU threads. Prints
 the seconds, the ratio of every peer's time to the flow's (above 1: the flow is faster) and the
-most iterations of every step of the flow's last inverse. Run from the repository root::
+most iterations of every step of the flow's last inverse.
+
+With ``--horizon H`` the samplers forecast instead: the last ``H`` frames of the first test
+sequence are held out (:func:`iresflow.runs.forecast.hold_out`) and every sampler draws
+``--num`` continuations of the frames before them (the flow, which must be a causal run, with
+``flow.forecast``: all ``H`` frames at once, the past pinned), as ``iresflow forecast`` draws
+them. Run from the repository root::
 
     iresflow train --data BasicMotions_TRAIN.ts --test-data BasicMotions_TEST.ts --out runs/bm
     python -m benchmarks sampling --run runs/bm
+    iresflow train --data BasicMotions_TRAIN.ts --test-data BasicMotions_TEST.ts --causal \
+        --out runs/bm-causal
+    python -m benchmarks sampling --run runs/bm-causal --horizon 24
 """
 
 from __future__ import annotations
@@ -27,34 +36,58 @@ import torch
 from benchmarks import cli
 from benchmarks.baselines.recurrent import ENCODERS, GRU_HIDDEN, PEER_NAMES, RecurrentFlow
 from benchmarks.timing import median_seconds
-from iresflow.runs.load import load_run
+from iresflow.runs.forecast import hold_out
+from iresflow.runs.load import LoadedRun, load_run
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", type=Path, required=True, help="a trained run folder")
     parser.add_argument("--num", type=int, default=100, help="sequences per draw (default: 100)")
+    parser.add_argument("--horizon", type=int, default=None,
+                        help="time forecasts of this many frames of the first test sequence "
+                             "instead (a causal run)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed calls per sampler (default: 3)")
     cli.add_threads(parser)
 
 
+def _samplers(trained: LoadedRun, args: argparse.Namespace
+              ) -> tuple[str, dict[str, Callable[[], object]]]:
+    """What is drawn (a line) and the draw of every sampler, the flow's first."""
+    flow, length, features = trained.model.eval(), trained.dataset.max_len, trained.dataset.features
+    generator = torch.Generator().manual_seed(0)
+    peers = {PEER_NAMES[encoder]: RecurrentFlow(features, length, hidden=GRU_HIDDEN,
+                                                encoder=encoder).eval() for encoder in ENCODERS}
+    if args.horizon is None:
+        return (f"{args.num} sequences of N = {length} frames, D = {features}", {
+            "iresflow": lambda: flow.sample(args.num, seq_len=length, generator=generator),
+            **{name: (lambda peer=peer: peer.sample(args.num, seq_len=length,
+                                                    generator=generator))
+               for name, peer in peers.items()}})
+    held = hold_out(trained.dataset.test, args.horizon)
+    past, observed = held.x[:1], held.observed[:1]
+    start = torch.where(observed[..., None], past, 0.0)
+    return (f"{args.num} forecasts of H = {args.horizon} frames after {int(observed.sum())} "
+            f"observed ones, D = {features}", {
+        "iresflow": lambda: flow.forecast(start, observed, horizon=args.horizon,
+                                          num_samples=args.num, generator=generator),
+        **{name: (lambda peer=peer: peer.forecast(past, observed, args.horizon, args.num,
+                                                  generator))
+           for name, peer in peers.items()}})
+
+
 def run(args: argparse.Namespace) -> int:
     """Time the samplers and print the table; 1 if the flow's inverse did not converge."""
     trained = load_run(args.run, device="cpu")
-    flow, length, features = trained.model.eval(), trained.dataset.max_len, trained.dataset.features
-    generator = torch.Generator().manual_seed(0)
-    samplers: dict[str, Callable[[], object]] = {
-        "iresflow": lambda: flow.sample(args.num, seq_len=length, generator=generator)}
-    for encoder in ENCODERS:
-        peer = RecurrentFlow(features, length, hidden=GRU_HIDDEN, encoder=encoder).eval()
-        samplers[PEER_NAMES[encoder]] = (
-            lambda peer=peer: peer.sample(args.num, seq_len=length, generator=generator))
+    if args.horizon is not None and not trained.model.causal:
+        raise SystemExit(f"{args.run} is not a causal run: --horizon needs one (iresflow train "
+                         "--causal)")
+    what, samplers = _samplers(trained, args)
     with torch.no_grad():
         seconds = {name: median_seconds(call, args.repeats) for name, call in samplers.items()}
-        flow.sample(args.num, seq_len=length, generator=generator)
-    diagnostics = flow.inverse_diagnostics()
-    print(f"{args.num} sequences of N = {length} frames, D = {features} "
-          f"({torch.get_num_threads()} thread(s))")
+        samplers["iresflow"]()
+    diagnostics = trained.model.inverse_diagnostics()
+    print(f"{what} ({torch.get_num_threads()} thread(s))")
     for name, value in seconds.items():
         ratio = value / seconds["iresflow"]
         print(f"  {name:<20} {value:8.3f} s   {ratio:5.2f} x the flow's time")

@@ -213,3 +213,18 @@ def test_sampling_times_the_flow_beside_its_peers(tmp_path: Path, capsys) -> Non
     assert out.startswith("2 sequences of N = 52 frames, D = 1")
     assert all(f"  {name} " in out for name in ("iresflow", "GRU + MAF", "Transformer + MAF"))
     assert "block0.conv" in out and "1.00 x the flow's time" in out
+    with pytest.raises(SystemExit, match="not a causal run"):
+        cli.main(["sampling", "--run", str(run), "--horizon", "4"])
+
+
+def test_sampling_times_forecasts_of_a_causal_run(tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    assert iresflow_main(["train", "--data", "co2_windows", "--epochs", "1", "--max-train", "16",
+                          "--max-eval", "8", "--n-blocks", "1", "--hidden", "8", "--causal",
+                          "--out", str(run), "--quiet", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert cli.main(["sampling", "--run", str(run), "--num", "3", "--repeats", "1",
+                     "--horizon", "5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("3 forecasts of H = 5 frames after 47 observed ones, D = 1")
+    assert all(f"  {name} " in out for name in ("iresflow", "GRU + MAF", "Transformer + MAF"))

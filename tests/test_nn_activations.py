@@ -64,6 +64,16 @@ def test_matches_silu_formula(device, dtype):
     assert act(z).dtype == dtype and act(z).shape == z.shape
 
 
+def test_without_a_graph_it_is_the_same_map(device):
+    act = with_beta(0.7, torch.float64, device)
+    z = torch.randn(4, 6, device=device, dtype=torch.float64) * 5
+    kept = z.clone()
+    with torch.no_grad():
+        fast = act(z)
+    torch.testing.assert_close(fast, act(z).detach(), rtol=1e-14, atol=1e-15)
+    assert torch.equal(z, kept)  # the input is not overwritten
+
+
 def test_lipschitz_on_random_pairs(device):
     act = with_beta(3.0, torch.float64, device)
     a = torch.randn(10_000, device=device, dtype=torch.float64) * 4

@@ -13,6 +13,7 @@ from iresflow.logdet.exact import ExactLogDet
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.nn.conv import SpectralConv1d, TemporalConvBranch, circular_conv_norm
 from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
+from iresflow.nn.layered import conv_frames
 from iresflow.transforms.residual import ResidualTransform
 
 F64 = torch.float64
@@ -53,6 +54,25 @@ def _branch(device, *, coeff=0.9, max_len=5, hidden=4, kernel_size=3, scale=3.0)
             elif name.endswith("bias"):
                 p.normal_(std=0.3)
     return branch
+
+
+@pytest.mark.parametrize(("out", "inp"), [(5, 2), (2, 5), (3, 3)])  # both associations
+@pytest.mark.parametrize(("k", "dilation"), [(1, 1), (3, 1), (3, 2), (4, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_conv_frames_is_conv1d(device, out, inp, k, dilation, causal):
+    if k % 2 == 0 and not causal:
+        pytest.skip("'same' padding needs an odd kernel")
+    h = torch.randn(3, 7, inp, dtype=F64, device=device)
+    weight = torch.randn(out, inp, k, dtype=F64, device=device)
+    bias = torch.randn(out, dtype=F64, device=device)
+    span = dilation * (k - 1) + 1
+    left = span - 1 if causal else span // 2
+    frames = F.pad(h.transpose(1, 2), (left, span - 1 - left))
+    expected = F.conv1d(frames, weight, bias, dilation=dilation).transpose(1, 2)
+    got = conv_frames(h, weight, bias, causal=causal, dilation=dilation)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(conv_frames(h, weight, causal=causal, dilation=dilation),
+                               expected - bias, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize(("out", "inp", "k", "period"), [(3, 2, 3, 7), (2, 2, 5, 9), (1, 4, 1, 4)])

@@ -35,7 +35,6 @@ import math
 from operator import methodcaller
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from iresflow._validation import (
@@ -47,7 +46,7 @@ from iresflow._validation import (
 )
 from iresflow.nn.activations import LipSwish
 from iresflow.nn.base import LipschitzBranch
-from iresflow.nn.layered import ConvStackLinearization, stack_parameters
+from iresflow.nn.layered import ConvStackLinearization, conv_frames, stack_parameters
 from iresflow.nn.linear import check_coefficient, top_singular_vectors
 
 __all__ = ["SpectralConv1d", "TemporalConvBranch", "circular_conv_norm"]
@@ -254,11 +253,13 @@ class SpectralConv1d(nn.Module):
         if x.shape[-1] > self.max_len:
             raise ValueError(f"x has length {x.shape[-1]} > max_len={self.max_len}, for which the "
                              f"certified bound does not hold")
-        if self.causal:
-            return F.conv1d(F.pad(x, (self.span - 1, 0)), self.weight_normalized(), self.bias,
-                            dilation=self.dilation)
-        return F.conv1d(x, self.weight_normalized(), self.bias, padding=self.span // 2,
-                        dilation=self.dilation)
+        return self.forward_frames(x.transpose(1, 2)).transpose(1, 2)
+
+    def forward_frames(self, h: Tensor) -> Tensor:
+        """:meth:`forward` on frames, channels last: ``(B, N, C_in)`` to ``(B, N, C_out)``, the
+        length unchecked (:func:`~iresflow.nn.layered.conv_frames`)."""
+        return conv_frames(h, self.weight_normalized(), self.bias, causal=self.causal,
+                           dilation=self.dilation)
 
     def extra_repr(self) -> str:
         return (
@@ -378,17 +379,16 @@ class TemporalConvBranch(LipschitzBranch):
             if shift is not None:
                 self.check_shift(shift, x)
         self.check_length(x.shape[1])
-        keep = None if mask is None else mask.unsqueeze(1)  # (B, 1, N)
-        h = x.transpose(1, 2)
+        keep = None if mask is None else mask.unsqueeze(-1)  # (B, N, 1)
+        h = x
         for i, layer in enumerate(self.net):
-            if keep is not None and isinstance(layer, SpectralConv1d):
-                h = torch.where(keep, h, 0.0)
-            h = layer(h)
+            if isinstance(layer, SpectralConv1d):
+                h = layer.forward_frames(h if keep is None else torch.where(keep, h, 0.0))
+            else:
+                h = layer(h)
             if i == 0 and shift is not None:
-                h = h + shift.unsqueeze(-1)
-        if keep is not None:
-            h = torch.where(keep, h, 0.0)
-        return h.transpose(1, 2)
+                h = h + shift.unsqueeze(1)
+        return h if keep is None else torch.where(keep, h, 0.0)
 
     def lipschitz_constant(self, seq_len: int | None = None) -> Tensor:
         """Certified 2-norm Lipschitz bound: the product of the three layer bounds (``<= coeff``).

@@ -29,6 +29,7 @@ __all__ = [
     "LayerStackLinearization",
     "LayerStackPoint",
     "as_rows",
+    "conv_frames",
     "stack_parameters",
 ]
 
@@ -364,6 +365,52 @@ def _windows(h: Tensor, size: int, pad: tuple[int, int, int, int], dilation: int
     span = dilation * (size - 1) + 1
     return F.pad(h, pad).unfold(1, span, 1)[..., ::dilation].reshape(*h.shape[:2],
                                                                      h.shape[2] * size)
+
+
+def conv_frames(
+    h: Tensor, weight: Tensor, bias: Tensor | None = None, *, causal: bool = False,
+    dilation: int = 1,
+) -> Tensor:
+    r"""A convolution over time on frames, channels last: :math:`y_t = \sum_j W_j
+    h_{t + d (j - p)} + b` with zero padding, :math:`p = (k - 1) / 2` ("same") or :math:`k - 1`
+    (causal).
+
+    The product is associated the cheaper way for the shapes: the input's windows times the
+    tap matrix when the layer widens (``C_in <= C_out``), else the input times all the taps at
+    once, the :math:`k` results shifted over time and summed, which never builds the windows of
+    a wide input.
+
+    Args:
+        h: Input ``(R, N, C_in)``.
+        weight: Taps ``(C_out, C_in, k)`` (:func:`torch.nn.functional.conv1d` layout).
+        bias: Optional ``(C_out,)``.
+        causal: Whether frame ``t`` reads frames up to ``t`` only.
+        dilation: Spacing :math:`d` of the taps over time.
+
+    Returns:
+        ``(R, N, C_out)``; equal to ``conv1d`` of ``h`` channels first, to rounding.
+
+    Example:
+        >>> h, w = torch.randn(2, 5, 3), torch.randn(4, 3, 3)
+        >>> y = F.conv1d(h.transpose(1, 2), w, padding=1).transpose(1, 2)
+        >>> bool(torch.allclose(conv_frames(h, w), y, atol=1e-5))
+        True
+    """
+    out_channels, in_channels, k = weight.shape
+    if k == 1:
+        return F.linear(h, weight[..., 0], bias)
+    span = dilation * (k - 1) + 1
+    left = span - 1 if causal else span // 2
+    pad = (0, 0, left, span - 1 - left)
+    if in_channels <= out_channels:
+        return F.linear(_windows(h, k, pad, dilation), weight.reshape(out_channels, -1), bias)
+    # column j C_out + o of z is tap j's output channel o at every input frame
+    z = F.pad(F.linear(h, weight.permute(2, 0, 1).reshape(k * out_channels, in_channels)), pad)
+    n = h.shape[1]
+    y = z[:, :n, :out_channels] + z[:, dilation:dilation + n, out_channels:2 * out_channels]
+    for j in range(2, k):
+        y += z[:, j * dilation:j * dilation + n, j * out_channels:(j + 1) * out_channels]
+    return y if bias is None else y.add_(bias)
 
 
 class ConvStackPoint(LayerStackPoint):
