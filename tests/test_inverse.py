@@ -340,3 +340,34 @@ def test_converged_means_true_residual_below_default_tolerance(device):
     assert bool(stats.converged.all())
     assert bool((true_residual < stats.tolerance).all())
     torch.testing.assert_close(stats.residual, true_residual, rtol=0, atol=1e-15)
+
+
+def noisy_contraction(noise: float):
+    """g(x) = x / 2 plus ``noise`` times a deterministic function of the last bits of ``x`` in
+    [-1/2, 1/2): a stand-in for rounding noise, which no iterate's residual gets much below."""
+
+    def g(x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x + noise * (torch.remainder(x * 1e14, 1.0) - 0.5)
+
+    return g
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_a_sample_at_the_rounding_floor_stops_there(device, solver):
+    y = 2 * torch.rand(3, 20, device=device, dtype=F64) - 1
+    tolerance = default_tolerance(y)  # 1e-11: |y| < 1
+    g = noisy_contraction(3e-11)
+    x, stats = fixed_point_inverse(g, y, solver=solver)
+    assert bool(stats.converged.all())
+    assert int(stats.iterations.max()) < 100  # stopped at the floor, not at max_iter
+    raised = stats.tolerance == 10 * tolerance
+    assert bool((raised | (stats.tolerance == tolerance)).all())
+    if solver == "plain":  # plain steps do not average the ripple away (Anderson mixing may)
+        assert bool(raised.all())
+    assert bool((stats.residual < stats.tolerance).all())
+    torch.testing.assert_close(stats.residual, (x + g(x) - y).abs().amax(1), rtol=0, atol=0)
+    # An explicit tolerance is kept; a ripple far above the default is no floor
+    with pytest.raises(InversionError):
+        fixed_point_inverse(g, y, tol=1e-11, max_iter=200, solver=solver)
+    with pytest.raises(InversionError):
+        fixed_point_inverse(noisy_contraction(1e-9), y, max_iter=200, solver=solver)

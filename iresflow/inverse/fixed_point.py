@@ -58,6 +58,15 @@ _UNIT_TOLERANCE = {
 # than this (below it, the per-step cost of mixing outweighs the saved evaluations).
 _PLAIN_BUDGET = 12
 
+# The rounding floor. With the default tolerance, a sample whose residual has not fallen below
+# _PROGRESS times its lowest value for _STALL evaluations, and is within _FLOOR times its
+# tolerance, has met the rounding noise of its dtype (the tolerance sits a few units in the last
+# place above it, and the iteration can amplify the noise of one evaluation up to 1 / (1 - L)
+# times): it stops there, its tolerance raised to _FLOOR times the default.
+_PROGRESS = 0.9
+_STALL = 20
+_FLOOR = 10.0
+
 
 class InversionError(RuntimeError):
     r"""The fixed-point iteration did not reach its tolerance for every sample.
@@ -90,7 +99,9 @@ class InverseStats:
         converged: Whether ``residual < tolerance``, ``(B,)``, ``bool``.
         evaluations: Number of calls of ``g`` (each on the sub-batch of active samples).
         tolerance: The per-sample tolerance the residual was compared with, ``(B,)``: ``tol``, or
-            :func:`default_tolerance` (relative to :math:`\|y_b\|_\infty` when that exceeds 1).
+            :func:`default_tolerance` (relative to :math:`\|y_b\|_\infty` when that exceeds 1),
+            ten times that for a sample stopped at the rounding floor
+            (:func:`fixed_point_inverse`).
     """
 
     iterations: Tensor
@@ -141,19 +152,20 @@ def fixed_point_inverse(
 
     Iterates :math:`x \leftarrow T_y(x) = y - g(x)` from :math:`x^0 = y` (``solver="plain"``) or
     Anderson-accelerates the same map (``solver="anderson"``, see
-    :class:`~iresflow.inverse.anderson.AndersonMixer`). The accelerated solver starts with plain
-    steps and switches a sample to Anderson mixing once its last contraction ratio predicts more
-    than 12 further plain steps: mixing costs work per step and pays off only for slowly
-    contracting samples. A sample stops as soon as the max-abs residual
+    :class:`~iresflow.inverse.anderson.AndersonMixer`), mixing a sample once its last
+    contraction ratio predicts more than 12 further plain steps (it pays off only for slowly
+    contracting samples). A sample stops as soon as the max-abs residual
     :math:`r_k = \|x^k + g(x^k) - y\|_\infty` of its current iterate is below its tolerance and
     then returns that :math:`x^k`; ``stats.residual`` is :math:`r_k` and ``stats.converged``
-    means :math:`r_k` < tolerance. The error satisfies :math:`\|x^k - x^*\| \le
-    \|x^k + g(x^k) - y\| / (1 - L)` in the norm of the certificate :math:`L` of ``g``. Stopped
+    means :math:`r_k` < tolerance. With the default tolerance, a sample whose residual has not
+    fallen by 10% for 20 evaluations and is within ten times its tolerance has met the rounding
+    noise: it stops there, its tolerance raised to ten times the default. The error satisfies
+    :math:`\|x^k - x^*\| \le \|x^k + g(x^k) - y\| / (1 - L)` in the norm of the certificate
+    :math:`L` of ``g``. Stopped
     samples are frozen: ``g`` is called only on the rows still active, so it must act on every
     sample independently and accept any sub-batch.
 
-    Runs under :func:`torch.no_grad`; the result carries no gradient. Host synchronisations
-    (one per iteration) are deliberate: this is an evaluation routine, not a training forward.
+    Runs under :func:`torch.no_grad` (no gradient), with one host synchronisation per iteration.
 
     Args:
         g: The residual branch, called as ``g(x, *args)`` on a sub-batch ``x`` of shape
@@ -228,8 +240,9 @@ def _iterate(
     # they are gathered again only when some sample stops.
     active = torch.arange(batch, device=y.device)
     x = (y_flat if x0 is None else x0.detach().reshape(batch, -1)).clone()
-    y_a, args_a, tol_a = y_flat, args, tolerance
+    y_a, args_a, tol_a = y_flat, args, tolerance.clone()
     previous = torch.full_like(tolerance, float("inf"))
+    lowest, stalled = previous.clone(), torch.zeros_like(iterations)  # the rounding floor
     evaluations = 0
     for k in range(1, max_iter + 1):
         g_x = g(x.view(-1, *event), *args_a)
@@ -244,6 +257,12 @@ def _iterate(
         # step |T(x) - x| up to rounding).
         x_residual = (x + g_x - y_a).abs().amax(1)
         evaluations += 1
+        progress = x_residual < _PROGRESS * lowest
+        lowest = torch.where(progress, x_residual, lowest)
+        stalled = torch.where(progress, 0, stalled + 1)
+        if tol is None:
+            floor = (stalled >= _STALL) & (x_residual < _FLOOR * tol_a)
+            tol_a = torch.where(floor & (x_residual >= tol_a), _FLOOR * tol_a, tol_a)
         done = x_residual < tol_a  # False for NaN
         current = x
         if solver == "anderson":
@@ -260,11 +279,12 @@ def _iterate(
             iterations[active] = k
             residual[active] = x_residual
             converged[active] = done
+            tolerance[active] = tol_a
             out[active] = current
             if not bool(running.any()):
                 break
             active, x, y_a, tol_a = active[running], x[running], y_a[running], tol_a[running]
-            previous = previous[running]
+            previous, lowest, stalled = previous[running], lowest[running], stalled[running]
             args_a = tuple(a[running] for a in args_a)
             if mixer is not None:
                 mixer.keep(running)
