@@ -30,6 +30,8 @@ TABLES = [
       "held-out-one-pass"], ["docs/held_out.md"]),
     (["long_range", "--table-from", "docs/long_range.json"], ["docs/attention.md"]),
     (["recipes", "--table-from", "docs/recipes.json"], ["docs/recipes.md"]),
+    (["forecast", "--table-from", "docs/forecast.json", "docs/forecast_one_pass.json"],
+     ["docs/forecasting.md"]),
 ]
 
 
