@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -73,6 +74,16 @@ def test_conv_frames_is_conv1d(device, out, inp, k, dilation, causal):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(conv_frames(h, weight, causal=causal, dilation=dilation),
                                expected - bias, rtol=0, atol=1e-12)
+
+
+def test_jacobians_under_vmap_need_no_fallback(device):
+    # torch.func.jacrev vmaps the branch's backward; an op without a batching rule (unfold)
+    # would fall back to a loop and warn the user
+    branch = _branch(device)
+    x = torch.randn(2, 5, 3, dtype=F64, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert jacobian_norm(branch, x, "2").shape == (2,)
 
 
 @pytest.mark.parametrize(("out", "inp", "k", "period"), [(3, 2, 3, 7), (2, 2, 5, 9), (1, 4, 1, 4)])

@@ -161,9 +161,8 @@ def fixed_point_inverse(
     fallen by 10% for 20 evaluations and is within ten times its tolerance has met the rounding
     noise: it stops there, its tolerance raised to ten times the default. The error satisfies
     :math:`\|x^k - x^*\| \le \|x^k + g(x^k) - y\| / (1 - L)` in the norm of the certificate
-    :math:`L` of ``g``. Stopped
-    samples are frozen: ``g`` is called only on the rows still active, so it must act on every
-    sample independently and accept any sub-batch.
+    :math:`L` of ``g``. Stopped samples are frozen: ``g`` is called only on the rows still
+    active, so it must act on every sample independently and accept any sub-batch.
 
     Runs under :func:`torch.no_grad` (no gradient), with one host synchronisation per iteration.
 

@@ -401,12 +401,13 @@ def conv_frames(
         return F.linear(h, weight[..., 0], bias)
     span = dilation * (k - 1) + 1
     left = span - 1 if causal else span // 2
-    pad = (0, 0, left, span - 1 - left)
-    if in_channels <= out_channels:
-        return F.linear(_windows(h, k, pad, dilation), weight.reshape(out_channels, -1), bias)
+    pad, n = (0, 0, left, span - 1 - left), h.shape[1]
+    if in_channels <= out_channels:  # column j C_in + c of the windows: tap j's input channel c
+        padded = F.pad(h, pad)  # slices, not unfold, which has no batching rule under vmap
+        windows = torch.cat([padded[:, j * dilation:j * dilation + n] for j in range(k)], -1)
+        return F.linear(windows, weight.permute(0, 2, 1).reshape(out_channels, -1), bias)
     # column j C_out + o of z is tap j's output channel o at every input frame
     z = F.pad(F.linear(h, weight.permute(2, 0, 1).reshape(k * out_channels, in_channels)), pad)
-    n = h.shape[1]
     y = z[:, :n, :out_channels] + z[:, dilation:dilation + n, out_channels:2 * out_channels]
     for j in range(2, k):
         y += z[:, j * dilation:j * dilation + n, j * out_channels:(j + 1) * out_channels]
