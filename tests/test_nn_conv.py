@@ -74,6 +74,8 @@ def test_conv_frames_is_conv1d(device, out, inp, k, dilation, causal):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(conv_frames(h, weight, causal=causal, dilation=dilation),
                                expected - bias, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match=r"h \(R, N, C_in\)"):
+        conv_frames(h.transpose(1, 2), weight)
 
 
 def test_jacobians_under_vmap_need_no_fallback(device):
@@ -273,6 +275,11 @@ def test_bad_arguments_raise(device):
         branch(torch.randn(2, 5, 2, dtype=F64, device=device))
     with pytest.raises(ValueError, match="max_len=4"):
         branch.lipschitz_constant(5)
+    layer = branch.net[0]
+    with pytest.raises(ValueError, match="max_len=4"):  # the layer on its own, both layouts
+        layer(torch.randn(2, 2, 5, dtype=F64, device=device))
+    with pytest.raises(ValueError, match="max_len=4"):
+        layer.forward_frames(torch.randn(2, 5, 2, dtype=F64, device=device))
     with pytest.raises(ValueError, match="2 features"):
         branch(torch.randn(2, 4, 3, dtype=F64, device=device))
     with pytest.raises(ValueError, match=r"\(B, N, D\)"):

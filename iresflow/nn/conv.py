@@ -250,14 +250,14 @@ class SpectralConv1d(nn.Module):
         """
         if x.dim() != 3 or x.shape[1] != self.in_channels:
             raise ValueError(f"x must have shape (B, {self.in_channels}, N), got {tuple(x.shape)}")
-        if x.shape[-1] > self.max_len:
-            raise ValueError(f"x has length {x.shape[-1]} > max_len={self.max_len}, for which the "
-                             f"certified bound does not hold")
         return self.forward_frames(x.transpose(1, 2)).transpose(1, 2)
 
     def forward_frames(self, h: Tensor) -> Tensor:
-        """:meth:`forward` on frames, channels last: ``(B, N, C_in)`` to ``(B, N, C_out)``, the
-        length unchecked (:func:`~iresflow.nn.layered.conv_frames`)."""
+        """:meth:`forward` on frames, channels last: ``(B, N, C_in)`` to ``(B, N, C_out)``
+        (:func:`~iresflow.nn.layered.conv_frames`); ``ValueError`` for ``N > max_len``."""
+        if h.dim() == 3 and h.shape[1] > self.max_len:
+            raise ValueError(f"x has length {h.shape[1]} > max_len={self.max_len}, for which the "
+                             f"certified bound does not hold")
         return conv_frames(h, self.weight_normalized(), self.bias, causal=self.causal,
                            dilation=self.dilation)
 

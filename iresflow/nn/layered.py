@@ -390,12 +390,18 @@ def conv_frames(
     Returns:
         ``(R, N, C_out)``; equal to ``conv1d`` of ``h`` channels first, to rounding.
 
+    Raises:
+        ValueError: ``weight`` is not ``(C_out, C_in, k)`` or ``h`` not ``(R, N, C_in)``.
+
     Example:
         >>> h, w = torch.randn(2, 5, 3), torch.randn(4, 3, 3)
         >>> y = F.conv1d(h.transpose(1, 2), w, padding=1).transpose(1, 2)
         >>> bool(torch.allclose(conv_frames(h, w), y, atol=1e-5))
         True
     """
+    if weight.dim() != 3 or h.dim() != 3 or h.shape[-1] != weight.shape[1]:
+        raise ValueError(f"weight must be (C_out, C_in, k) and h (R, N, C_in), got weight "
+                         f"{tuple(weight.shape)} and h {tuple(h.shape)}")
     out_channels, in_channels, k = weight.shape
     if k == 1:
         return F.linear(h, weight[..., 0], bias)
