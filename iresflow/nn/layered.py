@@ -359,12 +359,13 @@ class ConvStackLinearization(LayerStackLinearization):
 def _windows(h: Tensor, size: int, pad: tuple[int, int, int, int], dilation: int = 1) -> Tensor:
     """Windows ``out[r, t, c * size + j] = h[r, t + d j - left, c]`` (zero outside the
     sequence) with ``pad = (0, 0, left, right)``, ``left + right = d (size - 1)``, shape
-    ``(R, N, C size)``."""
+    ``(R, N, C size)``. Built from slices, not ``unfold``, which has no batching rule under
+    ``vmap`` (``jacrev`` of a branch would fall back to a loop)."""
     if size == 1:
         return h
-    span = dilation * (size - 1) + 1
-    return F.pad(h, pad).unfold(1, span, 1)[..., ::dilation].reshape(*h.shape[:2],
-                                                                     h.shape[2] * size)
+    padded, n = F.pad(h, pad), h.shape[1]
+    taps = [padded[:, j * dilation:j * dilation + n] for j in range(size)]
+    return torch.stack(taps, -1).reshape(*h.shape[:2], h.shape[2] * size)
 
 
 def conv_frames(
@@ -408,10 +409,8 @@ def conv_frames(
     span = dilation * (k - 1) + 1
     left = span - 1 if causal else span // 2
     pad, n = (0, 0, left, span - 1 - left), h.shape[1]
-    if in_channels <= out_channels:  # column j C_in + c of the windows: tap j's input channel c
-        padded = F.pad(h, pad)  # slices, not unfold, which has no batching rule under vmap
-        windows = torch.cat([padded[:, j * dilation:j * dilation + n] for j in range(k)], -1)
-        return F.linear(windows, weight.permute(0, 2, 1).reshape(out_channels, -1), bias)
+    if in_channels <= out_channels:
+        return F.linear(_windows(h, k, pad, dilation), weight.reshape(out_channels, -1), bias)
     # column j C_out + o of z is tap j's output channel o at every input frame
     z = F.pad(F.linear(h, weight.permute(2, 0, 1).reshape(k * out_channels, in_channels)), pad)
     y = z[:, :n, :out_channels] + z[:, dilation:dilation + n, out_channels:2 * out_channels]
