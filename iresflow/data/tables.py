@@ -117,8 +117,9 @@ class TableLayout(SettingsRecord):
             >>> TableLayout(window=4, window_split="random").given(), TableLayout().given()
             (['window', 'window_split'], [])
         """
+        default = TableLayout()
         changed = [f.name for f in dataclasses.fields(self)
-                   if getattr(self, f.name) != getattr(TableLayout(), f.name)]
+                   if getattr(self, f.name) != getattr(default, f.name)]
         return changed if self.window is not None else [n for n in changed if n != "window_split"]
 
     @property
