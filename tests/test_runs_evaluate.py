@@ -127,6 +127,11 @@ def test_log_prob_cost_scales_as_its_terms() -> None:
     conv = config.replace(layers=("conv",))
     assert log_prob_cost(conv, 4, longer, method="exact") < log_prob_cost(
         config.replace(layers=("attention",)), 4, longer, method="exact")
+    # a causal flow factorises the n diagonal D x D blocks of its Jacobian, not the whole
+    causal = conv.replace(causal=True)
+    saved = log_prob_cost(conv, 4, longer, method="exact") - log_prob_cost(
+        causal, 4, longer, method="exact")
+    assert saved == pytest.approx(2 * 3 * ((40 * 4) ** 3 - 40 * 4**3) / 3)
     with pytest.raises(ValueError, match="method must be exact or roulette"):
         log_prob_cost(config, 4, mask, method="auto")
 

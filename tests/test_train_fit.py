@@ -59,6 +59,24 @@ def test_fit_hook_does_not_change_training() -> None:
     assert _without_seconds(hooked.history) == _without_seconds(plain.history)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_auto_validation_is_exact_where_the_log_determinant_splits_by_frames(
+    causal: bool,
+) -> None:
+    config = TINY.replace(eval_method="auto", eval_n_samples=2)
+    config = config.replace(model=config.model.replace(causal=causal))
+    data = load_data(config)
+    result = fit(config, data)
+    assert result.model.exact_by_frames is causal
+    # exact: no standard error, and the NLL of the exact log-densities; else two estimates
+    assert ("val_nll_stderr" in result.history[0]) is not causal
+    exact = data.nll(split_log_prob(result.model, data.val, method="exact")[0], data.val)
+    if causal:
+        assert result.best_val_nll == pytest.approx(exact, rel=1e-6)
+    else:
+        assert result.best_val_nll != pytest.approx(exact, rel=1e-6)
+
+
 def test_fit_refuses_a_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fit_module, "current_world", lambda: World(1, 2))
     config = TINY

@@ -14,6 +14,7 @@ from iresflow.train.likelihood import (
     sharded_log_prob,
     split_log_prob,
     trimmed_batch,
+    validation_method,
 )
 from tests.tiny_runs import TINY
 
@@ -86,3 +87,15 @@ def test_a_trimmed_batch_keeps_the_frames_after_a_gap() -> None:
     x, trimmed = trimmed_batch(split, torch.tensor([0, 1]), torch.device("cpu"))
     assert trimmed.tolist() == [[True, False, True], [True, True, False]]
     assert x[:, :, 0].tolist() == [[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]]
+
+
+def test_validation_method_resolves_auto_by_the_structure_of_the_flow() -> None:
+    causal = ResidualSequenceFlow(features=2, max_len=6, n_blocks=1, hidden=4, causal=True)
+    mixing = ResidualSequenceFlow(features=2, max_len=6, n_blocks=1, hidden=4)
+    frames = ResidualSequenceFlow(features=2, max_len=6, n_blocks=1, hidden=4,
+                                  layers=("mlp",))
+    assert [validation_method(m, "auto") for m in (causal, mixing, frames)] == [
+        "exact", "roulette", "exact"]
+    for method in ("exact", "roulette"):
+        assert validation_method(mixing, method) == validation_method(causal, method) == method
+    assert validation_method(torch.nn.Linear(2, 2), "roulette") is None  # its own log_prob

@@ -45,7 +45,7 @@ from iresflow.logdet._hutchinson import needs_graph, repeat_rows, repeated_input
 from iresflow.logdet.base import LogDetEstimator
 from iresflow.nn.base import LipschitzBranch
 
-__all__ = ["ExactLogDet", "frame_logdets", "jacobian_blocks"]
+__all__ = ["ExactLogDet", "frame_logdets", "jacobian_blocks", "splits_by_frames"]
 
 
 #: Matrix size from which CPU batches are factorised one matrix at a time (see :func:`_slogdet`).
@@ -345,7 +345,7 @@ def frame_logdets(
         ValueError: the branch is neither position-wise nor causal (its log-determinant has no
             share per frame), or a diagonal block has a non-positive determinant.
     """
-    if not _splits_by_frames(branch):
+    if not splits_by_frames(branch):
         raise ValueError(f"{type(branch).__name__} is neither position-wise nor causal: its "
                          f"log-determinant has no share per frame")
     return _block_logdets(branch, x, mask)
@@ -363,7 +363,7 @@ def _block_logdets(
     else:
         eye = torch.eye(jac.shape[-1], dtype=x.dtype, device=x.device)
         sign, logabsdet = _slogdet(eye + jac)
-    if _splits_by_frames(branch) and mask is not None:
+    if splits_by_frames(branch) and mask is not None:
         logabsdet = logabsdet * mask
         sign = sign.masked_fill(~mask, 1.0)
     if not bool((sign > 0).all()):
@@ -375,7 +375,14 @@ def _block_logdets(
     return out, logabsdet
 
 
-def _splits_by_frames(branch: LipschitzBranch) -> bool:
+def splits_by_frames(branch: LipschitzBranch) -> bool:
     """Whether the branch is position-wise or causal (a branch that does not declare
-    ``causal`` is not), so that its Jacobian's blocks are one per frame."""
+    ``causal`` is not), so that the log-determinant of its step is a sum over frames of the
+    log-determinants of the ``D x D`` diagonal blocks of its Jacobian (:func:`frame_logdets`).
+
+    Example:
+        >>> from iresflow.nn.mlp import LipschitzMLP
+        >>> splits_by_frames(LipschitzMLP((2, 8, 2)))
+        True
+    """
     return bool(branch.position_wise or getattr(branch, "causal", False))

@@ -37,6 +37,7 @@ from iresflow._validation import (
     check_int,
 )
 from iresflow.logdet.base import LogDetEstimator
+from iresflow.logdet.exact import splits_by_frames
 from iresflow.logdet.policy import LogDetPolicy, logdet_policy, set_generator
 from iresflow.models import evaluation
 from iresflow.models.distributions import SequenceBase, StandardNormalSequence, sample_mask
@@ -337,6 +338,15 @@ class SequenceFlow(CausalMethods, nn.Module):
             (name, step) for name, step in self.transform.named_steps()
             if hasattr(step, "last_inverse_stats")
         ])
+
+    @property
+    def exact_by_frames(self) -> bool:
+        """Whether every residual step's branch is position-wise or causal over frames
+        (:func:`~iresflow.logdet.exact.splits_by_frames`): then the exact log-density costs a
+        few branch passes and one ``D x D`` determinant per frame and step, not a factorisation
+        of each sequence's whole ``N D x N D`` Jacobian, and validation uses it
+        (docs/forecasting.md#frame-scores)."""
+        return all(splits_by_frames(block.branch) for block in self._residual_blocks())
 
     @torch.no_grad()
     def lipschitz_report(

@@ -187,8 +187,8 @@ class TrainConfig(SettingsRecord):
     device: str = setting("auto", "cpu, cuda, cuda:N or auto (CUDA when available)")
     # evaluation
     eval_method: str = setting(
-        "roulette", "log-determinant of the validation NLL after every epoch",
-        ("exact", "roulette"),
+        "auto", "log-determinant of the validation NLL after every epoch (auto: exact when it "
+        "splits by frames, as in a causal flow, else roulette)", ("auto", "exact", "roulette"),
     )
     eval_n_samples: int = setting(
         4,

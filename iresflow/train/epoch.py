@@ -56,6 +56,7 @@ from iresflow.train.likelihood import (
     placement,
     split_log_prob,
     trimmed_batch,
+    validation_method,
 )
 
 __all__ = ["CHECKPOINT_FORMAT", "TrainingDivergedError", "TrainingSession"]
@@ -353,14 +354,15 @@ class TrainingSession:
     def validate(self) -> dict[str, float]:
         """Validation NLL (with the averaged weights, if kept) and, for a flow, the inverse check.
 
-        A flow is validated with ``eval_method``, any other model with its own ``log_prob`` in
-        eval mode.
+        A flow is validated with ``eval_method``
+        (:func:`~iresflow.train.likelihood.validation_method`), any other model with its own
+        ``log_prob`` in eval mode.
 
         Raises:
             TrainingDivergedError: a non-finite NLL or a diverging inverse with ``on_nan = stop``.
         """
         config, val = self.config, self.dataset.val
-        method = config.eval_method if self.flow is not None else None
+        method = validation_method(self.model, config.eval_method)
         with averaged_parameters(self.model, self.average):
             log_prob, stderr = split_log_prob(
                 self.model, val, method=method, n_samples=config.eval_n_samples,

@@ -33,6 +33,7 @@ __all__ = [
     "sharded_log_prob",
     "split_log_prob",
     "trimmed_batch",
+    "validation_method",
 ]
 
 #: Sequences reconstructed by :func:`inverse_check`.
@@ -160,6 +161,28 @@ def batch_context(
     return values[index].to(device)
 
 
+def validation_method(model: nn.Module, eval_method: str) -> str | None:
+    r"""The log-determinant method of a model's validation NLL for the setting ``eval_method``.
+
+    A model that is not a flow has its own ``log_prob`` (``None``). For a flow, ``"auto"`` is
+    ``"exact"`` when its exact log-determinant splits by frames
+    (:attr:`~iresflow.models.flow.SequenceFlow.exact_by_frames`: a causal or position-wise
+    chain, a few branch passes per step and a :math:`D \times D` determinant per frame) and
+    ``"roulette"`` otherwise; ``"exact"`` and ``"roulette"`` are taken as they are.
+
+    Example:
+        >>> from iresflow.models.residual_flow import ResidualSequenceFlow
+        >>> flow = ResidualSequenceFlow(features=2, max_len=8, n_blocks=1, causal=True)
+        >>> validation_method(flow, "auto"), validation_method(nn.Linear(2, 2), "auto")
+        ('exact', None)
+    """
+    if not isinstance(model, SequenceFlow):
+        return None
+    if eval_method == "auto":
+        return "exact" if model.exact_by_frames else "roulette"
+    return eval_method
+
+
 def split_log_prob(
     model: nn.Module,
     split: SequenceSplit | StoredSplit,
@@ -224,13 +247,15 @@ def log_prob_cost(
     :math:`D \times D` blocks of an MLP step from :math:`D` backward passes, the banded
     Jacobian of a convolution step from :math:`(2k - 1) D` and the dense Jacobian of an
     attention step from :math:`nD`, and factorises the :math:`nD \times nD` Jacobians,
-    :math:`(nD)^3 / 3`; each roulette estimate costs :data:`ROULETTE_PASSES` forward-pass
-    equivalents per residual step. The autoregressive and mixing layers are linear with
-    closed-form log-determinants and are not counted. Constant factors are rough: the estimate
-    compares methods and sizes, it does not predict seconds.
+    :math:`(nD)^3 / 3`, or only their :math:`n` diagonal blocks, :math:`n D^3 / 3`, in a
+    causal flow (docs/forecasting.md#frame-scores); each roulette estimate costs
+    :data:`ROULETTE_PASSES` forward-pass equivalents per residual step. The autoregressive and
+    mixing layers are linear with closed-form log-determinants and are not counted. Constant
+    factors are rough: the estimate compares methods and sizes, it does not predict seconds.
 
     Args:
-        config: Model settings (``n_blocks``, ``layers``, ``hidden``, ``kernel_size`` are used).
+        config: Model settings (``n_blocks``, ``layers``, ``hidden``, ``kernel_size`` and
+            ``causal`` are used).
         features: Features ``D`` per frame.
         mask: Padding mask of the split ``(B, N)``, ``True`` for real frames.
         method: ``"exact"`` or ``"roulette"``.
@@ -254,9 +279,10 @@ def log_prob_cost(
         "conv": n * (2 * k * d * h + h * h),
         "attention": n * n * d + 2 * n * d * d,
     }
+    factorised = n * d**3 / 3 if config.causal else (n * d) ** 3 / 3
     exact = {
         "mlp": d * forward["mlp"],
-        "conv": (2 * k - 1) * d * forward["conv"] + (n * d) ** 3 / 3,
+        "conv": (2 * k - 1) * d * forward["conv"] + factorised,
         "attention": n * d * forward["attention"] + (n * d) ** 3 / 3,
     }
     steps = [kind for kind in config.layers if kind in forward]
