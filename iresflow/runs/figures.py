@@ -145,5 +145,24 @@ def plot_forecast(run: LoadedRun, forecast: Forecast, sequence: int, path: str |
     return plot_fan(
         forecast.observed[sequence, :start], forecast.mask[sequence, :start],
         forecast.samples[:, sequence], start, path, truth=truth, truth_mask=truth_mask,
-        labels=replace(labels, data=f"{labels.data}, sequence {int(forecast.index[sequence])}"),
+        labels=replace(labels, data=_source_title(labels.data, forecast, sequence)),
     )
+
+
+def _source_title(data: str, forecast: Forecast, sequence: int) -> str:
+    """Where a forecast sequence comes from, for titles: the run's data and the split of a
+    held-out forecast, or the file whose series were continued, with the sequence's index.
+
+    Example:
+        >>> held = Forecast(torch.zeros(2, 1, 3, 1), torch.zeros(1, 5, 1),
+        ...                 torch.ones(1, 5, dtype=torch.bool), torch.tensor([5]),
+        ...                 torch.tensor([7]), torch.zeros(1, 3, 1), None, None, {}, "test")
+        >>> _source_title("GunPoint_TRAIN.ts", held, 0)
+        'GunPoint_TRAIN.ts, test split, sequence 7'
+        >>> _source_title("GunPoint_TRAIN.ts", replace(held, truth=None, source="/d/new.csv"), 0)
+        'new.csv, sequence 7'
+    """
+    index = int(forecast.index[sequence])
+    if forecast.truth is None:
+        return f"{Path(forecast.source).name}, sequence {index}"
+    return f"{data}, {forecast.source} split, sequence {index}"
