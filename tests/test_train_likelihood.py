@@ -99,3 +99,5 @@ def test_validation_method_resolves_auto_by_the_structure_of_the_flow() -> None:
     for method in ("exact", "roulette"):
         assert validation_method(mixing, method) == validation_method(causal, method) == method
     assert validation_method(torch.nn.Linear(2, 2), "roulette") is None  # its own log_prob
+    with pytest.raises(ValueError, match="eval_method must be auto, exact or roulette, got 'se"):
+        validation_method(causal, "series")

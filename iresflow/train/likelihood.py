@@ -170,12 +170,17 @@ def validation_method(model: nn.Module, eval_method: str) -> str | None:
     chain, a few branch passes per step and a :math:`D \times D` determinant per frame) and
     ``"roulette"`` otherwise; ``"exact"`` and ``"roulette"`` are taken as they are.
 
+    Raises:
+        ValueError: ``eval_method`` is not ``"auto"``, ``"exact"`` or ``"roulette"``.
+
     Example:
         >>> from iresflow.models.residual_flow import ResidualSequenceFlow
         >>> flow = ResidualSequenceFlow(features=2, max_len=8, n_blocks=1, causal=True)
         >>> validation_method(flow, "auto"), validation_method(nn.Linear(2, 2), "auto")
         ('exact', None)
     """
+    if eval_method not in ("auto", "exact", "roulette"):
+        raise ValueError(f"eval_method must be auto, exact or roulette, got {eval_method!r}")
     if not isinstance(model, SequenceFlow):
         return None
     if eval_method == "auto":
