@@ -269,14 +269,9 @@ class StudentTSequence(SequenceBase):
 
         Groups ``"feature"`` and ``"frame"`` lie within a frame, so new frames are a fresh
         draw. For ``"sequence"``, given :math:`k_o` observed coordinates with squared norm
-        :math:`q_o`, the new ones are a t with :math:`
-u + k_o` degrees of freedom and scale
-        :math:`\sqrt{(
-u + q_o) / (
-u + k_o)}`: :math:`T\, g \sqrt{(
-u + q_o) / w}` with
-        :math:`w \sim \chi^2_{
-u + k_o}`, one per sequence.
+        :math:`q_o`, the new ones are a t with :math:`\nu + k_o` degrees of freedom and scale
+        :math:`\sqrt{(\nu + q_o) / (\nu + k_o)}`: :math:`T\, g \sqrt{(\nu + q_o) / w}` with
+        :math:`w \sim \chi^2_{\nu + k_o}`, one per sequence.
         """
         if self.group != "sequence":
             return self._sample_new_frames(z, observed, mask, generator, temperature, context)
