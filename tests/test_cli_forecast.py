@@ -13,7 +13,7 @@ import torch
 from iresflow.cli import main
 from iresflow.data.datasets import load_dataset
 from iresflow.runs.evaluate import frame_scores
-from iresflow.runs.forecast import forecast_run
+from iresflow.runs.forecast import forecast_run, hold_out
 from iresflow.runs.load import load_run
 from iresflow.runs.scoring import QUANTILES
 
@@ -68,6 +68,8 @@ def test_forecast_holds_out_the_last_frames_and_scores_them(
     assert (np.diff(saved["quantiles"], axis=0) >= 0).all()
     assert saved["crps"].shape == (12,) and (saved["crps"] > 0).all()
     assert 0.0 <= float(saved["coverage_90"]) <= 1.0 and np.isfinite(saved["energy"])
+    assert "scale of the new frames' noise given the observed ones" in printed
+    assert saved["scale"].shape == (len(index),) and (saved["scale"] > 0).all()
 
 
 def test_forecast_is_reproducible_by_its_seed(causal_run: Path) -> None:
@@ -77,6 +79,31 @@ def test_forecast_is_reproducible_by_its_seed(causal_run: Path) -> None:
     assert torch.equal(first.samples, again.samples)
     assert not torch.equal(first.samples, other.samples)
     assert first.scores is not None and first.scores["frames"] == 2 * len(first.index)
+
+
+def test_forecast_reports_the_scale_the_observed_noise_gives_the_new_noise(
+    causal_run: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sequence-level t of the run: sqrt((nu + q_o) / (nu + k_o)) of the observed frames'
+    noise; a base that does not report it leaves it out."""
+    run = load_run(causal_run)
+    forecast = forecast_run(run, horizon=2, num=4, seed=3)
+    held = hold_out(run.dataset.test, 2)
+    x = torch.where(held.observed[..., None], held.x, 0.0).to(next(run.model.parameters()))
+    with torch.no_grad():
+        z = run.model.transform_to_noise(x, held.observed.to(x.device)).cpu().double()
+    nu = float(run.model.base.nu.detach())
+    square = (z.square().sum(-1) * held.observed).sum(1)
+    known = held.observed.sum(1) * z.shape[-1]
+    assert forecast.scale is not None
+    torch.testing.assert_close(forecast.scale.double(), ((nu + square) / (nu + known)).sqrt(),
+                               rtol=1e-4, atol=0.0)
+
+    def silent(z: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    monkeypatch.setattr(run.model.base, "given_scale", silent)
+    assert forecast_run(run, horizon=2, num=4, seed=3).scale is None
 
 
 def test_forecast_of_a_file_continues_every_sequence(causal_run: Path, tmp_path: Path) -> None:

@@ -153,7 +153,11 @@ def test_sequence_t_draw_given_observed_frames_is_the_conditional_t(device):
     scale = (nu + square) / (nu + known)
     statistic = (drawn[:, 3:].square().sum((1, 2)) / (4 * scale)).cpu().numpy()
     assert stats.kstest(statistic, stats.f(4, nu + known).cdf).pvalue > 1e-3
+    nu_stored = float(base.nu.detach())  # 5 up to the rounding of its parameter
+    expected = (nu_stored + square) / (nu_stored + known)
+    assert base.given_scale(z, observed).square().sub(expected).abs().max() < 1e-12
     frame = StudentTSequence(2, group="frame", nu_init=nu).to(device, torch.float64)
+    assert torch.equal(frame.given_scale(z, observed), torch.ones_like(z[:, 0, 0]))
     drawn = frame.sample_given(z, observed, mask, torch.Generator(device).manual_seed(4))
     statistic = (drawn[:, 3].square().sum(-1) / 2).cpu().numpy()
     assert stats.kstest(statistic, stats.f(2, nu).cdf).pvalue > 1e-3

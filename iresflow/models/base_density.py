@@ -138,6 +138,30 @@ class SequenceBase(nn.Module, ABC):
             f"sample_given to forecast with it"
         )
 
+    def given_scale(self, z: Tensor, observed: Tensor) -> Tensor:
+        r"""The scale of the noise of new frames given the noise ``z`` of the observed frames,
+        relative to the scale of an unconditional draw (docs/forecasting.md#conditional-noise).
+
+        1 where the frames are independent; above 1 where the observed noise makes the base
+        expect a louder sequence than usual (a sequence-level t after surprising frames), so
+        that every forecast drawn from it spreads wider.
+
+        Args:
+            z: Noise ``(B, N, D)``, read at the ``observed`` frames only.
+            observed: Boolean mask ``(B, N)`` of the frames whose noise is given.
+
+        Returns:
+            Shape ``(B,)``.
+
+        Raises:
+            NotImplementedError: the base does not report it (the default for a base
+                registered from outside that does not implement it).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not report the scale of its conditional draw: "
+            f"implement given_scale"
+        )
+
     def _sample_new_frames(
         self, z: Tensor, observed: Tensor, mask: Tensor, generator: torch.Generator | None,
         temperature: float, context: Tensor | None,

@@ -122,6 +122,10 @@ class StandardNormalSequence(SequenceBase):
         are standard normal whatever the observed ones."""
         return self._sample_new_frames(z, observed, mask, generator, temperature, context)
 
+    def given_scale(self, z: Tensor, observed: Tensor) -> Tensor:
+        """See :meth:`SequenceBase.given_scale`: 1, the frames are independent."""
+        return z.new_ones(z.shape[0])
+
     def extra_repr(self) -> str:
         return f"features={self.features}"
 
@@ -276,14 +280,37 @@ class StudentTSequence(SequenceBase):
         if self.group != "sequence":
             return self._sample_new_frames(z, observed, mask, generator, temperature, context)
         generator, temperature = _check_draw(mask, generator, temperature)
-        nu = self.nu.detach().to(device=z.device, dtype=z.dtype)
-        known = observed.sum(-1).to(z.dtype) * self.features
-        square = _real_frames(z.square().sum(-1), observed).sum(-1)
+        nu, known, square = self._observed(z, observed)
         g = torch.randn(z.shape, generator=generator, device=z.device, dtype=z.dtype)
         chi_square = 2 * sample_gamma((nu + known) / 2, generator)
         new = g * (torch.sqrt((nu + square) / chi_square) * temperature)[:, None, None]
         return torch.where(observed.unsqueeze(-1), z,
                            torch.where((mask & ~observed).unsqueeze(-1), new, 0.0))
+
+    def given_scale(self, z: Tensor, observed: Tensor) -> Tensor:
+        r"""See :meth:`SequenceBase.given_scale`: 1 for the groups within a frame; for
+        ``"sequence"``, the scale :math:`\sqrt{(\nu + q_o) / (\nu + k_o)}` of the t of the new
+        coordinates (:meth:`sample_given`).
+
+        Example:
+            >>> base = StudentTSequence(1, group="sequence", nu_init=4.0)
+            >>> z = torch.tensor([[[1.0], [1.0], [0.0]], [[10.0], [10.0], [0.0]]])
+            >>> observed = torch.tensor([[True, True, False], [True, True, False]])
+            >>> base.given_scale(z, observed)
+            tensor([1.0000, 5.8310])
+        """
+        if self.group != "sequence":
+            return z.new_ones(z.shape[0])
+        nu, known, square = self._observed(z, observed)
+        return torch.sqrt((nu + square) / (nu + known))
+
+    def _observed(self, z: Tensor, observed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(nu, k_o, q_o)``: the degrees of freedom, and the number of observed coordinates
+        and their squared norm per sequence ``(B,)``."""
+        nu = self.nu.detach().to(device=z.device, dtype=z.dtype)
+        known = observed.sum(-1).to(z.dtype) * self.features
+        square = _real_frames(z.square().sum(-1), observed).sum(-1)
+        return nu, known, square
 
     def extra_repr(self) -> str:
         return f"features={self.features}, group={self.group}"

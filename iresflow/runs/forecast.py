@@ -59,6 +59,9 @@ class Forecast:
             to failing over every batch (:func:`~iresflow.runs.sample.worst_solve`) and whether
             its residual is below its tolerance.
         source: The split's name or the file's path.
+        scale: The base's scale of every sequence's new noise given its observed noise
+            ``(B,)`` (:meth:`~iresflow.models.base_density.SequenceBase.given_scale`; 1 for a
+            base whose frames are independent), or ``None`` for a base that does not report it.
     """
 
     samples: Tensor
@@ -71,6 +74,7 @@ class Forecast:
     scores: dict[str, Any] | None
     diagnostics: dict[str, Any]
     source: str
+    scale: Tensor | None = None
 
 
 def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
@@ -111,17 +115,18 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
                                                               settings.horizon)
         index = torch.arange(len(x))
     generator = torch.Generator(parameter.device).manual_seed(settings.seed)
-    parts, worst = [], {"residual": 0.0, "tolerance": math.inf}
+    parts, scales, worst = [], [], {"residual": 0.0, "tolerance": math.inf}
     past = torch.where(observed[..., None], x, 0.0)
     for batch in torch.arange(len(x)).split(run.config.batch_size):
         context = None if settings.data is not None else batch_context(
             run.model, getattr(run.dataset, settings.split), index[batch], parameter.device)
+        seen = (past[batch].to(parameter), observed[batch].to(parameter.device))
         draws = run.model.forecast(
-            past[batch].to(parameter), observed[batch].to(parameter.device),
-            horizon=settings.horizon, num_samples=settings.num, generator=generator,
+            *seen, horizon=settings.horizon, num_samples=settings.num, generator=generator,
             temperature=settings.temperature, context=context,
         )
         parts.append(draws.cpu())
+        scales.append(_given_scale(run, *seen, context))
         solve = worst_solve(run.model)
         if solve["residual"] / solve["tolerance"] >= worst["residual"] / worst["tolerance"]:
             worst = solve
@@ -132,8 +137,22 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
         truth, truth_mask = held_out_truth(run.dataset, held), held.truth_mask
         scores = forecast_scores(samples, truth, truth_mask)
     diagnostics = {**worst, "converged": worst["residual"] < worst["tolerance"]}
+    scale = None if any(part is None for part in scales) else torch.cat(scales)
     return Forecast(samples, run.dataset.to_raw(past, observed), observed, start, index, truth,
-                    truth_mask, scores, diagnostics, source)
+                    truth_mask, scores, diagnostics, source, scale)
+
+
+def _given_scale(
+    run: LoadedRun, x: Tensor, observed: Tensor, context: Tensor | None
+) -> Tensor | None:
+    """The base's scale of the new noise of a batch given its observed frames ``(b,)`` on the
+    CPU, or ``None`` for a base that does not report it."""
+    with torch.no_grad():
+        z = run.model.transform_to_noise(x, observed, context=context)
+        try:
+            return run.model.base.given_scale(z, observed).cpu()
+        except NotImplementedError:
+            return None
 
 
 @dataclass(frozen=True)
@@ -268,7 +287,7 @@ def save_forecast(forecast: Forecast, path: str | os.PathLike) -> Path:
 
     The arrays: ``samples (S, B, H, D)``, ``quantiles (Q, B, H, D)`` at the ``levels (Q,)`` of
     :data:`~iresflow.runs.scoring.QUANTILES`, ``observed (B, N, D)``, ``mask (B, N)``,
-    ``start (B,)``, ``index (B,)``;
+    ``start (B,)``, ``index (B,)``, ``scale (B,)`` (where the base reports it);
     for a held-out forecast also ``truth (B, H, D)``, ``truth_mask (B, H)``, ``crps (D,)``,
     ``energy``, ``coverage_50`` and ``coverage_90``.
 
@@ -288,6 +307,8 @@ def save_forecast(forecast: Forecast, path: str | os.PathLike) -> Path:
         "observed": forecast.observed.numpy(), "mask": forecast.mask.numpy(),
         "start": forecast.start.numpy(), "index": forecast.index.numpy(),
     }
+    if forecast.scale is not None:
+        arrays["scale"] = forecast.scale.numpy()
     if forecast.truth is not None and forecast.truth_mask is not None and forecast.scores:
         arrays |= {"truth": forecast.truth.numpy(), "truth_mask": forecast.truth_mask.numpy(),
                    "crps": np.array(forecast.scores["crps"]),

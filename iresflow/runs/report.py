@@ -217,8 +217,9 @@ def describe_samples(run: LoadedRun, samples: Samples) -> str:
 
 
 def describe_forecast(run: LoadedRun, forecast: Forecast) -> str:
-    """What was forecast, its scores against the frames that followed (held-out forecasts),
-    and whether every fixed-point inverse converged."""
+    """What was forecast, its scores against the frames that followed (held-out forecasts), how
+    far the observed frames widened the base's draws (where it reports it), and whether every
+    fixed-point inverse converged."""
     draws, sequences, horizon, _ = forecast.samples.shape
     what = ("in place of the last frames of" if forecast.truth is not None
             else "after the end of")
@@ -234,6 +235,13 @@ def describe_forecast(run: LoadedRun, forecast: Forecast) -> str:
             f"coverage of the 50% interval {scores['coverage']['50']:.1%}, of the 90% interval "
             f"{scores['coverage']['90']:.1%} ({scores['frames']} frames scored)",
         ]
+    if forecast.scale is not None:
+        widest = int(forecast.scale.argmax())
+        lines.append(
+            f"scale of the new frames' noise given the observed ones (1: as without them): "
+            f"median {float(forecast.scale.median()):.3g}, largest "
+            f"{float(forecast.scale[widest]):.3g} (sequence {int(forecast.index[widest])})"
+        )
     diagnostics = forecast.diagnostics
     verdict = "converged" if diagnostics["converged"] else "NOT converged: residual above tolerance"
     lines.append(f"inverse: worst residual {diagnostics['residual']:.2e} against its tolerance "
