@@ -256,10 +256,10 @@ def _iterate(
         # step |T(x) - x| up to rounding).
         x_residual = (x + g_x - y_a).abs().amax(1)
         evaluations += 1
-        progress = x_residual < _PROGRESS * lowest
-        lowest = torch.where(progress, x_residual, lowest)
-        stalled = torch.where(progress, 0, stalled + 1)
-        if tol is None:
+        if tol is None:  # an explicit tolerance has no rounding floor
+            progress = x_residual < _PROGRESS * lowest
+            lowest = torch.where(progress, x_residual, lowest)
+            stalled = torch.where(progress, 0, stalled + 1)
             floor = (stalled >= _STALL) & (x_residual < _FLOOR * tol_a)
             tol_a = torch.where(floor & (x_residual >= tol_a), _FLOOR * tol_a, tol_a)
         done = x_residual < tol_a  # False for NaN
