@@ -27,6 +27,7 @@ from iresflow.data.preprocessing import (
     interpolate_gaps,
     uniform_dequantize,
 )
+from iresflow.data.quantization import DEQUANTIZE_CHOICES, dequantize_features
 from iresflow.data.readers import (
     pad_sequences,
     pad_to,
@@ -41,6 +42,7 @@ from iresflow.data.tables import TableLayout
 from iresflow.data.user_files import (
     USER_FILE_SUFFIXES,
     USER_SOURCES,
+    check_table_arguments,
     read_user_file,
     read_user_labels,
     source_name,
@@ -219,8 +221,9 @@ def _warn_small_splits(name: str, indices: tuple[Tensor, Tensor, Tensor]) -> Non
 
 def _load_user(
     kind: str, path: str | os.PathLike | Any | None, test_path: str | os.PathLike | Any | None,
-    seed: int, val_fraction: float | None, layout: TableLayout,
+    seed: int, val_fraction: float | None, table: TableLayout | None, dequantize: str,
 ) -> SequenceDataset:
+    layout = table or TableLayout()
     if path is None:
         raise ValueError(f"load_dataset({kind!r}) needs path= pointing to {USER_SOURCES[kind]}")
     file, test_file = (value if value is None or is_data_frame(value)
@@ -263,6 +266,10 @@ def _load_user(
             train, val, _ = split(n_train_file, val_fraction, 0.0)
             indices = (train, val, torch.arange(n_train_file, raw.shape[0]))
         name = file.name if isinstance(file, Path) else "DataFrame"
+        if dequantize == "auto":  # the grids of the training file's values
+            fit_rows = raw.shape[0] if test is None else n_train_file
+            copies = layout.overlap + 1 if kind == "table" else 1  # windows holding a frame
+            raw = dequantize_features(raw, mask, fit_rows, generator, name, copies)
         _warn_small_splits(name, indices)
         labels = None if names is None else class_indices(names)
         return _standardised(name, raw, mask, indices, labels, covariates, val_fraction)
@@ -330,6 +337,7 @@ def load_dataset(
     test_path: str | os.PathLike | Any | None = None,
     memory_cap: int = 0,
     table: TableLayout | None = None,
+    dequantize: str = "auto",
 ) -> SequenceDataset:
     """Load a dataset by name, user sequences from a file or a DataFrame, or a store folder.
 
@@ -346,9 +354,9 @@ def load_dataset(
       split: ``val_fraction`` validation, 10% test, the rest training. With ``test_path`` (e.g.
       the UEA pair ``*_TRAIN.ts`` / ``*_TEST.ts``) the test file is the test split and
       ``val_fraction`` of the training file is held out for validation. Standardised with the
-      training split's observed frames; nats/frame.
-      Missing frames (a boolean ``mask`` in ``.npz``, ``?``/``NaN`` in ``.ts``) are unobserved.
-      A ``UserWarning`` names every split with fewer than :data:`MIN_SPLIT_SEQUENCES` sequences.
+      training split's observed frames; nats/frame. Missing frames (a boolean ``mask`` in
+      ``.npz``, ``?``/``NaN`` in ``.ts``) are unobserved. A ``UserWarning`` names every split
+      with fewer than :data:`MIN_SPLIT_SEQUENCES` sequences.
     * ``table``: a long-format table at ``path`` (or a file as ``name``), read as ``table``
       says (:func:`~iresflow.data.tables.read_table`), then split like an ``npz`` file.
     * a sequence-store folder (:mod:`iresflow.data.store`) as ``name``: data larger than memory,
@@ -356,16 +364,16 @@ def load_dataset(
       a test file, standardised in one streaming pass; nats/frame.
 
     Args:
-        name: One of :func:`available_datasets`, or a path ending in one of
-            :data:`USER_FILE_SUFFIXES`.
+        name: One of :func:`available_datasets`, or a path ending in :data:`USER_FILE_SUFFIXES`.
         seed: Seed of the torch generator for splits and dequantisation.
         path: The user file for ``"npz"``, ``"ts"`` and ``"table"`` (also a DataFrame).
         val_fraction: Fraction in ``(0, 1)`` for validation; ``None``: :func:`default_val_fraction`.
         test_path: Optional test file of a user dataset, in the format of the training file.
-        memory_cap: For a store, megabytes its memory map may keep resident before it is
-            re-opened, which bounds the memory the data occupy (0: no cap; see
+        memory_cap: For a store, megabytes its memory map may keep resident (0: no cap; see
             :class:`~iresflow.data.store.SequenceStore`).
         table: For table data, its columns and windows (default: ``TableLayout()``).
+        dequantize: For user data, ``"auto"`` (dequantise the features on a grid,
+            :func:`~iresflow.data.quantization.dequantize_features`) or ``"off"``.
 
     Returns:
         The dataset.
@@ -379,7 +387,7 @@ def load_dataset(
         >>> len(ds.train) + len(ds.val) + len(ds.test), ds.test.x.shape
         (640, torch.Size([370, 29, 12]))
     """
-    _check_load_arguments(name, seed, val_fraction, path, test_path, memory_cap, table)
+    _check_load_arguments(name, seed, val_fraction, path, test_path, memory_cap, table, dequantize)
     if is_store(name):
         if path is not None or test_path is not None:
             raise ValueError(f"a store folder takes no path or test_path ({name!r})")
@@ -390,7 +398,7 @@ def load_dataset(
             raise ValueError(f"give the file either as name or as path, not both ({name!r})")
         name, path = kind, name
     if name in _USER_KINDS:
-        return _load_user(name, path, test_path, seed, val_fraction, table or TableLayout())
+        return _load_user(name, path, test_path, seed, val_fraction, table, dequantize)
     for label, value in (("path", path), ("test_path", test_path)):
         if value is not None:
             raise ValueError(f"{label} is only used by user files, not {name!r}")
@@ -402,18 +410,6 @@ def load_dataset(
     return _LOADERS[name](seed, val_fraction)
 
 
-def _check_table_arguments(name: str, path: object, test_path: object, table: object) -> None:
-    """Table settings and DataFrames are for table data only (``ValueError``)."""
-    if name == "table" or user_file_kind(name) == "table":
-        return
-    if isinstance(table, TableLayout) and table.given():
-        raise ValueError(f"table is only used by table data (.csv, .parquet, a pandas DataFrame), "
-                         f"not {name!r}")
-    if any(is_data_frame(value) for value in (path, test_path)):
-        raise ValueError(f"a DataFrame is table data (load_dataset('table', path=frame)), not "
-                         f"{name!r}")
-
-
 def _check_load_arguments(
     name: object,
     seed: object,
@@ -422,6 +418,7 @@ def _check_load_arguments(
     test_path: object,
     memory_cap: object,
     table: object,
+    dequantize: object,
 ) -> None:
     """Types and ranges of :func:`load_dataset`'s arguments (``TypeError``/``ValueError``)."""
     if not isinstance(name, str):
@@ -443,6 +440,8 @@ def _check_load_arguments(
                             f"{type(value).__name__}")
     if table is not None and not isinstance(table, TableLayout):
         raise TypeError(f"table must be a TableLayout or None, got {type(table).__name__}")
-    _check_table_arguments(name, path, test_path, table)
+    check_table_arguments(name, path, test_path, table)
     if isinstance(memory_cap, bool) or not isinstance(memory_cap, int) or memory_cap < 0:
         raise ValueError(f"memory_cap must be an int >= 0 (megabytes), got {memory_cap!r}")
+    if dequantize not in DEQUANTIZE_CHOICES:
+        raise ValueError(f"dequantize must be one of {DEQUANTIZE_CHOICES}, got {dequantize!r}")

@@ -18,8 +18,8 @@ from iresflow.data.readers import observed_frames, pad_sequences, read_ts
 from iresflow.data.table_columns import is_data_frame
 from iresflow.data.tables import TABLE_SUFFIXES, TableLayout, read_table
 
-__all__ = ["USER_FILE_SUFFIXES", "USER_SOURCES", "read_user_file", "read_user_labels",
-           "source_name", "user_file_kind"]
+__all__ = ["USER_FILE_SUFFIXES", "USER_SOURCES", "check_table_arguments", "read_user_file",
+           "read_user_labels", "source_name", "user_file_kind"]
 
 #: The kind of user data each ending of a file names.
 _FILE_KINDS = {".npz": "npz", ".ts": "ts", ".ts.gz": "ts", **dict.fromkeys(TABLE_SUFFIXES, "table")}
@@ -66,3 +66,15 @@ def read_user_labels(kind: str, file: Path | Any) -> list[str] | None:
     if kind == "table":
         return None
     return read_npz_labels(file) if kind == "npz" else read_ts(file).labels
+
+
+def check_table_arguments(name: str, path: object, test_path: object, table: object) -> None:
+    """Table settings and DataFrames are for table data only (``ValueError``)."""
+    if name == "table" or user_file_kind(name) == "table":
+        return
+    if isinstance(table, TableLayout) and table.given():
+        raise ValueError(f"table is only used by table data (.csv, .parquet, a pandas DataFrame), "
+                         f"not {name!r}")
+    if any(is_data_frame(value) for value in (path, test_path)):
+        raise ValueError(f"a DataFrame is table data (load_dataset('table', path=frame)), not "
+                         f"{name!r}")

@@ -43,6 +43,7 @@ from iresflow._settings import (
     setting,
 )
 from iresflow.data.partition import MAX_VAL_FRACTION, MIN_VAL_SEQUENCES, VAL_FRACTION
+from iresflow.data.quantization import DEQUANTIZE_CHOICES
 from iresflow.data.tables import TABLE_SETTINGS, TableLayout
 from iresflow.data.user_files import USER_FILE_SUFFIXES, user_file_kind
 from iresflow.models.config import ModelConfig
@@ -77,10 +78,12 @@ NESTED: dict[str, tuple[type[SettingsRecord], tuple[str, ...]]] = {
 
 #: Settings added after runs were first written, with the value that reproduces such a run: the
 #: noise density was standard normal before ``base`` existed, no layer was per position before
-#: ``position_norm``, an epoch was one pass over the training split before ``min_steps``, and
-#: overlapping table windows were split at random before ``window_split``.
+#: ``position_norm``, an epoch was one pass over the training split before ``min_steps``,
+#: overlapping table windows were split at random before ``window_split``, and data were read as
+#: they are before ``dequantize``.
 SETTINGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"base": "normal", "position_norm": "off",
-                                                "min_steps": 1, "window_split": "random"}
+                                                "min_steps": 1, "window_split": "random",
+                                                "dequantize": "off"}
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,11 @@ class TrainConfig(SettingsRecord):
     # table data (.csv, .parquet; docs/datasets.md#tables): the defaults, help texts and checks
     # are TableLayout's
     table: TableLayout = field(default_factory=TableLayout)
+    dequantize: str = setting(
+        "auto", "features of data files whose values repeat on a regular grid (counts, rounded "
+        "readings) get uniform noise of one grid step, so that their density is a proper score "
+        "(docs/datasets.md#quantised); off: the values as read", DEQUANTIZE_CHOICES,
+    )
     max_train: int | None = setting(
         None, "use at most this many training sequences (smoke tests)", unset="all"
     )
@@ -280,7 +288,7 @@ class TrainConfig(SettingsRecord):
 
         Example:
             >>> names = [f.name for f, _ in TrainConfig.settings()]
-            >>> tuple(names[10:13])
+            >>> tuple(names[11:14])
             ('max_eval', 'condition', 'max_len')
         """
         hints = typing.get_type_hints(cls)

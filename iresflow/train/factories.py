@@ -76,6 +76,7 @@ def load_data(config: TrainConfig) -> SequenceDataset:
         dataset = load_dataset(
             config.data, seed=config.seed, val_fraction=config.val_fraction,
             test_path=config.test_data, memory_cap=config.memory_cap, table=config.table,
+            dequantize=config.dequantize,
         )
     except (ValueError, OSError, ImportError) as error:
         raise ConfigError(f"cannot load dataset {config.data!r}: {error}") from None
