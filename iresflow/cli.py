@@ -109,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv:
         parser.print_help(sys.stderr)
         return 2
+    formatted = warnings.formatwarning
+    warnings.formatwarning = _format_warning
     try:
         args = parser.parse_args(argv)
         return args.handler(args)
@@ -123,6 +125,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("iresflow: interrupted (a training run continues with --resume)", file=sys.stderr)
         return 130
+    finally:
+        warnings.formatwarning = formatted
+
+
+def _format_warning(message: Warning | str, category: type[Warning], filename: str,
+                    lineno: int, line: str | None = None) -> str:
+    """A warning printed by a command: ``iresflow: warning: MESSAGE``, without the source line
+    of the library that raised it."""
+    return f"iresflow: warning: {message}\n"
 
 
 def build_parser() -> argparse.ArgumentParser:

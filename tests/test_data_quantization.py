@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -180,3 +182,23 @@ def test_the_command_line_records_the_setting_and_older_runs_reload_as_read(
     assert not torch.equal(run.dataset.test.x, auto.test.x)
     assert torch.equal(run.dataset.test.x,
                        load_dataset(str(train), test_path=str(test), dequantize="off").test.x)
+
+
+def test_the_command_line_prints_the_warning_as_one_line(tmp_path: Path) -> None:
+    train, test = _write_counts(tmp_path)
+    run = tmp_path / "run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        assert main(["train", "--data", str(train), "--test-data", str(test), "--out", str(run),
+                     "--epochs", "1", "--n-blocks", "1", "--hidden", "8", "--device", "cpu",
+                     "--quiet"]) == 0
+    formatted = warnings.formatwarning
+    assert main(["info", str(run)]) == 0
+    assert warnings.formatwarning is formatted  # the command puts the format back
+    # As a user sees it: `iresflow info` reloads the run's data, which warns again.
+    result = subprocess.run([sys.executable, "-m", "iresflow", "info", str(run)],
+                            capture_output=True, text=True, check=True, timeout=300)
+    lines = result.stderr.splitlines()
+    assert "iresflow: warning: c_TRAIN.ts: feature(s) 0 (step 1) take few values on a regular " \
+           "grid" in "\n".join(lines)
+    assert lines and all(line.startswith("iresflow: warning: ") for line in lines), lines
