@@ -163,18 +163,22 @@ def test_sequence_t_draw_given_observed_frames_is_the_conditional_t(device):
     assert stats.kstest(statistic, stats.f(2, nu).cdf).pvalue > 1e-3
 
 
+@pytest.mark.parametrize("ragged", [True, False])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_forecast_solves_the_flow_on_the_new_frames_with_the_past_fixed(device, dtype, recipe):
+def test_forecast_solves_the_flow_on_the_new_frames_with_the_past_fixed(device, dtype, recipe,
+                                                                        ragged):
     """The flow maps the observed frames followed by the forecast to the observed frames' own
-    noise followed by the noise drawn for the new ones (reproduced from the same generator)."""
+    noise followed by the noise drawn for the new ones (reproduced from the same generator);
+    with sequences of different lengths (padded solving windows) and of one length (none)."""
     model = _model(device, dtype, **RECIPES[recipe])
     x, mask = _batch(device, dtype)
+    mask = mask if ragged else torch.ones_like(mask)
     context = _context(model, 3, device)
     horizon, num = 3, 2
     samples = model.forecast(x, mask, horizon=horizon, num_samples=num, **context,
                              generator=torch.Generator(device).manual_seed(5))
     assert samples.shape == (num, 3, horizon, FEATURES)
-    ends = torch.tensor([LENGTH, 5, LENGTH], device=device)
+    ends = torch.tensor([LENGTH, 5 if ragged else LENGTH, LENGTH], device=device)
     total = LENGTH + horizon
     positions = torch.arange(total, device=device)
     new = (positions >= ends[:, None]) & (positions < ends[:, None] + horizon)

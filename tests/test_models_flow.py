@@ -135,6 +135,11 @@ def test_sampling_and_inverse_with_another_base(device, dtype):
     tol = 1e-8 if dtype == torch.float64 else 1e-4
     torch.testing.assert_close(flow.transform_to_noise(x, mask), z, atol=tol, rtol=tol)
     torch.testing.assert_close(flow.inverse(z, mask), x, atol=tol, rtol=tol)
+    # Sequences of one length are inverted without masking: the same values to the last bit.
+    full, everywhere = flow.sample(3, seq_len=4, generator=torch.Generator(device).manual_seed(2))
+    with torch.no_grad():
+        z = base.sample(everywhere, torch.Generator(device).manual_seed(2), dtype=dtype)
+        assert torch.equal(full, flow.transform.inverse(z, mask=everywhere, logdet=False)[0])
 
 
 def test_a_conditional_base_receives_the_context_vector(device):

@@ -279,7 +279,10 @@ class SequenceFlow(CausalMethods, nn.Module):
         z = self.base.sample(mask, generator, temperature, context=c, dtype=reference.dtype)
         if c is not None:  # the chain's option checks of the context
             self.transform.check_call(z, c, mask=mask, logdet=False, name="z")
-        return self.transform.inverse(z, c, mask=mask, logdet=False, check=False)[0], mask
+        # A batch without padding is inverted without a mask: the same values, without masking
+        # every layer's input (docs/math.md#masks).
+        unpadded = None if bool(mask.all()) else mask
+        return self.transform.inverse(z, c, mask=unpadded, logdet=False, check=False)[0], mask
 
     # ----------------------------------------------------------------------------------------
     # training support

@@ -275,12 +275,13 @@ class ResidualTransform(SequenceTransform):
         y, truth = window(inputs), window(state)
         held = window(known[..., None].to(inputs.dtype)) > 0
         inside = window(real[..., None].to(inputs.dtype)) > 0
-        args = (held, truth, inside[..., 0]) if context is None else (
-            held, truth, inside[..., 0], context)
+        whole = bool(inside.all())  # no padding in the windows: the branch needs no mask
+        args = (held, truth, *(() if whole else (inside[..., 0],)),
+                *(() if context is None else (context,)))
 
-        def pinned(x: Tensor, held: Tensor, truth: Tensor, rows: Tensor, *rest: Tensor) -> Tensor:
-            x = torch.where(held, truth, x)
-            return branch(x, rows) if context is None else branch(x, rows, context=rest[0])
+        def pinned(x: Tensor, held: Tensor, truth: Tensor, *rest: Tensor) -> Tensor:
+            x, rows = torch.where(held, truth, x), None if whole else rest[0]
+            return branch(x, rows) if context is None else branch(x, rows, context=rest[-1])
 
         with torch.no_grad():
             right = torch.where(inside, y, 0.0)
