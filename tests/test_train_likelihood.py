@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from iresflow.train.factories import build_model, load_data
 from iresflow.train.likelihood import (
     batch_context,
     inverse_check,
+    reconstructs,
     sharded_log_prob,
     split_log_prob,
     trimmed_batch,
@@ -101,3 +104,17 @@ def test_validation_method_resolves_auto_by_the_structure_of_the_flow() -> None:
     assert validation_method(torch.nn.Linear(2, 2), "roulette") is None  # its own log_prob
     with pytest.raises(ValueError, match="eval_method must be auto, exact or roulette, got 'se"):
         validation_method(causal, "series")
+
+
+def test_an_inverse_that_converges_but_does_not_reconstruct_is_flagged(monkeypatch) -> None:
+    model, split = _conditional(num_classes=3)
+    assert reconstructs(inverse_check(model, split))
+    inverse = model.inverse
+    monkeypatch.setattr(model, "inverse", lambda z, mask, **kw: inverse(z, mask, **kw) + 0.1)
+    with pytest.warns(UserWarning, match="ill-conditioned, its samples are wrong"):
+        row = inverse_check(model, split)
+    assert row["reconstruction_error"] == pytest.approx(0.1, rel=1e-3)
+    assert not reconstructs(row)
+    assert reconstructs({"val_nll": 1.0})  # no check made: nothing to refuse
+    assert not reconstructs({"reconstruction_error": math.inf})
+    assert not reconstructs({"reconstruction_error": math.nan})

@@ -143,6 +143,22 @@ def test_patience_counts_after_warmup_and_once_cosine_lr_is_half(
     assert result.stopped_early and result.epochs == first + patience - 1
 
 
+def test_an_epoch_whose_inverse_does_not_reconstruct_is_not_the_best(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Epoch 3 has the lowest validation NLL, but its inverse is off by 1 (solver converged)."""
+
+    def validate(self: TrainingSession) -> dict[str, float]:
+        error = 1.0 if self.epoch == 3 else 1e-5
+        return {"val_nll": float(10 - self.epoch) if self.epoch < 4 else 9.5,
+                "inverse_iterations": 1.0, "inverse_residual": 0.0,
+                "reconstruction_error": error}
+
+    monkeypatch.setattr(TrainingSession, "validate", validate)
+    result = train(TINY.replace(epochs=5, patience=0), tmp_path / "run", progress=False)
+    assert result.best_epoch == 2 and result.best_val_nll == 8.0
+
+
 def test_warmup_and_test_data_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="warmup must be >= 0"):
         TrainConfig(warmup=-1)

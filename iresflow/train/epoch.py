@@ -54,6 +54,7 @@ from iresflow.train.likelihood import (
     batch_context,
     inverse_check,
     placement,
+    reconstructs,
     split_log_prob,
     trimmed_batch,
     validation_method,
@@ -403,12 +404,12 @@ class TrainingSession:
     def advance(self, row: dict[str, float]) -> None:
         """Early-stopping bookkeeping and the learning-rate schedule.
 
-        An epoch becomes ``best`` only with a finite validation NLL, a converging inverse and
-        finite weights, so a ``best`` checkpoint never holds a broken model. An epoch without
-        improvement counts towards ``patience`` only when :meth:`patience_counts`.
+        An epoch becomes ``best`` only with a finite validation NLL, an inverse that converges
+        and :func:`reconstructs` and finite weights: ``best`` holds no broken model. An epoch
+        without improvement counts towards ``patience`` only when :meth:`patience_counts`.
         """
         metric = row["val_nll"]
-        candidate = math.isfinite(metric) and math.isfinite(row.get("reconstruction_error", 0.0))
+        candidate = math.isfinite(metric) and reconstructs(row)
         if candidate and metric < self.best_metric and self.healthy():
             self.best_metric, self.best_epoch, self.bad_epochs = metric, self.epoch, 0
         elif self.patience_counts():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -25,11 +26,13 @@ from iresflow.train.distributed import all_gather_objects, current_world
 
 __all__ = [
     "INVERSE_CHECK_SEQUENCES",
+    "MAX_RECONSTRUCTION_ERROR",
     "DensityModel",
     "batch_context",
     "inverse_check",
     "log_prob_cost",
     "placement",
+    "reconstructs",
     "sharded_log_prob",
     "split_log_prob",
     "trimmed_batch",
@@ -38,6 +41,11 @@ __all__ = [
 
 #: Sequences reconstructed by :func:`inverse_check`.
 INVERSE_CHECK_SEQUENCES = 8
+#: Largest reconstruction error of :func:`inverse_check`, in model space (standardised data: a
+#: hundredth of a standard deviation, hundreds of times a sound float32 inverse's), of a model
+#: fit to be kept as the best of a run: beyond it the inverse of an ill-conditioned model is
+#: wrong although its solver converged, and so are its samples.
+MAX_RECONSTRUCTION_ERROR = 1e-2
 #: Forward-pass equivalents of one roulette estimate of a residual step in evaluation mode
 #: (calibrated on the CPU against the exact method's cost model, JapaneseVowels and CO2).
 ROULETTE_PASSES = 12
@@ -411,8 +419,21 @@ def inverse_check(model: SequenceFlow, split: SequenceSplit | StoredSplit) -> di
                 "reconstruction_error": math.inf,
             }
     diagnostics = model.inverse_diagnostics()
-    return {
+    row = {
         "inverse_iterations": float(diagnostics["max_iterations"]),
         "inverse_residual": float(diagnostics["max_residual"]),
         "reconstruction_error": float((x_back - x)[mask].abs().max()),
     }
+    if not reconstructs(row):
+        warnings.warn(f"the inverse reconstructs the checked validation sequences only to more "
+                      f"than {MAX_RECONSTRUCTION_ERROR:g} (the error of the progress line) "
+                      f"although its solver converged: the model is ill-conditioned, its "
+                      f"samples are wrong, and such an epoch is not kept as the best",
+                      UserWarning, stacklevel=2)
+    return row
+
+
+def reconstructs(row: dict[str, float]) -> bool:
+    """Whether an epoch's :func:`inverse_check` (its keys in ``row``, absent: no check) found
+    a reconstruction error within :data:`MAX_RECONSTRUCTION_ERROR`; ``False`` for ``inf``."""
+    return row.get("reconstruction_error", 0.0) <= MAX_RECONSTRUCTION_ERROR
