@@ -425,11 +425,11 @@ def inverse_check(model: SequenceFlow, split: SequenceSplit | StoredSplit) -> di
         "reconstruction_error": float((x_back - x)[mask].abs().max()),
     }
     if not reconstructs(row):
-        warnings.warn(f"the inverse reconstructs the checked validation sequences only to more "
-                      f"than {MAX_RECONSTRUCTION_ERROR:g} (the error of the progress line) "
-                      f"although its solver converged: the model is ill-conditioned, its "
-                      f"samples are wrong, and such an epoch is not kept as the best",
-                      UserWarning, stacklevel=2)
+        warnings.warn(f"the inverse misses the checked validation sequences by more than "
+                      f"{MAX_RECONSTRUCTION_ERROR:g} (the error of the progress line) although "
+                      f"its solver converged: the model is ill-conditioned, its samples are "
+                      f"wrong, and such an epoch is not kept as the best", UserWarning,
+                      stacklevel=2)
     return row
 
 
