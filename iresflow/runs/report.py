@@ -8,6 +8,7 @@ InfoSettings`). The other functions put the results of :mod:`iresflow.runs.evalu
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -206,14 +207,23 @@ def describe_classification(classification: dict[str, Any]) -> str:
 def describe_samples(run: LoadedRun, samples: Samples) -> str:
     """Two lines: what was drawn, and whether every fixed-point inverse converged."""
     diagnostics = samples.diagnostics
-    verdict = "converged" if diagnostics["converged"] else "NOT converged: residual above tolerance"
     return (
         f"sampled {len(samples.lengths)} sequences of lengths {int(samples.lengths.min())}.."
         f"{int(samples.lengths.max())} ({run.checkpoint} checkpoint, epoch {run.epoch})\n"
-        f"inverse: at most {diagnostics['max_iterations']} iterations per block; worst residual "
-        f"{diagnostics['residual']:.2e} against its tolerance {diagnostics['tolerance']:.2e}: "
-        f"{verdict}"
+        f"inverse: at most {diagnostics['max_iterations']} iterations per block; "
+        f"{_worst_solve(diagnostics)}"
     )
+
+
+def _worst_solve(diagnostics: dict[str, Any]) -> str:
+    """The solve closest to failing: its residual, as a share of its tolerance (which the two
+    rounded numbers alone may hide; truncated, so that a converged solve's is below 1.000), and
+    whether every solve converged."""
+    residual, tolerance = diagnostics["residual"], diagnostics["tolerance"]
+    share = math.floor(residual / tolerance * 1000) / 1000
+    verdict = "converged" if diagnostics["converged"] else "NOT converged: residual above tolerance"
+    return (f"worst residual {residual:.2e}, {share:.3f} of its tolerance {tolerance:.2e}: "
+            f"{verdict}")
 
 
 def describe_forecast(run: LoadedRun, forecast: Forecast) -> str:
@@ -242,8 +252,5 @@ def describe_forecast(run: LoadedRun, forecast: Forecast) -> str:
             f"median {float(forecast.scale.median()):.3g}, largest "
             f"{float(forecast.scale[widest]):.3g} (sequence {int(forecast.index[widest])})"
         )
-    diagnostics = forecast.diagnostics
-    verdict = "converged" if diagnostics["converged"] else "NOT converged: residual above tolerance"
-    lines.append(f"inverse: worst residual {diagnostics['residual']:.2e} against its tolerance "
-                 f"{diagnostics['tolerance']:.2e}: {verdict}")
+    lines.append(f"inverse: {_worst_solve(forecast.diagnostics)}")
     return "\n".join(lines)
