@@ -360,7 +360,8 @@ def test_train_config_holds_the_table_settings() -> None:
 
 def test_csv_parquet_and_data_frame_train_bit_identically(tmp_path: Path) -> None:
     pytest.importorskip("pyarrow")
-    rows = series_rows(16, 12, seed=2)
+    # b as whole counts: a feature on a grid, dequantised alike from every source
+    rows = [[*row[:3], float(round(abs(row[3]) % 5))] for row in series_rows(16, 12, seed=2)]
     frame = frame_of(rows)
     frame.to_parquet(tmp_path / "s.parquet")
     write_csv(tmp_path / "s.csv", ["id", "t", "a", "b"], rows)
@@ -372,6 +373,9 @@ def test_csv_parquet_and_data_frame_train_bit_identically(tmp_path: Path) -> Non
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dataset = load_dataset("table", path=source, seed=config.seed, table=config.table)
+            counts = dataset.to_raw(dataset.train.x.double(), dataset.train.mask)[..., 1]
+            noise = (counts - counts.round())[dataset.train.mask]
+            assert 0.1 < float(noise.abs().max()) <= 0.5 + 1e-5  # dequantised by one step
             result = fit(config, dataset)
         history = [{k: v for k, v in row.items() if "seconds" not in k}
                    for row in result.history]
