@@ -3,7 +3,9 @@ as padded sequences with missing frames, in load_dataset, TrainConfig and ``ires
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import importlib
 import json
 import re
 import sys
@@ -256,6 +258,11 @@ def test_parquet_without_pandas_or_pyarrow_says_what_to_install(
 ) -> None:
     path = tmp_path / "s.parquet"
     path.write_bytes(b"PAR1")
+    # Imported before pyarrow is hidden: pandas imported while it is would register its Arrow
+    # types once more when pyarrow comes back, and the later Parquet tests would fail.
+    for name in ("pandas", "pyarrow"):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow raises ImportError
     with pytest.raises(ImportError, match=r"needs pandas and pyarrow \(pip install "
                                           r"iresflow\[tables\]\)"):
