@@ -412,3 +412,33 @@ def test_the_forward_weight_is_the_normalised_weight_with_the_exact_norm(trainin
     x = torch.randn(2, 5, dtype=torch.float64)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight_normalized(),
                                                             layer.bias))
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_the_effective_weight_is_kept_without_a_graph_while_the_raw_weight_is_unchanged(
+    kind: str,
+) -> None:
+    from iresflow.nn.conv import SpectralConv1d
+
+    torch.manual_seed(0)
+    if kind == "linear":
+        layer = SpectralLinear(4, 3, coeff=0.9).double()
+        effective = layer.forward_weight
+    else:
+        layer = SpectralConv1d(3, 4, 3, 0.9, max_len=10).double()
+        effective = layer.weight_normalized
+    with torch.no_grad():
+        layer.weight.mul_(5.0)  # beyond the coefficient: the normalisation acts
+    fresh = effective()  # training mode, with a graph: computed on every call
+    assert fresh.grad_fn is not None and effective() is not fresh
+    layer.eval()
+    with torch.no_grad():
+        kept = effective()
+        assert effective() is kept and torch.equal(kept, fresh.detach())
+        layer.weight.data.add_(0.1)  # in place, past autograd's version counter
+        moved = effective()
+        assert moved is not kept and not torch.equal(moved, kept)
+    assert torch.equal(moved, effective().detach())  # with a graph: the same values, afresh
+    layer.coeff = 0.5
+    with torch.no_grad():
+        assert not torch.equal(effective(), moved)  # a new coefficient is a new weight

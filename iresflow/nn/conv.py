@@ -47,7 +47,7 @@ from iresflow._validation import (
 from iresflow.nn.activations import LipSwish
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.layered import ConvStackLinearization, conv_frames, stack_parameters
-from iresflow.nn.linear import check_coefficient, top_singular_vectors
+from iresflow.nn.linear import check_coefficient, kept_without_graph, top_singular_vectors
 
 __all__ = ["SpectralConv1d", "TemporalConvBranch", "circular_conv_norm"]
 
@@ -225,7 +225,9 @@ class SpectralConv1d(nn.Module):
 
     def weight_normalized(self) -> Tensor:
         r"""The effective taps :math:`\tilde W`, shape ``(out, in, k)``, differentiable."""
-        return self.weight / self._normalization()[1]
+        if self.training or torch.is_grad_enabled():  # written out: no call more in training
+            return self.weight / self._normalization()[1]
+        return kept_without_graph(self, lambda: self.weight / self._normalization()[1])
 
     def lipschitz_constant(self) -> Tensor:
         r"""Certified 2-norm of the layer on lengths up to ``max_len``, :math:`\min(\|W\|, c)`.

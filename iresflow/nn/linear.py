@@ -13,6 +13,7 @@ parameters, so the certificate never depends on the user calling an update funct
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -26,7 +27,33 @@ from iresflow._validation import (
     under_functorch_transform,
 )
 
-__all__ = ["InfNormLinear", "SpectralLinear", "check_coefficient", "top_singular_vectors"]
+__all__ = ["InfNormLinear", "SpectralLinear", "check_coefficient", "kept_without_graph",
+           "top_singular_vectors"]
+
+
+def kept_without_graph(layer: nn.Module, compute: Callable[[], Tensor]) -> Tensor:
+    """The effective weight ``compute()`` of a normalised ``layer`` in evaluation mode without a
+    graph (sampling, forecasting, validation; the caller checks, so that training pays no call
+    for it), kept between calls while its raw ``weight`` and ``coeff`` are unchanged, compared
+    by value: one comparison per call instead of the normalisation's products, the same tensor
+    to the last bit. Computed afresh under a ``torch.func`` transform.
+
+    Args:
+        layer: A module with a ``weight`` parameter and a ``coeff``.
+        compute: Its effective weight from the current ``weight``.
+
+    Returns:
+        The effective weight, of the shape ``compute`` gives.
+    """
+    weight = layer.weight
+    if is_transformed(weight):
+        return compute()
+    kept = getattr(layer, "_kept", None)
+    if (kept is None or kept[1] != layer.coeff or kept[0].dtype != weight.dtype
+            or kept[0].device != weight.device or not torch.equal(kept[0], weight)):
+        kept = (weight.detach().clone(), layer.coeff, compute())
+        layer._kept = kept
+    return kept[2]
 
 
 def check_coefficient(coeff: object, *, strict: bool = False) -> float:
@@ -315,8 +342,11 @@ class SpectralLinear(_NormalizedLinear):
             if not under_functorch_transform():
                 self._power_iteration()
             return self.weight / self._scale()
-        # the exact norm: _scale written out, one call fewer per layer and forward
-        return self.weight / torch.clamp(self._norm() / self.coeff, min=1.0)
+        # the exact norm: _scale written out, one call fewer per layer and training forward
+        if self.training or torch.is_grad_enabled():
+            return self.weight / torch.clamp(self._norm() / self.coeff, min=1.0)
+        return kept_without_graph(
+            self, lambda: self.weight / torch.clamp(self._norm() / self.coeff, min=1.0))
 
     def extra_repr(self) -> str:
         return (
