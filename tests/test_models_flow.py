@@ -140,6 +140,7 @@ def test_sampling_and_inverse_with_another_base(device, dtype):
     with torch.no_grad():
         z = base.sample(everywhere, torch.Generator(device).manual_seed(2), dtype=dtype)
         assert torch.equal(full, flow.transform.inverse(z, mask=everywhere, logdet=False)[0])
+    assert torch.equal(flow.inverse(z, everywhere), full)  # the public inverse alike
 
 
 def test_a_conditional_base_receives_the_context_vector(device):

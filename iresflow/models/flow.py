@@ -237,7 +237,13 @@ class SequenceFlow(CausalMethods, nn.Module):
         """
         with torch.no_grad():
             z, mask, c = self._check(z, mask, "z", False, context)
-            return self.transform.inverse(z, c, mask=mask, logdet=False, check=False)[0]
+            return self._invert(z, c, mask)
+
+    def _invert(self, z: Tensor, c: Tensor | None, mask: Tensor | None) -> Tensor:
+        """The chain's inverse of validated noise. A batch without padding is inverted without
+        its mask: the same values, without masking every layer's input (docs/math.md#masks)."""
+        unpadded = None if mask is None or bool(mask.all()) else mask
+        return self.transform.inverse(z, c, mask=unpadded, logdet=False, check=False)[0]
 
     @torch.no_grad()
     def sample(
@@ -279,10 +285,7 @@ class SequenceFlow(CausalMethods, nn.Module):
         z = self.base.sample(mask, generator, temperature, context=c, dtype=reference.dtype)
         if c is not None:  # the chain's option checks of the context
             self.transform.check_call(z, c, mask=mask, logdet=False, name="z")
-        # A batch without padding is inverted without a mask: the same values, without masking
-        # every layer's input (docs/math.md#masks).
-        unpadded = None if bool(mask.all()) else mask
-        return self.transform.inverse(z, c, mask=unpadded, logdet=False, check=False)[0], mask
+        return self._invert(z, c, mask), mask
 
     # ----------------------------------------------------------------------------------------
     # training support
