@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import records
+from iresflow.heap import keep_freed_memory
 
 #: The subcommands, in the order of ``python -m benchmarks --help``.
 COMMANDS = (
@@ -56,6 +57,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, check the ``--doc`` pages, run the benchmark; its exit status."""
     args = parse(list(sys.argv[1:] if argv is None else argv))
+    keep_freed_memory()  # as the iresflow command does
     for page in getattr(args, "doc", None) or []:  # fail before the runs, not after
         records.write_blocks(page, dict.fromkeys(args.blocks, ""), check_only=True)
     if getattr(args, "threads", None) is not None:

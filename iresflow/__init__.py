@@ -6,11 +6,13 @@ nflows transforms), :mod:`iresflow.logdet` (log-determinant engine), :mod:`iresf
 (offline datasets), :mod:`iresflow.train` (training, checkpoints, processes) and
 :mod:`iresflow.runs` (using a finished run: loading, evaluation, samples, figures).
 :func:`value_checks` switches the NaN/Inf and padding-mask value checks of every entry point
-off for a block (see :mod:`iresflow._validation`).
+off for a block (see :mod:`iresflow._validation`); :func:`keep_freed_memory` lets the process
+reuse freed memory (see :mod:`iresflow.heap`).
 """
 
 from iresflow._validation import value_checks
 from iresflow.data import load_dataset
+from iresflow.heap import keep_freed_memory
 from iresflow.inverse import InversionError, fixed_point_inverse
 from iresflow.models import ModelConfig, ResidualSequenceFlow, SequenceFlow
 from iresflow.transforms import ActNorm, ResidualTransform, SequenceCompositeTransform
@@ -26,6 +28,7 @@ __all__ = [
     "SequenceCompositeTransform",
     "SequenceFlow",
     "fixed_point_inverse",
+    "keep_freed_memory",
     "load_dataset",
     "value_checks",
 ]

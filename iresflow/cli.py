@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 from iresflow._settings import SettingsRecord
 from iresflow.data.store import is_store
+from iresflow.heap import keep_freed_memory
 from iresflow.inverse.fixed_point import InversionError
 from iresflow.runs.evaluate import evaluate
 from iresflow.runs.figures import plot_forecast, plot_samples
@@ -95,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments without the program name (default: ``sys.argv[1:]``).
 
     Without a command it prints the help to stderr and returns 2 (a command is required).
+    Every command first lets the process keep freed memory for reuse
+    (:func:`~iresflow.heap.keep_freed_memory`).
 
     Returns:
         The exit status: 0 on success, 1 for an error, 2 for a malformed command line, 130
@@ -109,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv:
         parser.print_help(sys.stderr)
         return 2
+    keep_freed_memory()
     formatted = warnings.formatwarning
     warnings.formatwarning = _format_warning
     try:
