@@ -6,9 +6,9 @@ large request with a fresh ``mmap`` and gives it back to the kernel when it is f
 trims the top of its heap once more than a little memory there is free. A loop that creates and
 drops tensors of a few megabytes, as every fixed-point iteration of a sampling or forecasting
 solve does (a branch of width 64 on 100 sequences of 150 frames holds about 4 MB per layer),
-then pays a page fault for every 4 KB page of every new tensor: on one CPU thread this was up to
-40% of a branch evaluation. :func:`keep_freed_memory` raises both thresholds, so that freed
-memory stays in the heap and is reused.
+then pays a page fault for every 4 KB page of every new tensor. :func:`keep_freed_memory`
+raises both thresholds, so that freed memory stays in the heap and is reused (its effect on
+sampling: docs/small_data.md#sampling).
 
 The ``iresflow`` command and ``python -m benchmarks`` call it when they start; a program that
 uses the Python API calls it once itself. It changes the allocator of the whole process, and

@@ -21,11 +21,11 @@ from tests.oracles import jacobian
 LENGTH, FEATURES = 7, 2
 
 
-def _model(device, dtype, **settings) -> ResidualSequenceFlow:
+def _model(device, dtype, features: int = FEATURES, **settings) -> ResidualSequenceFlow:
     """A causal model, initialised on data and moved away from its initial identity steps."""
     options = {"n_blocks": 2, "hidden": 8, "max_len": LENGTH + 3, "causal": True} | settings
-    model = ResidualSequenceFlow(features=FEATURES, **options).to(device=device, dtype=dtype)
-    data = torch.randn(8, LENGTH, FEATURES, device=device, dtype=dtype) * 1.7 + 0.3
+    model = ResidualSequenceFlow(features=features, **options).to(device=device, dtype=dtype)
+    data = torch.randn(8, LENGTH, features, device=device, dtype=dtype) * 1.7 + 0.3
     model.initialize(data, **_context(model, 8, device))
     with torch.no_grad():
         for p in model.parameters():
@@ -280,14 +280,16 @@ def test_forecast_rejects_bad_options(device):
         model.forecast(bad, mask, horizon=1)
 
 
+@pytest.mark.parametrize("features", [FEATURES, 1])  # one: per-frame steps solved frame by frame
 @pytest.mark.parametrize("recipe", ["default", "conditional", "dilated"])
-def test_residual_steps_solve_the_new_frames_on_their_window_as_the_whole_inverse(recipe):
+def test_residual_steps_solve_the_new_frames_on_their_window_as_the_whole_inverse(recipe,
+                                                                                 features):
     """The windowed, pinned fixed-point solve of a causal residual step equals inverting it
     whole and putting the known frames back, and never evaluates the frames before it."""
     device, dtype = torch.device("cpu"), torch.float64
-    model = _model(device, dtype, **RECIPES[recipe])
+    model = _model(device, dtype, features, **RECIPES[recipe])
     total = LENGTH + 3
-    x = torch.randn(3, total, FEATURES, dtype=dtype)
+    x = torch.randn(3, total, features, dtype=dtype)
     mask = torch.ones(3, total, dtype=torch.bool)
     mask[1, 8:] = False
     known = torch.zeros(3, total, dtype=torch.bool)
@@ -305,6 +307,7 @@ def test_residual_steps_solve_the_new_frames_on_their_window_as_the_whole_invers
             lambda module, args, out, seen=lengths: seen.append(args[0].shape[1]))
         windowed = step.inverse_pinned(y, x, known, c, mask)
         hook.remove()
+        assert bool(step.last_inverse_stats.converged.all())
         whole = SequenceTransform.inverse_pinned(step, y, x, known, c, mask)
         torch.testing.assert_close(windowed, whole, atol=1e-10, rtol=0)
         reach = 0 if step.branch.position_wise else step.branch.receptive_radius

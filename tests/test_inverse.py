@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from iresflow.inverse.anderson import AndersonMixer
+from iresflow.inverse.anderson import AndersonMixer, SecantMixer
 from iresflow.inverse.fixed_point import (
     InversionError,
     InversionWarning,
@@ -371,3 +371,88 @@ def test_a_sample_at_the_rounding_floor_stops_there(device, solver):
         fixed_point_inverse(g, y, tol=1e-11, max_iter=200, solver=solver)
     with pytest.raises(InversionError):
         fixed_point_inverse(noisy_contraction(1e-9), y, max_iter=200, solver=solver)
+
+
+# ------------------------------------------------------------------------------------------------
+# position_wise: on one feature, every frame an equation of its own
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_position_wise_solves_every_frame_to_the_samples_tolerance(device, solver):
+    g = tanh_contraction(0.97, 1, device)  # acts on the last dimension: frame by frame
+    x = 2 * torch.randn(4, 7, 1, device=device, dtype=F64)
+    y = x + g(x)
+    x_hat, stats = fixed_point_inverse(g, y, solver=solver, position_wise=True)
+    assert bool(stats.converged.all())
+    assert stats.iterations.shape == stats.residual.shape == stats.tolerance.shape == (4,)
+    residual = (x_hat + g(x_hat) - y).abs().amax((1, 2))
+    assert torch.equal(stats.residual, residual)
+    assert bool((residual < default_tolerance(y)).all())
+    assert float((x_hat - x).abs().max()) < 1e-9
+
+
+def test_position_wise_frames_are_solved_as_alone(device):
+    g = tanh_contraction(0.97, 1, device)
+    x = 2 * torch.randn(3, 5, 1, device=device, dtype=F64)
+    y = x + g(x)
+    together, _ = fixed_point_inverse(g, y, solver="anderson", position_wise=True)
+    for t in range(5):  # each frame as a sequence of one frame, with the sample's tolerance
+        alone, _ = fixed_point_inverse(g, y[:, t:t + 1], solver="anderson", position_wise=True,
+                                       tol=float(default_tolerance(y).min()))
+        assert torch.allclose(together[:, t], alone[:, 0], atol=1e-9, rtol=0)
+
+
+def test_position_wise_secant_steps_need_fewer_evaluations(device):
+    # slowly contracting frames, where a secant step per frame beats mixing whole samples
+    g = tanh_contraction(0.97, 1, device, bias=False)
+    x = 0.1 * torch.randn(6, 40, 1, device=device, dtype=F64)
+    y = x + g(x)
+    _, whole = fixed_point_inverse(g, y, solver="anderson")
+    _, frames = fixed_point_inverse(g, y, solver="anderson", position_wise=True)
+    assert bool(whole.converged.all() and frames.converged.all())
+    assert frames.evaluations < whole.evaluations / 2
+
+
+def test_position_wise_on_several_features_solves_whole_samples(device):
+    g = tanh_contraction(0.97, 3, device)
+    y = torch.randn(4, 6, 3, device=device, dtype=F64)
+    x_whole, whole = fixed_point_inverse(g, y, solver="anderson")
+    x_frames, frames = fixed_point_inverse(g, y, solver="anderson", position_wise=True)
+    assert torch.equal(x_whole, x_frames) and whole.evaluations == frames.evaluations
+
+
+def test_position_wise_needs_sequences(device):
+    g = tanh_contraction(0.9, 2, device)
+    with pytest.raises(ValueError, match=r"position_wise needs y of shape \(B, N, D\)"):
+        fixed_point_inverse(g, torch.randn(3, 2, device=device, dtype=F64), position_wise=True)
+    with pytest.raises(TypeError, match="position_wise must be a bool"):
+        fixed_point_inverse(g, torch.randn(3, 1, 2, device=device, dtype=F64),
+                            position_wise=1)  # type: ignore[arg-type]
+
+
+def test_secant_mixer_is_anderson_of_depth_one(device):
+    a = 0.9 * symmetric_unit_matrix(4, device, F64)
+    target = torch.randn(5, 4, device=device, dtype=F64)
+    secant = SecantMixer(5, 4, target)
+    anderson = AndersonMixer(5, 4, 1, target)
+    x_s = x_a = torch.zeros_like(target)
+    for k in range(12):
+        engage = torch.tensor([True, True, k >= 2, k >= 4, False], device=device)
+        image_s, image_a = target - torch.tanh(x_s @ a.T), target - torch.tanh(x_a @ a.T)
+        x_s = secant.step(x_s, image_s, (image_s - x_s).abs().amax(1), engage=engage)
+        x_a = anderson.step(x_a, image_a, (image_a - x_a).abs().amax(1), engage=engage)
+        assert torch.allclose(x_s, x_a, atol=1e-10, rtol=0)
+    secant.keep(torch.tensor([True, False, True, True, False], device=device))
+    assert secant.residual.shape == (3, 4) and secant.engaged.tolist() == [True] * 3
+
+
+def test_secant_mixer_rejects_a_step_that_raises_the_residual(device):
+    mixer = SecantMixer(1, 1, torch.zeros(1, 1, device=device, dtype=F64))
+    x = torch.zeros(1, 1, device=device, dtype=F64)
+    # two accepted pairs, then an extrapolated step whose residual grew: back to the plain
+    # step from the last accepted iterate, whose image is known
+    first = mixer.step(x, x + 1.0, torch.ones(1, device=device, dtype=F64))
+    second = mixer.step(first, first + 0.5, torch.full((1,), 0.5, device=device, dtype=F64))
+    assert bool(mixer.extrapolated.all())
+    back = mixer.step(second, second + 3.0, torch.full((1,), 3.0, device=device, dtype=F64))
+    assert torch.equal(back, first + 0.5) and not bool(mixer.extrapolated.any())

@@ -18,6 +18,9 @@ is rejected; the history restarts from that previous iterate and the next step i
 from it (its image is already known, so the fallback costs no evaluation). A rejection is always
 followed by a plain step, which contracts the error, so a poor extrapolation cannot stall the
 iteration.
+
+Depth one has a closed form (:class:`SecantMixer`): on one number per problem it is the secant
+method, which the engine runs per frame for a position-wise branch on one feature.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["AndersonMixer"]
+__all__ = ["AndersonMixer", "SecantMixer"]
 
 # Tikhonov weight of the least-squares problem relative to the mean squared residual norm.
 _RELATIVE_REGULARISATION = {torch.float64: 1e-12, torch.float32: 1e-6}
@@ -133,3 +136,77 @@ class AndersonMixer:
         plain[:, current] = 1.0
         alpha = torch.where(usable[:, None], alpha, plain).to(self.images.dtype)
         return (alpha[:, :, None] * self.images).sum(1)
+
+
+class SecantMixer:
+    r"""Anderson mixing of depth one, in closed form: a secant step per problem.
+
+    With the last accepted pair :math:`(f_{k-1}, T(x_{k-1}))` and the new one, the mixed iterate
+    is :math:`T(x_k) - \gamma (T(x_k) - T(x_{k-1}))` with :math:`\gamma = \langle f_k, \Delta f
+    \rangle / \|\Delta f\|^2`, :math:`\Delta f = f_k - f_{k-1}`: on one number per problem, the
+    secant method. The safeguard, :meth:`keep` and the rows follow :class:`AndersonMixer`.
+
+    The Tikhonov weight is that of :class:`AndersonMixer`, relative to the mean squared norm of
+    the two residuals, so both give the same iterates to rounding.
+
+    Args:
+        batch: Number of problems ``B``.
+        features: Problem size ``n``.
+        like: Tensor whose dtype and device the state follows.
+
+    Example:
+        >>> mixer = SecantMixer(1, 1, torch.zeros(1, 1, dtype=torch.float64))
+        >>> x = torch.zeros(1, 1, dtype=torch.float64)
+        >>> for _ in range(6):  # T(x) = cos(x), fixed point 0.739085133215...
+        ...     image = torch.cos(x)
+        ...     x = mixer.step(x, image, (image - x).abs().amax(1))
+        >>> round(x.item(), 9)
+        0.739085133
+    """
+
+    def __init__(self, batch: int, features: int, like: Tensor) -> None:
+        self.residual = like.new_zeros(batch, features)
+        self.image = like.new_zeros(batch, features)
+        self.has_last = torch.zeros(batch, dtype=torch.bool, device=like.device)
+        self.previous_step = torch.full((batch,), float("inf"), dtype=like.dtype,
+                                        device=like.device)
+        self.extrapolated = torch.zeros_like(self.has_last)
+        self.engaged = torch.zeros_like(self.has_last)
+        self.regularisation = _RELATIVE_REGULARISATION.get(like.dtype, 1e-3)
+
+    def keep(self, rows: Tensor) -> None:
+        """Keep only the given rows of the state (boolean mask ``(b,)``)."""
+        self.residual, self.image = self.residual[rows], self.image[rows]
+        self.has_last, self.previous_step = self.has_last[rows], self.previous_step[rows]
+        self.extrapolated, self.engaged = self.extrapolated[rows], self.engaged[rows]
+
+    def step(self, x: Tensor, image: Tensor, step: Tensor, engage: Tensor | None = None) -> Tensor:
+        r"""Record :math:`(x^k, T(x^k))` for the engaged rows and return the next iterates, as
+        :meth:`AndersonMixer.step` does (the same arguments and safeguard).
+
+        Args:
+            x: Current iterates, shape ``(b, n)``.
+            image: :math:`T(x^k)`, shape ``(b, n)``.
+            step: Max-abs residual :math:`\|T(x^k) - x^k\|_\infty`, shape ``(b,)``.
+            engage: Rows that start mixing from this step on, boolean ``(b,)`` (default: all).
+
+        Returns:
+            Next iterates :math:`x^{k+1}`, shape ``(b, n)``.
+        """
+        self.engaged = self.engaged | (True if engage is None else engage)
+        reject = self.extrapolated & (step > self.previous_step)
+        accept = self.engaged & ~reject
+        residual = image - x
+        change = residual - self.residual
+        scale = (residual.square().sum(1) + self.residual.square().sum(1)) / 2
+        gamma = (residual * change).sum(1) / (change.square().sum(1)
+                                              + 2 * self.regularisation * scale)
+        mix = accept & self.has_last & torch.isfinite(gamma)
+        mixed = torch.addcmul(image, gamma.nan_to_num(0.0)[:, None], self.image - image)
+        x_next = torch.where(reject[:, None], self.image, torch.where(mix[:, None], mixed, image))
+        self.residual = torch.where(accept[:, None], residual, self.residual)
+        self.image = torch.where(accept[:, None], image, self.image)
+        self.has_last = self.has_last | accept
+        self.previous_step = torch.where(accept, step, self.previous_step)
+        self.extrapolated = mix
+        return torch.where(self.engaged[:, None], x_next, image)

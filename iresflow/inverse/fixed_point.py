@@ -16,7 +16,9 @@ residual is the residual of the returned solution. (Returning the unverified nex
 residual of :math:`T_y(x^k)` can exceed that of :math:`x^k` by up to :math:`L\sqrt{ND}`. The
 official residual-flows rule compares a *squared* difference with :math:`10^{-5}`, i.e. it stops
 at steps of about :math:`3 \cdot 10^{-3}`.) Samples are solved independently: a converged sample
-is frozen and ``g`` is evaluated only on the active ones.
+is frozen and ``g`` is evaluated only on the active ones. For a position-wise ``g`` on one
+feature the frames of a sample are independent scalar equations too (``position_wise=True``): a
+frame within the tolerance keeps its value, and the others take secant steps.
 
 The solver runs under :func:`torch.no_grad`: the inverse serves sampling and evaluation, and its
 output carries no gradient.
@@ -33,7 +35,7 @@ import torch
 from torch import Tensor
 
 from iresflow._validation import check_finite
-from iresflow.inverse.anderson import AndersonMixer
+from iresflow.inverse.anderson import AndersonMixer, SecantMixer
 
 __all__ = [
     "InverseStats",
@@ -146,6 +148,7 @@ def fixed_point_inverse(
     memory: int = 5,
     on_failure: Literal["raise", "warn"] = "raise",
     x0: Tensor | None = None,
+    position_wise: bool = False,
 ) -> tuple[Tensor, InverseStats]:
     r"""Solve :math:`x + g(x) = y` per sample by fixed-point iteration
     (docs/math.md#fixed-point-inverse, check H9 (docs/math.md#checks)).
@@ -163,6 +166,12 @@ def fixed_point_inverse(
     :math:`\|x^k - x^*\| \le \|x^k + g(x^k) - y\| / (1 - L)` in the norm of the certificate
     :math:`L` of ``g``. Stopped samples are frozen: ``g`` is called only on the rows still
     active, so it must act on every sample independently and accept any sub-batch.
+
+    With ``position_wise=True`` (``g`` acts on every frame on its own) and one feature, every
+    frame is a scalar equation (docs/guide.md#inversion): a frame within the sample's tolerance
+    keeps its value, the others take secant steps (``solver="anderson"``,
+    :class:`~iresflow.inverse.anderson.SecantMixer`) from the second evaluation on; stopping
+    rule and statistics stay the sample's. With several features the sample is solved whole.
 
     Runs under :func:`torch.no_grad` (no gradient), with one host synchronisation per iteration.
 
@@ -184,6 +193,8 @@ def fixed_point_inverse(
             :class:`InversionWarning` and return the last evaluated iterate (the one whose
             residual is reported) when some sample did not converge.
         x0: Optional starting point, same shape as ``y`` (default ``y``).
+        position_wise: Whether ``g`` is position-wise, ``y`` of shape ``(B, N, D)``: with
+            ``D = 1`` every frame is solved as an equation of its own.
 
     Returns:
         ``x`` of the shape of ``y`` and the :class:`InverseStats` of the solve.
@@ -198,22 +209,30 @@ def fixed_point_inverse(
         >>> torch.allclose(x + 0.5 * torch.sin(x), y), bool(stats.converged.all())
         (True, True)
     """
-    _check_arguments(g, y, args, tol, max_iter, solver, memory, on_failure, x0)
+    _check_arguments(g, y, args, tol, max_iter, solver, memory, on_failure, x0, position_wise)
+    # on one feature, every frame is a scalar equation of its own
+    parts = y.shape[1] if position_wise and y.shape[-1] == 1 else 1
     with torch.no_grad():
-        x, stats = _iterate(g, y, args, tol, max_iter, solver, memory, x0)
+        x, stats = _iterate(g, y, args, tol, max_iter, solver, memory, x0, parts)
     if not bool(stats.converged.all()):
-        failed = int((~stats.converged).sum())
-        diverged = int((~torch.isfinite(stats.residual)).sum())
-        message = (
-            f"fixed-point inverse did not converge for {failed} of {y.shape[0]} samples "
-            f"({diverged} with non-finite iterates; the others reached max_iter={max_iter}, "
-            f"largest final max-abs residual {float(stats.residual.nan_to_num(0.0).max()):.3e}); "
-            "the branch may not be contractive, or tol/max_iter are too strict"
-        )
-        if on_failure == "raise":
-            raise InversionError(message, stats.residual, stats.iterations)
-        warnings.warn(message, InversionWarning, stacklevel=2)
+        _fail(stats, max_iter, on_failure)
     return x, stats
+
+
+def _fail(stats: InverseStats, max_iter: int, on_failure: str) -> None:
+    """Raise :class:`InversionError` or warn (``on_failure``) for a solve that did not
+    converge for every sample."""
+    failed = int((~stats.converged).sum())
+    diverged = int((~torch.isfinite(stats.residual)).sum())
+    message = (
+        f"fixed-point inverse did not converge for {failed} of {len(stats.converged)} samples "
+        f"({diverged} with non-finite iterates; the others reached max_iter={max_iter}, "
+        f"largest final max-abs residual {float(stats.residual.nan_to_num(0.0).max()):.3e}); "
+        "the branch may not be contractive, or tol/max_iter are too strict"
+    )
+    if on_failure == "raise":
+        raise InversionError(message, stats.residual, stats.iterations)
+    warnings.warn(message, InversionWarning, stacklevel=3)
 
 
 def _iterate(
@@ -225,7 +244,11 @@ def _iterate(
     solver: str,
     memory: int,
     x0: Tensor | None,
+    parts: int,
 ) -> tuple[Tensor, InverseStats]:
+    """The solve of :func:`fixed_point_inverse`, every sample split into ``parts`` independent
+    problems of equal size: its frames (secant steps) for a position-wise ``g`` on one feature,
+    else one (Anderson mixing of depth ``memory``)."""
     batch, event = y.shape[0], y.shape[1:]
     y_flat = y.detach().reshape(batch, -1)
     out = y_flat.clone()
@@ -233,28 +256,24 @@ def _iterate(
     iterations = torch.zeros(batch, dtype=torch.int64, device=y.device)
     residual = torch.full_like(y_flat[:, 0], float("inf"))
     converged = torch.zeros(batch, dtype=torch.bool, device=y.device)
-    mixer: AndersonMixer | None = None  # created once plain steps are predicted to be slow
+    mixer: AndersonMixer | SecantMixer | None = None  # once plain steps are predicted slow
+    budget = _PLAIN_BUDGET if parts == 1 else 0
 
     # The running samples are kept compact (rows of x, y, args, tol and the Anderson state);
     # they are gathered again only when some sample stops.
     active = torch.arange(batch, device=y.device)
     x = (y_flat if x0 is None else x0.detach().reshape(batch, -1)).clone()
     y_a, args_a, tol_a = y_flat, args, tolerance.clone()
-    previous = torch.full_like(tolerance, float("inf"))
-    lowest, stalled = previous.clone(), torch.zeros_like(iterations)  # the rounding floor
+    previous = torch.full((batch, parts), float("inf"), dtype=y.dtype, device=y.device)
+    lowest, stalled = tolerance.new_full((batch,), float("inf")), torch.zeros_like(iterations)
     evaluations = 0
     for k in range(1, max_iter + 1):
-        g_x = g(x.view(-1, *event), *args_a)
-        if g_x.shape != (x.shape[0], *event):
-            raise ValueError(
-                f"g must return the shape of its input {(x.shape[0], *event)}, "
-                f"got {tuple(g_x.shape)}"
-            )
-        g_x = g_x.reshape(x.shape)
+        g_x = _evaluate(g, x, event, args_a)
         image = y_a - g_x
-        # Max-abs residual of x itself, the point returned when the sample stops (equal to the
-        # step |T(x) - x| up to rounding).
-        x_residual = (x + g_x - y_a).abs().amax(1)
+        # Max-abs residual of every part of x, the point returned when the sample stops (equal
+        # to the step |T(x) - x| up to rounding), and of the whole sample.
+        part_residual = (x + g_x - y_a).view(x.shape[0], parts, -1).abs().amax(2)
+        x_residual = part_residual.amax(1)
         evaluations += 1
         if tol is None:  # an explicit tolerance has no rounding floor
             progress = x_residual < _PROGRESS * lowest
@@ -265,13 +284,17 @@ def _iterate(
         done = x_residual < tol_a  # False for NaN
         current = x
         if solver == "anderson":
-            slow = _plain_is_slow(x_residual, previous, tol_a)
+            slow = _plain_is_slow(part_residual, previous, tol_a[:, None], budget)
             if mixer is None and bool(slow.any()):
-                mixer = AndersonMixer(x.shape[0], x.shape[1], memory, x)
-            x = image if mixer is None else mixer.step(x, image, x_residual, engage=slow)
-        else:
-            x = image
-        previous = x_residual
+                rows, size = x.shape[0] * parts, x.shape[1] // parts
+                mixer = (AndersonMixer(rows, size, memory, x) if parts == 1
+                         else SecantMixer(rows, size, x))
+            if mixer is not None:
+                image = _mix(mixer, x, image, part_residual, slow)
+        # a part within the tolerance keeps its value: the other parts do not move it
+        x = image if parts == 1 else torch.where(
+            (part_residual < tol_a[:, None]).repeat_interleave(x.shape[1] // parts, 1), x, image)
+        previous = part_residual
 
         running = ~done & torch.isfinite(x_residual)
         if k == max_iter or not bool(running.all()):
@@ -286,31 +309,48 @@ def _iterate(
             previous, lowest, stalled = previous[running], lowest[running], stalled[running]
             args_a = tuple(a[running] for a in args_a)
             if mixer is not None:
-                mixer.keep(running)
+                mixer.keep(running.repeat_interleave(parts))
 
-    stats = InverseStats(
-        iterations=iterations,
-        residual=residual,
-        converged=converged,
-        evaluations=evaluations,
-        tolerance=tolerance,
-    )
-    return out.view_as(y), stats
+    return out.view_as(y), InverseStats(iterations, residual, converged, evaluations, tolerance)
 
 
-def _plain_is_slow(step: Tensor, previous: Tensor, tol: Tensor) -> Tensor:
-    """Per sample: are plain steps predicted to need more than ``_PLAIN_BUDGET`` evaluations?
+def _evaluate(g: Callable[..., Tensor], x: Tensor, event: torch.Size,
+              args: tuple[Tensor, ...]) -> Tensor:
+    """``g`` on the flat iterates ``x`` ``(b, n)`` shaped as samples ``(b, *event)``, flat again;
+    ``ValueError`` if it returns another shape."""
+    g_x = g(x.view(-1, *event), *args)
+    if g_x.shape != (x.shape[0], *event):
+        raise ValueError(
+            f"g must return the shape of its input {(x.shape[0], *event)}, got {tuple(g_x.shape)}"
+        )
+    return g_x.reshape(x.shape)
 
-    The prediction extrapolates the sample's last contraction ratio ``step / previous``
-    geometrically down to its tolerance. Anderson mixing only pays off beyond a few iterations,
-    and the decision depends on the sample alone, so results do not depend on the batch.
+
+def _mix(mixer: AndersonMixer | SecantMixer, x: Tensor, image: Tensor, part_residual: Tensor,
+         engage: Tensor) -> Tensor:
+    """The mixer's next iterates ``(b, n)`` from ``x`` and its image ``(b, n)``, every part of
+    a sample ``part_residual`` ``(b, parts)`` a row of the mixer (engaged where ``engage``)."""
+    rows = part_residual.numel()
+    mixed = mixer.step(x.view(rows, -1), image.view(rows, -1), part_residual.view(rows),
+                       engage=engage.view(rows))
+    return mixed.view(x.shape)
+
+
+def _plain_is_slow(step: Tensor, previous: Tensor, tol: Tensor, budget: int) -> Tensor:
+    """Per problem: are plain steps predicted to need more than ``budget`` evaluations?
+
+    The prediction extrapolates the problem's last contraction ratio ``step / previous``
+    geometrically down to its tolerance (never true at the first step, with no ratio yet).
+    Anderson mixing of a whole sample only pays off beyond a few iterations (``budget``
+    :data:`_PLAIN_BUDGET`), the secant step of one frame from the second (``budget`` 0); the
+    decision depends on the problem alone, so results do not depend on the batch.
 
     Returns:
         Boolean tensor of the shape of ``step``.
     """
     ratio = (step / previous).clamp(max=1.0 - 1e-6)
     remaining = torch.log(tol / step) / torch.log(ratio)
-    return remaining > _PLAIN_BUDGET
+    return remaining > budget
 
 
 def _check_arguments(
@@ -323,6 +363,7 @@ def _check_arguments(
     memory: object,
     on_failure: object,
     x0: object,
+    position_wise: object,
 ) -> None:
     if not callable(g):
         raise TypeError(f"g must be callable, got {type(g).__name__}")
@@ -352,6 +393,10 @@ def _check_arguments(
         raise ValueError(f"memory must be a positive int, got {memory!r}")
     if on_failure not in ("raise", "warn"):
         raise ValueError(f"on_failure must be 'raise' or 'warn', got {on_failure!r}")
+    if not isinstance(position_wise, bool):
+        raise TypeError(f"position_wise must be a bool, got {type(position_wise).__name__}")
+    if position_wise and y.dim() != 3:
+        raise ValueError(f"position_wise needs y of shape (B, N, D), got {tuple(y.shape)}")
     if x0 is not None:
         if not isinstance(x0, Tensor) or x0.dtype != y.dtype:
             raise TypeError(f"x0 must be a tensor of dtype {y.dtype}, got {_describe(x0)}")

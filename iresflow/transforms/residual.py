@@ -229,6 +229,7 @@ class ResidualTransform(SequenceTransform):
                 max_iter=self.inverse_max_iter,
                 solver=self.inverse_solver,
                 on_failure=self.on_failure,
+                position_wise=self.branch.position_wise,
             )
             if real is not None:
                 x = torch.where(real, x, y)
@@ -288,7 +289,7 @@ class ResidualTransform(SequenceTransform):
             x, self.last_inverse_stats = fixed_point_inverse(
                 pinned, right, args=args, tol=self.inverse_tol, max_iter=self.inverse_max_iter,
                 solver=self.inverse_solver, on_failure=self.on_failure,
-                x0=torch.where(held, truth, right),
+                x0=torch.where(held, truth, right), position_wise=branch.position_wise,
             )
             x = torch.where(held, truth, torch.where(inside, x, y))
         outputs = torch.where(known[..., None], state, inputs)
