@@ -411,8 +411,11 @@ def conv_frames(
     pad, n = (0, 0, left, span - 1 - left), h.shape[1]
     if in_channels <= out_channels:
         return F.linear(_windows(h, k, pad, dilation), weight.reshape(out_channels, -1), bias)
-    # column j C_out + o of z is tap j's output channel o at every input frame
-    z = F.pad(F.linear(h, weight.permute(2, 0, 1).reshape(k * out_channels, in_channels)), pad)
+    # column j C_out + o of z is tap j's output channel o at every input frame; the taps are
+    # made contiguous, which their reshape is not for one output channel (a strided matrix
+    # makes the product about three times slower)
+    taps = weight.permute(2, 0, 1).reshape(k * out_channels, in_channels).contiguous()
+    z = F.pad(F.linear(h, taps), pad)
     y = z[:, :n, :out_channels] + z[:, dilation:dilation + n, out_channels:2 * out_channels]
     for j in range(2, k):
         y += z[:, j * dilation:j * dilation + n, j * out_channels:(j + 1) * out_channels]
