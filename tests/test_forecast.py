@@ -16,6 +16,7 @@ from iresflow.models.distributions import StudentTSequence, make_base
 from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.transforms.base import FRAMES, SequenceTransform
 from iresflow.transforms.residual import ResidualTransform
+from iresflow.transforms.temporal import AutoregressiveLinear
 from tests.oracles import jacobian
 
 LENGTH, FEATURES = 7, 2
@@ -315,3 +316,33 @@ def test_residual_steps_solve_the_new_frames_on_their_window_as_the_whole_invers
         width = int((last - (first_new - reach).clamp(min=0)).max())
         assert set(lengths) == {width}, (lengths, reach)
         assert width < total or reach >= int(first_new.min()), (width, reach)
+
+
+@pytest.mark.parametrize("recipe", ["default", "conditional"])
+def test_the_autoregressive_step_recovers_new_frames_from_the_first_one_on(recipe):
+    """The linear autoregressive step's pinned inverse equals inverting it whole and putting the
+    known frames back, and reads nothing of the frames before the first new one but the states
+    of its history."""
+    device, dtype = torch.device("cpu"), torch.float64
+    model = _model(device, dtype, **RECIPES[recipe])
+    (step,) = [t for t in model.transform.steps if isinstance(t, AutoregressiveLinear)]
+    assert step.order > 0
+    total = LENGTH + 3
+    x = torch.randn(3, total, FEATURES, dtype=dtype)
+    mask = torch.ones(3, total, dtype=torch.bool)
+    mask[1, 8:] = False
+    known = torch.zeros(3, total, dtype=torch.bool)
+    known[0, :7], known[1, :6], known[2, :8] = True, True, True
+    known[0, 3] = mask[0, 3] = False  # a gap among the known frames
+    context = _context(model, 3, device)
+    c = None if not context else model.context_encoder(context["context"])
+    y = step._forward(x, c, mask, False)[0]
+    y = torch.where(known[..., None], y, torch.randn_like(y))
+    pinned = step.inverse_pinned(y, x, known, c, mask)
+    whole = SequenceTransform.inverse_pinned(step, y, x, known, c, mask)
+    torch.testing.assert_close(pinned, whole, atol=1e-10, rtol=0)
+    first = 6  # the first new frame of any sequence
+    garbage = y.clone()
+    garbage[:, :first] = 1e3
+    assert torch.equal(step.inverse_pinned(garbage, x, known, c, mask)[:, first:],
+                       pinned[:, first:])

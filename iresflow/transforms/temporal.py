@@ -226,34 +226,70 @@ class AutoregressiveLinear(DataInitializedTransform):
     def _inverse(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
     ) -> tuple[Tensor, Tensor | None]:
-        r"""Map noise to data by forward substitution over time.
-
+        r"""Map noise to data by forward substitution over time (:meth:`_recover`):
         :math:`x_t = L_h^{-1} z_t + b_h + \sum_{k \le h} A_{h,k} x_{t-k}`, :math:`h = h(t)`, for
-        :math:`t = 0, 1, \dots`: the triangular solves of all frames are one batched call, then
-        one step per frame (batched over the sequences) adds the prediction from the frames
-        already recovered.
-        """
+        :math:`t = 0, 1, \dots`."""
         z = inputs.unsqueeze(1) if inputs.dim() == 2 else inputs
         batch, length, d = z.shape
         lengths = _history_lengths(z, mask, self.order)
-        lags, bias, whitening, log_diag = self._sub_models(context)
+        models = self._sub_models(context)
+        history = z.new_zeros(batch, 1, d, self.order)  # [..., p - k] holds x~_{t-k}
+        outputs = self._recover(z, lengths, models, mask, 0, history).reshape(inputs.shape)
+        per_frame = torch.gather(models[3].sum(-1).expand(batch, -1), 1, lengths)
+        return tokenwise_result(inputs, outputs, mask, -per_frame, logdet)
+
+    def inverse_pinned(
+        self, inputs: Tensor, state: Tensor, known: Tensor, context: Tensor | None,
+        mask: Tensor | None,
+    ) -> Tensor:
+        """The inverse on new frames with the known frames held at ``state``
+        (docs/forecasting.md#pinned-inverse): the forward substitution starts at the first frame
+        that is new in some sequence, its history the states of the frames before it, and a
+        frame still known after it keeps its state; the frames before it are not visited."""
+        if inputs.dim() != 3:
+            return super().inverse_pinned(inputs, state, known, context, mask)
+        length, p = inputs.shape[1], self.order
+        real = known if mask is None else mask
+        positions = torch.arange(length, device=inputs.device)
+        first = int(torch.where(real & ~known, positions, length).amin())
+        outputs = torch.where(known.unsqueeze(-1), state, inputs)
+        if first == length:
+            return outputs
+        past = state if mask is None else torch.where(mask.unsqueeze(-1), state, 0.0)
+        past = F.pad(past[:, max(first - p, 0):first], (0, 0, max(p - first, 0), 0))
+        history = past.transpose(1, 2).unsqueeze(1)  # (B, 1, D, p), [..., p - k] is x_{t-k}
+        lengths = _history_lengths(inputs, mask, p)
+        recovered = self._recover(inputs, lengths, self._sub_models(context), mask, first,
+                                  history, (known, state))
+        if mask is not None:
+            recovered = torch.where(mask[:, first:, None], recovered, inputs[:, first:])
+        return torch.cat([outputs[:, :first], recovered], dim=1)
+
+    def _recover(self, z: Tensor, lengths: Tensor, models: tuple[Tensor, ...],
+                 mask: Tensor | None, first: int, history: Tensor,
+                 pinned: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        r"""Frames ``first, first + 1, ...`` of :math:`x` from their noise ``z`` ``(B, N, D)`` by
+        forward substitution: the triangular solves of all of them in one batched call, then one
+        step per frame (batched over the sequences) adds the prediction from the frames already
+        recovered, starting from ``history`` ``(B, 1, D, p)``; with ``pinned = (known, state)``
+        a known frame takes its state instead. Returns ``(B, N - first, D)``."""
+        lags, bias, whitening, _ = models
         # Row vectors: L_j w = z  <=>  w^T L_j^T = z^T, solved for every sub-model, then h(t).
         w = torch.linalg.solve_triangular(
-            whitening.mT.unsqueeze(1), z[..., None, None, :], upper=True, left=False
+            whitening.mT.unsqueeze(1), z[:, first:, None, None, :], upper=True, left=False
         )
-        w = _select(w.squeeze(-2), lengths)
-        history = z.new_zeros(batch, 1, d, self.order)  # [..., p - k] holds x~_{t-k}
+        w = _select(w.squeeze(-2), lengths[:, first:])
         frames = []
-        for t in range(length):
+        for t in range(first, z.shape[1]):
             prediction = self._predictions(history, lags, bias).squeeze(1)
-            frame = w[:, t] + _select(prediction, lengths[:, t])
+            frame = w[:, t - first] + _select(prediction, lengths[:, t])
+            if pinned is not None:
+                frame = torch.where(pinned[0][:, t, None], pinned[1][:, t], frame)
             frames.append(frame)
             if mask is not None:  # padded frames never enter a history
                 frame = torch.where(mask[:, t, None], frame, 0.0)
             history = torch.cat([history[..., 1:], frame[:, None, :, None]], dim=-1)
-        outputs = torch.stack(frames, dim=1).reshape(inputs.shape)
-        per_frame = torch.gather(log_diag.sum(-1).expand(batch, -1), 1, lengths)
-        return tokenwise_result(inputs, outputs, mask, -per_frame, logdet)
+        return torch.stack(frames, dim=1)
 
     def _initialize(self, inputs: Tensor, mask: Tensor | None) -> None:
         p, d = self.order, self.features
