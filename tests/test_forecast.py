@@ -281,23 +281,32 @@ def test_forecast_rejects_bad_options(device):
         model.forecast(bad, mask, horizon=1)
 
 
+def _pinned_case(model: ResidualSequenceFlow, features: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """States ``x`` of three float64 sequences of ``LENGTH + 3`` frames, their mask (the second
+    ends at frame 8), their known frames (the first 7, 6 and 8, the first sequence with a padded
+    gap at frame 3 among them) and the encoded context of a conditional model (else ``None``)."""
+    total = LENGTH + 3
+    x = torch.randn(3, total, features, dtype=torch.float64)
+    mask = torch.ones(3, total, dtype=torch.bool)
+    mask[1, 8:] = False
+    known = torch.zeros(3, total, dtype=torch.bool)
+    known[0, :7], known[1, :6], known[2, :8] = True, True, True
+    known[0, 3] = mask[0, 3] = False  # a gap among the known frames
+    context = _context(model, 3, torch.device("cpu"))
+    c = None if not context else model.context_encoder(context["context"])
+    return x, mask, known, c
+
+
 @pytest.mark.parametrize("features", [FEATURES, 1])  # one: per-frame steps solved frame by frame
 @pytest.mark.parametrize("recipe", ["default", "conditional", "dilated"])
 def test_residual_steps_solve_the_new_frames_on_their_window_as_the_whole_inverse(recipe,
                                                                                  features):
     """The windowed, pinned fixed-point solve of a causal residual step equals inverting it
     whole and putting the known frames back, and never evaluates the frames before it."""
-    device, dtype = torch.device("cpu"), torch.float64
-    model = _model(device, dtype, features, **RECIPES[recipe])
-    total = LENGTH + 3
-    x = torch.randn(3, total, features, dtype=dtype)
-    mask = torch.ones(3, total, dtype=torch.bool)
-    mask[1, 8:] = False
-    known = torch.zeros(3, total, dtype=torch.bool)
-    known[0, :7], known[1, :6], known[2, :8] = True, True, True
-    known[0, 3] = mask[0, 3] = False  # a gap among the known frames
-    context = _context(model, 3, device)
-    c = None if not context else model.context_encoder(context["context"])
+    model = _model(torch.device("cpu"), torch.float64, features, **RECIPES[recipe])
+    x, mask, known, c = _pinned_case(model, features)
+    total = x.shape[1]
     steps = [t for t in model.transform.steps if isinstance(t, ResidualTransform)]
     assert steps
     for step in steps:
@@ -323,19 +332,10 @@ def test_the_autoregressive_step_recovers_new_frames_from_the_first_one_on(recip
     """The linear autoregressive step's pinned inverse equals inverting it whole and putting the
     known frames back, and reads nothing of the frames before the first new one but the states
     of its history."""
-    device, dtype = torch.device("cpu"), torch.float64
-    model = _model(device, dtype, **RECIPES[recipe])
+    model = _model(torch.device("cpu"), torch.float64, **RECIPES[recipe])
     (step,) = [t for t in model.transform.steps if isinstance(t, AutoregressiveLinear)]
     assert step.order > 0
-    total = LENGTH + 3
-    x = torch.randn(3, total, FEATURES, dtype=dtype)
-    mask = torch.ones(3, total, dtype=torch.bool)
-    mask[1, 8:] = False
-    known = torch.zeros(3, total, dtype=torch.bool)
-    known[0, :7], known[1, :6], known[2, :8] = True, True, True
-    known[0, 3] = mask[0, 3] = False  # a gap among the known frames
-    context = _context(model, 3, device)
-    c = None if not context else model.context_encoder(context["context"])
+    x, mask, known, c = _pinned_case(model, FEATURES)
     y = step._forward(x, c, mask, False)[0]
     y = torch.where(known[..., None], y, torch.randn_like(y))
     pinned = step.inverse_pinned(y, x, known, c, mask)
