@@ -23,14 +23,17 @@ from iresflow.models import ResidualSequenceFlow
 PACKAGE = Path(iresflow.__file__).parent
 
 #: Python calls into the package of one default training log_prob: 758 before the path was made
-#: lean, then 413, 365 and 274; now about 240, 25 of them the vector-Jacobian products of the
-#: power series. The count depends on the roulette draws (fixed here by the seed), and a count
+#: lean, then 413, 365 and 274; now about 250, 25 of them the vector-Jacobian products of the
+#: power series and 10 the shifted sums (nn/frames.py tap_sum) through which those products
+#: reach the first layer of a convolution branch without building the windows of its 64-channel
+#: cotangent. The count depends on the roulette draws (fixed here by the seed), and a count
 #: drawn for the first time adds three calls (its series weights are computed, then cached).
-#: The limit is a third of the 740 the path had when it was first counted.
-MAX_CALLS = 247
+#: The limit is a third of the 740 the path had when it was first counted, plus those ten.
+MAX_CALLS = 257
 #: Distinct source files of the package it passes through (19 before the length and dtype checks
-#: moved to _validation.py and repeat_rows beside the probes in logdet/_hutchinson.py).
-MAX_MODULES = 17
+#: moved to _validation.py and repeat_rows beside the probes in logdet/_hutchinson.py; 18 since
+#: the convolutions on frames moved from nn/layered.py to nn/frames.py, no call more).
+MAX_MODULES = 18
 
 
 def _profile(call: Callable[[], object]) -> list[tuple[str, str]]:

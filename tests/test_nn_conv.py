@@ -14,7 +14,7 @@ from iresflow.logdet.exact import ExactLogDet
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.nn.conv import SpectralConv1d, TemporalConvBranch, circular_conv_norm
 from iresflow.nn.diagnostics import empirical_lipschitz, jacobian_norm
-from iresflow.nn.layered import conv_frames
+from iresflow.nn.frames import conv_frames
 from iresflow.transforms.residual import ResidualTransform
 
 F64 = torch.float64

@@ -46,7 +46,8 @@ from iresflow._validation import (
 )
 from iresflow.nn.activations import LipSwish
 from iresflow.nn.base import LipschitzBranch
-from iresflow.nn.layered import ConvStackLinearization, conv_frames, stack_parameters
+from iresflow.nn.frames import conv_frames
+from iresflow.nn.layered import ConvStackLinearization, stack_parameters
 from iresflow.nn.linear import check_coefficient, kept_without_graph, top_singular_vectors
 
 __all__ = ["SpectralConv1d", "TemporalConvBranch", "circular_conv_norm"]
@@ -256,7 +257,7 @@ class SpectralConv1d(nn.Module):
 
     def forward_frames(self, h: Tensor) -> Tensor:
         """:meth:`forward` on frames, channels last: ``(B, N, C_in)`` to ``(B, N, C_out)``
-        (:func:`~iresflow.nn.layered.conv_frames`); ``ValueError`` for ``N > max_len``."""
+        (:func:`~iresflow.nn.frames.conv_frames`); ``ValueError`` for ``N > max_len``."""
         if h.dim() == 3 and h.shape[1] > self.max_len:
             raise ValueError(f"x has length {h.shape[1]} > max_len={self.max_len}, for which the "
                              f"certified bound does not hold")

@@ -6,9 +6,11 @@ The linearizations of the position-wise MLP branch (:class:`~iresflow.nn.mlp.Lip
 map with its effective parameters fixed, its vector-Jacobian products and the gradient of the
 Neumann surrogate (docs/math.md#neumann-gradient, #lipswish), written once. A token-wise
 layer is a convolution over time with one tap: every layer's adjoint is a product of the windows
-of its cotangent (:func:`_windows`, the cotangent itself for one tap) with a matrix, and the
-convolutional stack replaces only the forward map and the weight gradient of a layer
-(:class:`ConvStackPoint`) and masks the inputs of its hidden layers.
+of its cotangent (:func:`~iresflow.nn.frames.windows`, the cotangent itself for one tap) with a
+matrix, or for a layer into fewer channels the products with all its taps shifted and summed
+(:func:`~iresflow.nn.frames.tap_sum`), and the convolutional stack replaces only the forward
+map and the weight gradient of a layer (:class:`ConvStackPoint`) and masks the inputs of its
+hidden layers.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import Tensor, nn
 from iresflow._validation import check_length
 from iresflow.nn.activations import LipSwish
 from iresflow.nn.base import Linearization, LinearizedPoint
+from iresflow.nn.frames import tap_sum, windows
 
 __all__ = [
     "ConvStackLinearization",
@@ -29,7 +32,6 @@ __all__ = [
     "LayerStackLinearization",
     "LayerStackPoint",
     "as_rows",
-    "conv_frames",
     "stack_parameters",
 ]
 
@@ -96,7 +98,7 @@ class LayerStackLinearization(Linearization):
     Returned by :meth:`~iresflow.nn.mlp.LipschitzMLP.linearize` (a convolutional subclass by
     :meth:`~iresflow.nn.conv.TemporalConvBranch.linearize`). ``params`` lists the weights, the
     biases that exist, the LipSwish slopes, then the shift if there is one. The adjoint of
-    layer ``l`` is ``_windows(g, taps[l]) @ adjoints[l]`` (the windows padded by ``pads[l]``):
+    layer ``l`` is ``windows(g, taps[l]) @ adjoints[l]`` (the windows padded by ``pads[l]``):
     here one tap and the weight itself;
     ``masks_hidden`` says whether padded frames are zeroed at the input of every hidden layer
     (not needed token by token).
@@ -184,11 +186,11 @@ class LayerStackPoint(LinearizedPoint):
                 if matrices is None:
                     a = F.linear(h, lin.weights[i], bias)
                 else:
-                    k, windows = lin.taps[i], h
+                    k, stacked = lin.taps[i], h
                     if k > 1:
-                        windows = F.pad(h, lin.forward_pads[i]).unfold(1, lin.spans[i], 1)[
+                        stacked = F.pad(h, lin.forward_pads[i]).unfold(1, lin.spans[i], 1)[
                             ..., :: lin.dilations[i]].reshape(*h.shape[:2], h.shape[2] * k)
-                    a = windows @ matrices[i]
+                    a = stacked @ matrices[i]
                     if bias is not None:
                         a = a.add_(bias)
                 if i == 0 and lin.shift is not None:
@@ -214,9 +216,15 @@ class LayerStackPoint(LinearizedPoint):
         return F.linear(h, self.lin.weights[l], bias)
 
     def adjoint_layer(self, l: int, g: Tensor) -> Tensor:
-        r"""Its adjoint :math:`g \mapsto g \tilde W_l`, shape ``(R, N, H_l)``."""
+        r"""Its adjoint :math:`g \mapsto g \tilde W_l`, shape ``(R, N, H_l)``: into fewer
+        channels, all taps at once and the products shifted and summed (no windows of the wide
+        ``g``)."""
         lin = self.lin
-        return _windows(g, lin.taps[l], lin.pads[l], lin.dilations[l]) @ lin.adjoints[l]
+        k, adjoint = lin.taps[l], lin.adjoints[l]
+        if k > 1 and g.shape[2] > adjoint.shape[1]:
+            return tap_sum(F.pad(g @ adjoint.view(g.shape[2], -1), lin.pads[l]), k,
+                           lin.dilations[l], g.shape[1])
+        return windows(g, k, lin.pads[l], lin.dilations[l]) @ adjoint
 
     def layer_weight_grad(self, l: int, g: Tensor, h: Tensor, k: Tensor, t: Tensor) -> Tensor:
         r""":math:`\partial/\partial\tilde W_l` of :math:`\langle g, \tilde W_l h\rangle +
@@ -238,7 +246,7 @@ class LayerStackPoint(LinearizedPoint):
 
     def vjp(self, w: Tensor) -> Tensor:
         # adjoint_layer and hidden_input written out: this is the hot loop of the power series
-        # _windows written out too, with the paddings of the linearization
+        # windows written out too, with the paddings of the linearization
         lin = self.lin
         taps, pads, adjoints, spans, dilations = (lin.taps, lin.pads, lin.adjoints, lin.spans,
                                                   lin.dilations)
@@ -247,6 +255,10 @@ class LayerStackPoint(LinearizedPoint):
             if l < len(self.slopes):
                 g = g.mul_(self.slopes[l])  # g is a fresh product: scaled in place
             k = taps[l]
+            if k > 1 and g.shape[2] > adjoints[l].shape[1]:  # into fewer channels
+                g = tap_sum(F.pad(g @ adjoints[l].view(g.shape[2], -1), pads[l]), k,
+                            dilations[l], g.shape[1])
+                continue
             if k > 1:
                 g = F.pad(g, pads[l]).unfold(1, spans[l], 1)[..., :: dilations[l]].reshape(
                     *g.shape[:2], g.shape[2] * k)
@@ -356,72 +368,6 @@ class ConvStackLinearization(LayerStackLinearization):
         return ConvStackPoint(self, x, mask)
 
 
-def _windows(h: Tensor, size: int, pad: tuple[int, int, int, int], dilation: int = 1) -> Tensor:
-    """Windows ``out[r, t, c * size + j] = h[r, t + d j - left, c]`` (zero outside the
-    sequence) with ``pad = (0, 0, left, right)``, ``left + right = d (size - 1)``, shape
-    ``(R, N, C size)``. Built from slices, not ``unfold``, which has no batching rule under
-    ``vmap`` (``jacrev`` of a branch would fall back to a loop)."""
-    if size == 1:
-        return h
-    padded, n = F.pad(h, pad), h.shape[1]
-    taps = [padded[:, j * dilation:j * dilation + n] for j in range(size)]
-    return torch.stack(taps, -1).reshape(*h.shape[:2], h.shape[2] * size)
-
-
-def conv_frames(
-    h: Tensor, weight: Tensor, bias: Tensor | None = None, *, causal: bool = False,
-    dilation: int = 1,
-) -> Tensor:
-    r"""A convolution over time on frames, channels last: :math:`y_t = \sum_j W_j
-    h_{t + d (j - p)} + b` with zero padding, :math:`p = (k - 1) / 2` ("same") or :math:`k - 1`
-    (causal).
-
-    The product is associated the cheaper way for the shapes: the input's windows times the
-    tap matrix when the layer widens (``C_in <= C_out``), else the input times all the taps at
-    once, the :math:`k` results shifted over time and summed, which never builds the windows of
-    a wide input.
-
-    Args:
-        h: Input ``(R, N, C_in)``.
-        weight: Taps ``(C_out, C_in, k)`` (:func:`torch.nn.functional.conv1d` layout).
-        bias: Optional ``(C_out,)``.
-        causal: Whether frame ``t`` reads frames up to ``t`` only.
-        dilation: Spacing :math:`d` of the taps over time.
-
-    Returns:
-        ``(R, N, C_out)``; equal to ``conv1d`` of ``h`` channels first, to rounding.
-
-    Raises:
-        ValueError: ``weight`` is not ``(C_out, C_in, k)`` or ``h`` not ``(R, N, C_in)``.
-
-    Example:
-        >>> h, w = torch.randn(2, 5, 3), torch.randn(4, 3, 3)
-        >>> y = F.conv1d(h.transpose(1, 2), w, padding=1).transpose(1, 2)
-        >>> bool(torch.allclose(conv_frames(h, w), y, atol=1e-5))
-        True
-    """
-    if weight.dim() != 3 or h.dim() != 3 or h.shape[-1] != weight.shape[1]:
-        raise ValueError(f"weight must be (C_out, C_in, k) and h (R, N, C_in), got weight "
-                         f"{tuple(weight.shape)} and h {tuple(h.shape)}")
-    out_channels, in_channels, k = weight.shape
-    if k == 1:
-        return F.linear(h, weight[..., 0], bias)
-    span = dilation * (k - 1) + 1
-    left = span - 1 if causal else span // 2
-    pad, n = (0, 0, left, span - 1 - left), h.shape[1]
-    if in_channels <= out_channels:
-        return F.linear(_windows(h, k, pad, dilation), weight.reshape(out_channels, -1), bias)
-    # column j C_out + o of z is tap j's output channel o at every input frame; the taps are
-    # made contiguous, which their reshape is not for one output channel (a strided matrix
-    # makes the product about three times slower)
-    taps = weight.permute(2, 0, 1).reshape(k * out_channels, in_channels).contiguous()
-    z = F.pad(F.linear(h, taps), pad)
-    y = z[:, :n, :out_channels] + z[:, dilation:dilation + n, out_channels:2 * out_channels]
-    for j in range(2, k):
-        y += z[:, j * dilation:j * dilation + n, j * out_channels:(j + 1) * out_channels]
-    return y if bias is None else y.add_(bias)
-
-
 class ConvStackPoint(LayerStackPoint):
     r"""A :class:`ConvStackLinearization` at ``x``: the products of :class:`LayerStackPoint`
     with "same"-padded (or causal) convolutions over time (tensors stay ``(R, N, C)``) and
@@ -436,13 +382,13 @@ class ConvStackPoint(LayerStackPoint):
 
     def apply_layer(self, l: int, h: Tensor, bias: Tensor | None = None) -> Tensor:
         lin = self.lin
-        windows = _windows(h, lin.taps[l], lin.forward_pads[l], lin.dilations[l])
-        out = windows @ lin.forward_matrices[l]
+        stacked = windows(h, lin.taps[l], lin.forward_pads[l], lin.dilations[l])
+        out = stacked @ lin.forward_matrices[l]
         return out if bias is None else out.add_(bias)
 
     def layer_weight_grad(self, l: int, g: Tensor, h: Tensor, k: Tensor, t: Tensor) -> Tensor:
         weight = self.lin.weights[l]
         # Both terms in one product of the stacked output cotangents with the input windows.
-        windows = _windows(torch.cat([h, t]), weight.shape[-1], self.lin.forward_pads[l],
-                           self.lin.dilations[l])
-        return (as_rows(torch.cat([g, k])).T @ as_rows(windows)).view(weight.shape)
+        stacked = windows(torch.cat([h, t]), weight.shape[-1], self.lin.forward_pads[l],
+                          self.lin.dilations[l])
+        return (as_rows(torch.cat([g, k])).T @ as_rows(stacked)).view(weight.shape)
