@@ -150,6 +150,23 @@ def test_sample_saves_raw_sequences_and_a_plot(
         assert (data["x"][~data["mask"]] == 0).all()
 
 
+def test_sample_temperature_scales_the_noise_of_the_draws(run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cold.npz"
+    argv = ["sample", str(run), "--num", "3", "--length", "5", "--seed", "2"]
+    assert main([*argv, "--temperature", "0.5", "--out", str(out)]) == 0
+    loaded = load_run(run)
+    with np.load(out) as data:
+        cold = torch.from_numpy(data["x"])
+    assert torch.equal(cold, sample_run(loaded, num=3, length=5, seed=2, temperature=0.5).x)
+    hot = sample_run(loaded, num=3, length=5, seed=2)
+    mask, preprocessing = torch.ones(3, 5, dtype=torch.bool), loaded.dataset.preprocessing
+    assert preprocessing is not None
+    with torch.no_grad():  # back in model units, the noise of the draws halves
+        noise = [loaded.model.transform_to_noise(preprocessing.forward(x, mask)[0], mask)
+                 for x in (cold, hot.x)]
+    torch.testing.assert_close(noise[0], 0.5 * noise[1], atol=1e-4, rtol=1e-4)
+
+
 def test_info_reports_size_and_lipschitz_constants(
     run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -172,6 +189,8 @@ def test_info_reports_size_and_lipschitz_constants(
         (["evaluate", "{tmp}/missing"], "run folder not found"),
         (["info", "{tmp}"], "holds no checkpoint"),
         (["sample", "{tmp}", "--num", "0"], "num must be >= 1, got 0"),
+        (["sample", "{tmp}", "--temperature", "0"], "temperature must be > 0, got 0"),
+        (["sample", "{tmp}", "--temperature", "inf"], "temperature must be finite, got inf"),
     ],
 )
 def test_errors_are_one_line_messages(

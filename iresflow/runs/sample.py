@@ -62,8 +62,8 @@ def sample_run(
     Args:
         run: A loaded run.
         settings: Number, length (``None``: drawn from the training split's lengths), seed (of
-            the lengths and of the base noise) and, for a conditional run, the ``label`` or
-            ``covariates`` of every sample; default:
+            the lengths and of the base noise), temperature of the base noise and, for a
+            conditional run, the ``label`` or ``covariates`` of every sample; default:
             :class:`~iresflow.runs.settings.SampleSettings`.
         context: Instead of ``label``/``covariates``, the context of every sample: class indices
             ``(num,)`` (int64) or covariates ``(num, C)``.
@@ -92,11 +92,11 @@ def sample_run(
     on_device = None if context is None else context.to(device)
     if settings.length is None:
         lengths = run.dataset.sample_lengths(num, generator=torch.Generator().manual_seed(seed))
-        x, mask = run.model.sample(num, lengths=lengths, generator=generator, context=on_device)
+        x, mask = run.model.sample(num, lengths=lengths, generator=generator, context=on_device,
+                                   temperature=settings.temperature)
     else:
-        x, mask = run.model.sample(
-            num, seq_len=settings.length, generator=generator, context=on_device
-        )
+        x, mask = run.model.sample(num, seq_len=settings.length, generator=generator,
+                                   context=on_device, temperature=settings.temperature)
         lengths = torch.full((num,), settings.length, dtype=torch.int64)
     diagnostics = {**run.model.inverse_diagnostics(), **worst_solve(run.model)}
     return Samples(

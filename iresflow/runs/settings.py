@@ -139,11 +139,16 @@ class SampleSettings(SettingsRecord):
         "covariates; write --covariates=-1,2 for a leading minus sign)",
         unset="none",
     )
+    temperature: float = setting(
+        1.0, "scale of the base noise (1: the model's; below 1 concentrates the draws)"
+    )
 
     def check(self) -> None:
         check_minimum(self, ("num", "length"), 1)
         if self.label is not None and self.covariates is not None:
             raise ConfigError("label and covariates exclude each other")
+        if not self.temperature > 0:
+            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
 
 
 @dataclass(frozen=True)
