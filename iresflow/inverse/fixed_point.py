@@ -293,7 +293,8 @@ def _iterate(
                 image = _mix(mixer, x, image, part_residual, slow)
         # a part within the tolerance keeps its value: the other parts do not move it
         x = image if parts == 1 else torch.where(
-            (part_residual < tol_a[:, None]).repeat_interleave(x.shape[1] // parts, 1), x, image)
+            (part_residual < tol_a[:, None]).unsqueeze(-1), x.view(x.shape[0], parts, -1),
+            image.view(x.shape[0], parts, -1)).view(x.shape)
         previous = part_residual
 
         running = ~done & torch.isfinite(x_residual)
