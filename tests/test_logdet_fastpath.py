@@ -214,3 +214,34 @@ def test_branch_without_hook_uses_autograd(device):
     torch.testing.assert_close(
         grad, torch.tensor(expected, dtype=F64, device=device), atol=1e-6, rtol=0
     )
+
+
+@pytest.mark.parametrize("kind", ["2", "inf", "conv", "causal-conv", "dilated-causal-conv"])
+@pytest.mark.parametrize("shifted", [False, True])
+def test_solve_map_equals_the_branch(device, kind, shifted):
+    """What a fixed-point solve evaluates (``solve_map``): the linearization's value with every
+    LipSwish folded into the layers around it equals the branch and ``at(x).output``, masked,
+    with a shift, and on a sub-batch of rows (the solver's running samples)."""
+    branch = _pair(kind, device, training=False)[0]
+    assert branch.solves_linearized
+    slopes = [float(m.beta) for m in branch.modules() if hasattr(m, "beta_raw")]
+    assert slopes and all(abs(b - 1) > 0.5 for b in slopes)  # folding the slopes matters
+    x, mask = _inputs(device)
+    shift = (torch.randn(3, branch.shift_features, dtype=F64, device=device) if shifted
+             else None)
+    lin = branch.linearize(shift)
+    for z, m in ((x, mask), (2 * x, None)):
+        expected = branch(z, m, shift=shift)
+        torch.testing.assert_close(lin.evaluate(z, m), expected, rtol=0, atol=1e-12)
+        torch.testing.assert_close(lin.at(z, m).output, expected, rtol=0, atol=1e-12)
+    if not shifted:
+        rows = torch.tensor([0, 2], device=device)
+        solve = branch.solve_map()
+        torch.testing.assert_close(solve(x[rows], mask[rows]), branch(x[rows], mask[rows]),
+                                   rtol=0, atol=1e-12)
+
+
+def test_solve_map_of_a_branch_without_it_is_the_branch(device):
+    """A branch that does not declare ``solves_linearized`` is evaluated itself."""
+    branch = ScaleBranch(0.4, device=device)
+    assert branch.solve_map() is branch

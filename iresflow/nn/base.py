@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar, Literal
 
 from torch import Tensor, nn
@@ -46,6 +47,19 @@ class Linearization(ABC):
         Returns:
             The map at ``x``, with its Jacobian products.
         """
+
+    def evaluate(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """The map's value alone at ``x``: ``at(x, mask).output``, or the same to rounding
+        without the Jacobian's factors (what a fixed-point solve evaluates, no graph).
+
+        Args:
+            x: Sequences ``(R, N, D)``.
+            mask: Optional boolean padding mask ``(R, N)``.
+
+        Returns:
+            :math:`g(x)`, shape ``(R, N, D)``, zero at padded positions.
+        """
+        return self.at(x, mask).output
 
 
 class LinearizedPoint(ABC):
@@ -144,6 +158,9 @@ class LipschitzBranch(nn.Module, ABC):
     causal: bool = False
     max_len: int | None = None
     shift_features: int | None = None
+    #: Whether fixed-point solves evaluate :meth:`linearize` in place of the branch
+    #: (:meth:`solve_map`).
+    solves_linearized: ClassVar[bool] = False
 
     @abstractmethod
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -194,6 +211,15 @@ class LipschitzBranch(nn.Module, ABC):
                 f"shift must have shape (B, H) = ({x.shape[0]}, {self.shift_features}), got "
                 f"{tuple(shift.shape)}"
             )
+
+    def solve_map(self) -> Callable[..., Tensor]:
+        """The map ``g(x, mask)`` a fixed-point solve evaluates (no graph, sub-batches of rows):
+        the branch, or with ``solves_linearized`` its :meth:`linearize`'s
+        :meth:`Linearization.evaluate`, equal to rounding and cheaper: the effective parameters
+        are computed once per solve and the iterates, which the solver checks, are not checked
+        again at every evaluation."""
+        linearization = self.linearize() if self.solves_linearized else None
+        return self if linearization is None else linearization.evaluate
 
     def linearize(self, shift: Tensor | None = None) -> Linearization | None:
         """Optional fast path: the branch's map with hand-written Jacobian products.

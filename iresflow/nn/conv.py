@@ -21,8 +21,7 @@ tap separately, and is exact for the circular operator.
 A *causal* convolution reads the current and past frames only, :math:`y_t = \sum_{j=0}^{k-1}
 W_j x_{t + j - (k - 1)}` (zero padding on the left, any :math:`k`). Its indices wrap, in the
 circular convolution of the same period, onto frames :math:`\ge P - k + 1 \ge N`, which hold
-zeros, so it too is a compression of that operator: the same bound holds
-(docs/math.md#causal-steps).
+zeros, so it is a compression of that operator too: the same bound (docs/math.md#causal-steps).
 
 Dilated by :math:`d`, the taps read frames :math:`d` apart: the convolution with the
 :math:`d (k - 1) + 1` taps :math:`W_0, 0, \dots, 0, W_1, \dots`, so all of the above holds with
@@ -323,6 +322,7 @@ class TemporalConvBranch(LipschitzBranch):
 
     position_wise = False
     norm = "2"
+    solves_linearized = True
 
     def __init__(
         self,

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from iresflow._validation import check_length
 from iresflow.nn.activations import LipSwish
 from iresflow.nn.base import Linearization, LinearizedPoint
-from iresflow.nn.frames import tap_sum, windows
+from iresflow.nn.frames import conv_frames, tap_sum, windows
 
 __all__ = [
     "ConvStackLinearization",
@@ -138,10 +138,51 @@ class LayerStackLinearization(Linearization):
         self.adjoints = self.weights
         #: The tap matrices of a convolutional stack (``None``: token by token, ``F.linear``).
         self.forward_matrices: list[Tensor] | None = None
+        self._folded: tuple[list[Tensor], list[Tensor | None], Tensor | None] | None = None
 
     def at(self, x: Tensor, mask: Tensor | None = None) -> LayerStackPoint:
         """The stack at ``x`` ``(R, N, D)`` with an optional padding mask ``(R, N)``."""
         return LayerStackPoint(self, x, mask)
+
+    def evaluate(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        r"""The stack's value at ``x`` ``(R, N, D)`` (optional mask ``(R, N)``), equal to
+        ``at(x, mask).output`` to rounding, with every LipSwish folded into the layers around
+        it: :math:`\phi_l(a) = \mathrm{silu}(\beta_l a) / (1.1 \beta_l)`, so layer :math:`l`
+        multiplies by :math:`\beta_l \tilde W_l / (1.1 \beta_{l-1})`, adds :math:`\beta_l b_l`
+        (the last layer: :math:`\tilde W_l / (1.1 \beta_{l-1})` and :math:`b_l`) and applies
+        one SiLU in place: two passes over every hidden layer fewer than the module's forward.
+        """
+        if self._folded is None:
+            self._folded = self._fold()
+        weights, biases, shift = self._folded
+        keep = None if mask is None else mask.unsqueeze(-1)
+        h, last = x, len(weights) - 1
+        for i, (weight, bias) in enumerate(zip(weights, biases, strict=True)):
+            if keep is not None and (i == 0 or self.masks_hidden):
+                h = torch.where(keep, h, 0.0)
+            h = self.apply_folded(i, h, weight, bias)
+            if i == 0 and shift is not None:
+                h = h + LayerStackPoint._shift_rows(shift, x.shape[0]).unsqueeze(1)
+            h = h if i == last else F.silu(h, inplace=True)
+        return h if keep is None else torch.where(keep, h, 0.0)
+
+    def apply_folded(self, l: int, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """Layer ``l`` with folded parameters (:meth:`evaluate`), token by token."""
+        return F.linear(h, weight, bias)
+
+    def _fold(self) -> tuple[list[Tensor], list[Tensor | None], Tensor | None]:
+        """The weights, biases and shift of :meth:`evaluate`."""
+        last = len(self.weights) - 1
+        weights, biases = [], []
+        for i, (weight, bias) in enumerate(zip(self.weights, self.biases, strict=True)):
+            into = 1.0 if i == 0 else _SCALE / self.betas[i - 1]
+            out = 1.0 if i == last else self.betas[i]
+            weights.append(weight * (into * out))
+            biases.append(None if bias is None else bias * out)
+        shift = self.shift
+        if shift is not None and last > 0:
+            shift = shift * self.betas[0]
+        return weights, biases, shift
 
 
 class LayerStackPoint(LinearizedPoint):
@@ -344,7 +385,7 @@ class ConvStackLinearization(LayerStackLinearization):
         dilation: int = 1,
     ) -> None:
         super().__init__(weights, biases, betas, shift)
-        self.max_len = max_len
+        self.max_len, self.causal = max_len, causal
         self.taps, self.pads, self.forward_matrices, self.adjoints = [], [], [], []
         self.dilations, self.spans = [], []
         #: The padding of every layer's input windows (``pads``: of its adjoint's).
@@ -366,6 +407,15 @@ class ConvStackLinearization(LayerStackLinearization):
         """The stack at ``x`` ``(R, N, D)``, ``N <= max_len``, with an optional mask ``(R, N)``."""
         check_length(x.shape[1], self.max_len, "TemporalConvBranch")
         return ConvStackPoint(self, x, mask)
+
+    def evaluate(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """:meth:`LayerStackLinearization.evaluate`, for ``N <= max_len`` only."""
+        check_length(x.shape[1], self.max_len, "TemporalConvBranch")
+        return super().evaluate(x, mask)
+
+    def apply_folded(self, l: int, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """Layer ``l``'s convolution with folded parameters (:meth:`evaluate`)."""
+        return conv_frames(h, weight, bias, causal=self.causal, dilation=self.dilations[l])
 
 
 class ConvStackPoint(LayerStackPoint):

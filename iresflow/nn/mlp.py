@@ -70,6 +70,7 @@ class LipschitzMLP(LipschitzBranch):
 
     position_wise = True
     norm = "2"
+    solves_linearized = True
 
     def __init__(
         self,

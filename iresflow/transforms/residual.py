@@ -216,9 +216,10 @@ class ResidualTransform(SequenceTransform):
             # entry of each sample, which padding must not loosen. The branch is 0 there, so the
             # padded outputs are the padded inputs, put back afterwards.
             real = None if mask is None else mask[..., None]
-            branch = self.branch
             args: tuple[Tensor, ...] = () if mask is None else (mask,)
-            if context is not None:  # the context rows follow the solver's active rows
+            if context is None:
+                branch = self.branch.solve_map()
+            else:  # the context rows follow the solver's active rows
                 args = (*args, context)
                 branch = _with_context(self.branch, mask is not None)
             x, stats = fixed_point_inverse(
@@ -280,9 +281,11 @@ class ResidualTransform(SequenceTransform):
         args = (held, truth, *(() if whole else (inside[..., 0],)),
                 *(() if context is None else (context,)))
 
+        solve = branch.solve_map() if context is None else branch
+
         def pinned(x: Tensor, held: Tensor, truth: Tensor, *rest: Tensor) -> Tensor:
             x, rows = torch.where(held, truth, x), None if whole else rest[0]
-            return branch(x, rows) if context is None else branch(x, rows, context=rest[-1])
+            return solve(x, rows) if context is None else solve(x, rows, context=rest[-1])
 
         with torch.no_grad():
             right = torch.where(inside, y, 0.0)
