@@ -17,14 +17,11 @@ from oracles import jacobian, padded_batch, real_indices
 from scipy.stats import multivariate_normal
 
 from iresflow.nn.conv import TemporalConvBranch
+from iresflow.transforms.ar_fit import MIN_INIT_RESIDUAL_VARIANCE, RELATIVE_RESIDUAL_VARIANCE_FLOOR
 from iresflow.transforms.composite import SequenceCompositeTransform
 from iresflow.transforms.mixing import FeatureMixing
 from iresflow.transforms.residual import ResidualTransform
-from iresflow.transforms.temporal import (
-    MIN_INIT_RESIDUAL_VARIANCE,
-    RELATIVE_RESIDUAL_VARIANCE_FLOOR,
-    AutoregressiveLinear,
-)
+from iresflow.transforms.temporal import AutoregressiveLinear
 
 F64 = torch.float64
 
@@ -161,6 +158,33 @@ def test_ar_inverse_round_trip_and_padding(device, order):
     moved = x.clone()
     moved[1, :2] += 10.0  # sequence 1 has a gap at frame 2
     assert torch.equal(layer(moved, mask=mask)[0][1, 3:], z[1, 3:])
+
+
+@pytest.mark.parametrize("order", [1, 3])
+@pytest.mark.parametrize("conditional", [False, True])
+@pytest.mark.parametrize("length", [2, 9])
+def test_ar_inverse_without_padding_equals_the_masked_one(device, order, conditional, length):
+    """Without a mask or a graph the frames from ``p`` on are recovered by the full model
+    alone, one product per frame; it equals the frame-by-frame recovery that a mask (all real)
+    or a graph takes."""
+    layer = _conditional_ar(device, order) if conditional else _random_ar(3, order, device)
+    context = torch.randn(4, 2, dtype=F64, device=device) if conditional else None
+    x = torch.randn(4, length, 3, dtype=F64, device=device)
+    z, logdet = layer(x, context)
+    with torch.no_grad():
+        x_back, logdet_inv = layer.inverse(z, context)
+    everywhere = torch.ones(4, length, dtype=torch.bool, device=device)
+    x_masked, logdet_masked = layer.inverse(z, context, mask=everywhere)
+    torch.testing.assert_close(x_back, x_masked, atol=1e-12, rtol=0)
+    torch.testing.assert_close(x_back, layer.inverse(z, context)[0], atol=1e-12, rtol=0)
+    torch.testing.assert_close(x_back, x, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(logdet_inv, logdet_masked)
+    torch.testing.assert_close(logdet_inv, -logdet)
+    # with a graph the recovery is differentiable
+    small = z[:2, :, :2].clone().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda v: layer.inverse(torch.cat([v, z[:2, :, 2:]], -1), context[:2] if conditional
+                                else None)[0], (small,))
 
 
 def _conditional_ar(device, order: int = 2) -> AutoregressiveLinear:

@@ -16,17 +16,15 @@ from torch import Tensor, nn
 from iresflow._validation import check_float, check_int
 from iresflow.nn.conditional import ContextShift, check_context
 from iresflow.transforms.actnorm import DataInitializedTransform, tokenwise_result
+from iresflow.transforms.ar_fit import (
+    conditional_gaussian_fit,
+    relative_floor,
+    whitening_of,
+)
 from iresflow.transforms.base import LogDetRequest
 
 __all__ = ["AutoregressiveLinear"]
 
-#: Eigenvalue floor of the residual covariance in the initialisation of
-#: :class:`AutoregressiveLinear`: a numerical guard in the units of the data, which the training
-#: loop standardises (docs/math.md#temporal-linear).
-MIN_INIT_RESIDUAL_VARIANCE = 1e-6
-#: Floor of a sub-model's residual variance, in every direction, as a fraction of the variance of
-#: the pooled fit of the same order in that direction (docs/math.md#ar-variance-floor).
-RELATIVE_RESIDUAL_VARIANCE_FLOOR = 1e-3
 
 
 class AutoregressiveLinear(DataInitializedTransform):
@@ -78,13 +76,13 @@ class AutoregressiveLinear(DataInitializedTransform):
     A sub-model fitted on its exact frames (the first case, :math:`j < p`) is compared with the
     pooled AR(j) fit :math:`R_j` of the second case (docs/math.md#ar-variance-floor): every
     eigenvalue :math:`\lambda` of :math:`R_j^{-1/2} \Sigma_j R_j^{-\top/2}` is raised to
-    :math:`\rho =` :data:`RELATIVE_RESIDUAL_VARIANCE_FLOOR`, so in no direction is its variance
-    below :math:`\rho` times the pooled one. A sub-model whose frames are predicted exactly (a
-    repeated frame in every training sequence) would otherwise get a near-zero variance and a
-    huge whitening scale, and a test sequence without the repetition an enormous NLL. Where no
-    :math:`\lambda` is below :math:`\rho`, :math:`\Sigma_j` is kept as fitted. Last, every
-    eigenvalue of :math:`\Sigma_j` (and of :math:`R_j`) below :data:`MIN_INIT_RESIDUAL_VARIANCE`
-    is raised to it.
+    :math:`\rho =` :data:`~iresflow.transforms.ar_fit.RELATIVE_RESIDUAL_VARIANCE_FLOOR`, so in no
+    direction is its variance below :math:`\rho` times the pooled one. A sub-model whose frames are
+    predicted exactly (a repeated frame in every training sequence) would otherwise get a near-zero
+    variance and a huge whitening scale, and a test sequence without the repetition an enormous NLL.
+    Where no :math:`\lambda` is below :math:`\rho`, :math:`\Sigma_j` is kept as fitted. Last,
+    every eigenvalue of :math:`\Sigma_j` (and of :math:`R_j`) below
+    :data:`~iresflow.transforms.ar_fit.MIN_INIT_RESIDUAL_VARIANCE` is raised to it.
 
     Conditional version (``context_features = C > 0``): every sequence's context
     :math:`c \in \mathbb R^C` shifts the parameters of all sub-models,
@@ -271,16 +269,21 @@ class AutoregressiveLinear(DataInitializedTransform):
         r"""Frames ``first, first + 1, ...`` of :math:`x` from their noise ``z`` ``(B, N, D)`` by
         forward substitution: the triangular solves of all of them in one batched call, then one
         step per frame (batched over the sequences) adds the prediction from the frames already
-        recovered, starting from ``history`` ``(B, 1, D, p)``; with ``pinned = (known, state)``
-        a known frame takes its state instead. Returns ``(B, N - first, D)``."""
+        recovered, starting from ``history`` ``(B, 1, D, p)`` (without padding, pinned frames or
+        a graph, from frame :math:`p` on by :meth:`_recover_steady`); with ``pinned = (known,
+        state)`` a known frame takes its state instead. Returns ``(B, N - first, D)``."""
         lags, bias, whitening, _ = models
         # Row vectors: L_j w = z  <=>  w^T L_j^T = z^T, solved for every sub-model, then h(t).
         w = torch.linalg.solve_triangular(
             whitening.mT.unsqueeze(1), z[:, first:, None, None, :], upper=True, left=False
         )
         w = _select(w.squeeze(-2), lengths[:, first:])
+        # Without padding, pinned frames or a graph to record, every frame from p on is predicted
+        # by the full model from its p predecessors: _recover_steady, one product per frame.
+        general = mask is not None or pinned is not None or torch.is_grad_enabled()
+        steady = z.shape[1] if general else max(first, self.order)
         frames = []
-        for t in range(first, z.shape[1]):
+        for t in range(first, min(steady, z.shape[1])):
             prediction = self._predictions(history, lags, bias).squeeze(1)
             frame = w[:, t - first] + _select(prediction, lengths[:, t])
             if pinned is not None:
@@ -289,7 +292,35 @@ class AutoregressiveLinear(DataInitializedTransform):
             if mask is not None:  # padded frames never enter a history
                 frame = torch.where(mask[:, t, None], frame, 0.0)
             history = torch.cat([history[..., 1:], frame[:, None, :, None]], dim=-1)
-        return torch.stack(frames, dim=1)
+        recovered = [torch.stack(frames, dim=1)] if frames else []
+        if steady < z.shape[1]:
+            recovered.append(self._recover_steady(w[:, steady - first:], lags, bias, history))
+        return torch.cat(recovered, dim=1)
+
+    def _recover_steady(self, w: Tensor, lags: Tensor, bias: Tensor, history: Tensor) -> Tensor:
+        r"""Frames whose :math:`p` predecessors are all real, by the full model alone:
+        :math:`x_t = w_t + b_p + \sum_k A_{p,k} x_{t-k}`, one batched product per frame written
+        into a buffer of the recovered frames (in place: no graph).
+
+        Args:
+            w: The whitened noise :math:`L_p^{-1} z_t` of the frames, ``(B, n, D)``.
+            lags: ``(b, p + 1, p, D, D)`` and ``bias`` ``(b, p + 1, D)`` from
+                :meth:`_sub_models`, ``b`` in ``{1, B}``.
+            history: The :math:`p` frames before the first, ``(B, 1, D, p)``, ``[..., p - k]``
+                holding :math:`x_{t-k}`.
+
+        Returns:
+            ``(B, n, D)``.
+        """
+        p, (batch, n, d) = self.order, w.shape
+        # row k D + i of the full model's matrix multiplies feature i of frame t - p + k
+        full = lags[:, p].permute(0, 1, 3, 2).reshape(-1, p * d, d).expand(batch, -1, -1)
+        base = w + bias[:, p].unsqueeze(1)
+        x = torch.cat([history[:, 0].transpose(1, 2), torch.empty_like(base)], dim=1)
+        for s in range(n):
+            window = x[:, s:s + p].reshape(batch, 1, p * d)
+            x[:, p + s] = torch.baddbmm(base[:, s, None], window, full)[:, 0]
+        return x[:, p:]
 
     def _initialize(self, inputs: Tensor, mask: Tensor | None) -> None:
         p, d = self.order, self.features
@@ -307,7 +338,7 @@ class AutoregressiveLinear(DataInitializedTransform):
         def fit(rows: Tensor, j: int) -> tuple[Tensor, Tensor]:
             targets = x[rows].to(work)
             regressors = torch.cat([lags[rows][:, : j * d], targets.new_ones(len(targets), 1)], 1)
-            return _conditional_gaussian_fit(targets, regressors.to(work))
+            return conditional_gaussian_fit(targets, regressors.to(work))
 
         identity = []
         for j in range(p + 1):
@@ -321,8 +352,8 @@ class AutoregressiveLinear(DataInitializedTransform):
             own = counts[0][j] >= needed and counts[0][j] < counts[1][j]
             coefficients, covariance = fit(real & (lengths == j) if own else pooled, j)
             if own:  # the exact frames: floored against the pooled fit of the same order
-                covariance = _relative_floor(covariance, fit(pooled, j)[1])
-            whitening = _whitening(covariance)
+                covariance = relative_floor(covariance, fit(pooled, j)[1])
+            whitening = whitening_of(covariance)
             # coefficients[(k - 1) D + i, o] multiplies feature i of x_{t-k}: A_{j,k}[o, i].
             self.lag_weights[j].zero_()
             self.lag_weights[j, :j].copy_(coefficients[: j * d].reshape(j, d, d).transpose(1, 2))
@@ -341,65 +372,6 @@ class AutoregressiveLinear(DataInitializedTransform):
     def extra_repr(self) -> str:
         conditional = f", context_features={self.context_features}" if self.context_net else ""
         return f"features={self.features}, order={self.order}{conditional}"
-
-
-def _conditional_gaussian_fit(targets: Tensor, regressors: Tensor) -> tuple[Tensor, Tensor]:
-    r"""Maximum-likelihood Gaussian regression of ``targets`` on ``regressors``.
-
-    Args:
-        targets: ``(R, D)``.
-        regressors: ``(R, Q)`` (a column of ones for the bias).
-
-    Returns:
-        ``(coefficients (Q, D), covariance (D, D))``: the minimum-norm least-squares solution and
-        the mean outer product of its residuals.
-    """
-    coefficients = torch.linalg.pinv(regressors) @ targets
-    residuals = targets - regressors @ coefficients
-    return coefficients, residuals.mT @ residuals / len(targets)
-
-
-def _floor_eigenvalues(covariance: Tensor) -> Tensor:
-    """``(D, D)`` covariance with its eigenvalues raised to :data:`MIN_INIT_RESIDUAL_VARIANCE`."""
-    eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
-    eigenvalues = eigenvalues.clamp_min(MIN_INIT_RESIDUAL_VARIANCE)
-    return (eigenvectors * eigenvalues) @ eigenvectors.mT
-
-
-def _relative_floor(covariance: Tensor, reference: Tensor) -> Tensor:
-    r"""Raise the variance of ``covariance`` in every direction to at least :math:`\rho` times
-    that of ``reference`` (docs/math.md#ar-variance-floor).
-
-    With :math:`R = C C^\top` (``reference``, eigenvalues floored first) and
-    :math:`C^{-1} \Sigma C^{-\top} = U \Lambda U^\top`, the result is
-    :math:`C U \max(\Lambda, \rho) U^\top C^\top`, :math:`\rho =`
-    :data:`RELATIVE_RESIDUAL_VARIANCE_FLOOR`; ``covariance`` itself where no eigenvalue is below
-    :math:`\rho`.
-
-    Args:
-        covariance: ``(D, D)`` residual covariance :math:`\Sigma` of a sub-model.
-        reference: ``(D, D)`` residual covariance :math:`R` of the pooled fit of its order.
-
-    Returns:
-        ``(D, D)``.
-    """
-    cholesky = torch.linalg.cholesky(_floor_eigenvalues(reference))
-    half = torch.linalg.solve_triangular(cholesky, covariance, upper=False)
-    relative = torch.linalg.solve_triangular(cholesky, half.mT, upper=False)
-    eigenvalues, eigenvectors = torch.linalg.eigh(relative)
-    if bool(eigenvalues.min() >= RELATIVE_RESIDUAL_VARIANCE_FLOOR):  # initialisation: host sync
-        return covariance
-    floored = eigenvectors * eigenvalues.clamp_min(RELATIVE_RESIDUAL_VARIANCE_FLOOR)
-    back = cholesky @ floored @ eigenvectors.mT @ cholesky.mT
-    return (back + back.mT) / 2
-
-
-def _whitening(covariance: Tensor) -> Tensor:
-    r"""``(D, D)`` :math:`L = C^{-1}` for the Cholesky factor :math:`C` of ``covariance`` ``(D, D)``
-    with its eigenvalues floored at :data:`MIN_INIT_RESIDUAL_VARIANCE`."""
-    cholesky = torch.linalg.cholesky(_floor_eigenvalues(covariance))
-    eye = torch.eye(covariance.shape[0], dtype=covariance.dtype, device=covariance.device)
-    return torch.linalg.solve_triangular(cholesky, eye, upper=False)
 
 
 def _history_lengths(x: Tensor, mask: Tensor | None, order: int) -> Tensor:
