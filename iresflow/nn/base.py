@@ -48,9 +48,10 @@ class Linearization(ABC):
             The map at ``x``, with its Jacobian products.
         """
 
+    @abstractmethod
     def evaluate(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        """The map's value alone at ``x``: ``at(x, mask).output``, or the same to rounding
-        without the Jacobian's factors (what a fixed-point solve evaluates, no graph).
+        """The map's value alone at ``x``: ``at(x, mask).output`` to rounding, without the
+        Jacobian's factors (what a fixed-point solve evaluates, no graph).
 
         Args:
             x: Sequences ``(R, N, D)``.
@@ -59,7 +60,6 @@ class Linearization(ABC):
         Returns:
             :math:`g(x)`, shape ``(R, N, D)``, zero at padded positions.
         """
-        return self.at(x, mask).output
 
 
 class LinearizedPoint(ABC):

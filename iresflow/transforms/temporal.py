@@ -16,15 +16,10 @@ from torch import Tensor, nn
 from iresflow._validation import check_float, check_int
 from iresflow.nn.conditional import ContextShift, check_context
 from iresflow.transforms.actnorm import DataInitializedTransform, tokenwise_result
-from iresflow.transforms.ar_fit import (
-    conditional_gaussian_fit,
-    relative_floor,
-    whitening_of,
-)
+from iresflow.transforms.ar_fit import conditional_gaussian_fit, relative_floor, whitening_of
 from iresflow.transforms.base import LogDetRequest
 
 __all__ = ["AutoregressiveLinear"]
-
 
 
 class AutoregressiveLinear(DataInitializedTransform):
