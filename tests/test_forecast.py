@@ -14,6 +14,7 @@ from scipy import stats
 
 from iresflow.models.distributions import StudentTSequence, make_base
 from iresflow.models.residual_flow import ResidualSequenceFlow
+from iresflow.transforms.autoregressive import AutoregressiveAffine
 from iresflow.transforms.base import FRAMES, SequenceTransform
 from iresflow.transforms.residual import ResidualTransform
 from iresflow.transforms.temporal import AutoregressiveLinear
@@ -354,3 +355,22 @@ def test_the_autoregressive_step_recovers_new_frames_from_the_first_one_on(recip
     garbage[:, :first] = 1e3
     assert torch.equal(step.inverse_pinned(garbage, x, known, c, mask)[:, first:],
                        pinned[:, first:])
+
+
+@pytest.mark.parametrize("recipe", ["every kind", "conditional"])
+def test_the_autoregressive_affine_step_solves_the_new_frames_only(recipe):
+    """The Transformer-conditioned step's pinned inverse equals inverting it whole and putting
+    the known frames back; the known frames are settled from the start, so with its window of
+    one frame it sweeps once per new frame of the batch's longest history."""
+    model = _model(torch.device("cpu"), torch.float64, **RECIPES[recipe])
+    x, mask, known, c = _pinned_case(model, FEATURES)
+    for step in [t for t in model.transform.steps if isinstance(t, AutoregressiveAffine)]:
+        y = step._forward(x, c, mask, False)[0]
+        y = torch.where(known[..., None], y, torch.randn_like(y))
+        pinned = step.inverse_pinned(y, x, known, c, mask)
+        assert step.last_inverse_stats.evaluations == x.shape[1] - 6  # the first new frame: 6
+        whole = SequenceTransform.inverse_pinned(step, y, x, known, c, mask)
+        assert step.last_inverse_stats.evaluations == x.shape[1]
+        torch.testing.assert_close(pinned, whole, atol=1e-10, rtol=0)
+        torch.testing.assert_close(step._forward(pinned, c, mask, False)[0][mask], y[mask],
+                                   atol=1e-10, rtol=0)

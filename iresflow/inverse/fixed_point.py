@@ -209,19 +209,25 @@ def fixed_point_inverse(
         >>> torch.allclose(x + 0.5 * torch.sin(x), y), bool(stats.converged.all())
         (True, True)
     """
-    _check_arguments(g, y, args, tol, max_iter, solver, memory, on_failure, x0, position_wise)
+    check_arguments(g, y, args, tol, max_iter, solver, memory, on_failure, x0, position_wise)
     # on one feature, every frame is a scalar equation of its own
     parts = y.shape[1] if position_wise and y.shape[-1] == 1 else 1
     with torch.no_grad():
         x, stats = _iterate(g, y, args, tol, max_iter, solver, memory, x0, parts)
     if not bool(stats.converged.all()):
-        _fail(stats, max_iter, on_failure)
+        report_failure(stats, max_iter, on_failure)
     return x, stats
 
 
-def _fail(stats: InverseStats, max_iter: int, on_failure: str) -> None:
-    """Raise :class:`InversionError` or warn (``on_failure``) for a solve that did not
-    converge for every sample."""
+def report_failure(stats: InverseStats, max_iter: int, on_failure: str) -> None:
+    """Raise :class:`InversionError` or warn (``on_failure``: ``"raise"`` or ``"warn"``) for a
+    solve that did not converge for every sample, with its counts and largest residual.
+
+    Args:
+        stats: The solve's statistics.
+        max_iter: Its cap on the evaluations per sample (for the message).
+        on_failure: ``"raise"`` or ``"warn"``.
+    """
     failed = int((~stats.converged).sum())
     diverged = int((~torch.isfinite(stats.residual)).sum())
     message = (
@@ -354,7 +360,7 @@ def _plain_is_slow(step: Tensor, previous: Tensor, tol: Tensor, budget: int) -> 
     return remaining > budget
 
 
-def _check_arguments(
+def check_arguments(
     g: object,
     y: object,
     args: object,
@@ -366,6 +372,8 @@ def _check_arguments(
     x0: object,
     position_wise: object,
 ) -> None:
+    """``TypeError`` or ``ValueError`` for arguments of :func:`fixed_point_inverse` (the same
+    names) that are not what it accepts."""
     if not callable(g):
         raise TypeError(f"g must be callable, got {type(g).__name__}")
     if not isinstance(y, Tensor) or not y.is_floating_point():

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from iresflow._validation import check_int
 from iresflow.nn.positional import make_positional_encoding
 
-__all__ = ["CausalTransformer"]
+__all__ = ["CausalTransformer", "WindowEvaluator"]
 
 #: Hidden width of the feed-forward part of a layer, in multiples of the model width.
 _FEEDFORWARD_RATIO = 4
@@ -105,28 +105,126 @@ class CausalTransformer(nn.Module):
         Returns:
             ``(B, N, out_features)``; row ``t`` depends on the real frames before ``t`` only.
         """
-        batch, length, _ = x.shape
-        if mask is not None:  # padded values must not reach any token, even as 0 * inf
-            x = torch.where(mask.unsqueeze(-1), x, 0.0)
-        start = self.start.expand(batch, 1, self.width)
-        h = torch.cat([start, self.embed(x[:, :-1])], dim=1)
-        h = h + self.encoding(h)
-        if self.context_embed is not None:
-            h = h + self.context_embed(context).unsqueeze(1)
-        # Token u + 1 holds frame u: a key if that frame is real; the start token always is.
-        keys = torch.ones(batch, length, dtype=torch.bool, device=x.device)
-        if mask is not None:
-            keys[:, 1:] = mask[:, :-1]
-        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
-        allowed = (causal & keys[:, None, :]).unsqueeze(1)  # (B, 1, query, key)
+        h = self._tokens(x, 0, x.shape[1], mask, context, self._table(x))
+        allowed = _allowed(x.shape[0], x.shape[1], mask, x.device)
         for layer in self.layers:
             h = layer(h, allowed)
         return self.head(self.norm(h))
+
+    def windows(self, x: Tensor, mask: Tensor | None = None,
+                context: Tensor | None = None) -> WindowEvaluator:
+        """An evaluator of the outputs on windows of frames of sequences whose earlier frames
+        no longer change (see :class:`WindowEvaluator`).
+
+        Args:
+            x: Frames ``(B, N, D)``: the batch and length the evaluator serves (its values are
+                not read).
+            mask: Optional boolean padding mask ``(B, N)``, fixed for the evaluator's life.
+            context: Context ``(B, C)`` of a conditional network, else ``None``.
+        """
+        return WindowEvaluator(self, x, mask, context)
+
+    def _table(self, x: Tensor) -> Tensor:
+        """The positional rows ``(N, width)`` of the tokens of frames ``x`` ``(B, N, D)``."""
+        return self.encoding(x.new_empty(1, x.shape[1], self.width))
+
+    def _tokens(self, x: Tensor, start: int, stop: int, mask: Tensor | None,
+                context: Tensor | None, table: Tensor) -> Tensor:
+        """Tokens ``start`` to ``stop - 1`` ``(B, stop - start, width)`` of frames ``x``
+        ``(B, N, D)`` (token ``u + 1`` holds frame ``u``, token 0 the start vector); ``table``
+        the positional rows of all ``N`` tokens."""
+        batch = x.shape[0]
+        first, last = max(start - 1, 0), max(stop - 1, 0)
+        frames = x[:, first:last]
+        if mask is not None:  # padded values must not reach any token, even as 0 * inf
+            frames = torch.where(mask[:, first:last, None], frames, 0.0)
+        h = self.embed(frames)
+        if start == 0 < stop:
+            h = torch.cat([self.start.expand(batch, 1, self.width), h], dim=1)
+        h = h + table[start:stop]
+        if self.context_embed is not None:
+            h = h + self.context_embed(context).unsqueeze(1)
+        return h
 
     def extra_repr(self) -> str:
         return (f"features={self.features}, out_features={self.out_features}, "
                 f"width={self.width}, heads={self.heads}, positional={self.positional!r}, "
                 f"max_len={self.max_len}, context_features={self.context_features}")
+
+
+class WindowEvaluator:
+    r"""The outputs of a :class:`CausalTransformer` on a window of frames ``start`` to
+    ``stop - 1``, with the keys and values of the earlier tokens kept from the calls before.
+
+    Output frame :math:`t` reads tokens :math:`0, \dots, t` only, and token :math:`u + 1` holds
+    frame :math:`u`. A call evaluates the tokens of its window, attending to the keys and values
+    stored for the tokens before ``start``, and stores theirs in their place. The outputs equal
+    the network's on the whole sequence (``net(x)[:, start:stop]``, to rounding) provided the
+    first call has ``start = 0`` and every later call has its ``start`` between the ``start`` and
+    the ``stop`` of the call before, with ``x`` unchanged on the frames before ``start - 1``. A
+    fixed-point solve whose frames settle from the first on
+    (:func:`~iresflow.inverse.causal.causal_fixed_point_inverse`) makes such calls, and its
+    sweeps then cost the tokens of their windows, not the whole sequence. Runs without gradient
+    tracking.
+
+    Args:
+        net: The network.
+        x: Frames ``(B, N, D)`` of the batch and length served (values not read).
+        mask: Optional boolean padding mask ``(B, N)``.
+        context: Context ``(B, C)`` of a conditional network, else ``None``.
+    """
+
+    def __init__(self, net: CausalTransformer, x: Tensor, mask: Tensor | None,
+                 context: Tensor | None) -> None:
+        batch, length, _ = x.shape
+        self.net, self.mask, self.context = net, mask, context
+        self.table = net._table(x)
+        self.allowed = _allowed(batch, length, mask, x.device)
+        head_width = net.width // net.heads
+        self.keys = [x.new_empty(batch, net.heads, length, head_width) for _ in net.layers]
+        self.values = [torch.empty_like(k) for k in self.keys]
+        self.length, self.stored = length, (0, 0)  # the window of the call before
+
+    @torch.no_grad()
+    def __call__(self, x: Tensor, start: int, stop: int) -> Tensor:
+        """Outputs of frames ``start`` to ``stop - 1``, ``(B, stop - start, out_features)``.
+
+        Args:
+            x: Frames ``(B, N, D)``, equal to those of the call before on frames
+                ``< start - 1``.
+            start: First frame of the window, 0 on the first call, then between the ``start``
+                and the ``stop`` of the call before.
+            stop: End of the window, ``start <= stop <= N``.
+
+        Raises:
+            ValueError: the window breaks these rules.
+        """
+        lowest, highest = self.stored
+        if not lowest <= start <= min(highest, stop) or stop > self.length:
+            raise ValueError(f"the window [start, stop) must start between the start and the "
+                             f"stop of the call before ({lowest} and {highest}; 0 and 0 on the "
+                             f"first call) and end by N = {self.length}, got [{start}, {stop})")
+        self.stored = (start, stop)
+        net = self.net
+        h = net._tokens(x, start, stop, self.mask, self.context, self.table)
+        # one query token of a batch without padding may attend to every stored token
+        single = self.mask is None and stop - start == 1
+        allowed = None if single else self.allowed[:, :, start:stop, :stop]
+        for layer, keys, values in zip(net.layers, self.keys, self.values, strict=True):
+            h = layer(h, allowed, keys, values, start)
+        return net.head(net.norm(h))
+
+
+def _allowed(batch: int, length: int, mask: Tensor | None, device: torch.device) -> Tensor:
+    """Boolean attention mask ``(B, 1, query, key)`` of ``N`` tokens (``(1, 1, N, N)`` without
+    ``mask``): causal, and token ``u + 1`` a key only if frame ``u`` is real (the start token
+    always is)."""
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    if mask is None:
+        return causal[None, None]
+    keys = torch.ones(batch, length, dtype=torch.bool, device=device)
+    keys[:, 1:] = mask[:, :-1]
+    return (causal & keys[:, None, :]).unsqueeze(1)
 
 
 class _CausalLayer(nn.Module):
@@ -145,13 +243,22 @@ class _CausalLayer(nn.Module):
             nn.Linear(_FEEDFORWARD_RATIO * width, width),
         )
 
-    def forward(self, h: Tensor, allowed: Tensor) -> Tensor:
+    def forward(self, h: Tensor, allowed: Tensor | None, keys: Tensor | None = None,
+                values: Tensor | None = None, start: int = 0) -> Tensor:
+        """Tokens ``h`` ``(B, L, width)`` attending where ``allowed`` (boolean, ``(B or 1, 1, L,
+        keys)``; ``None``: to every key); with ``keys`` and ``values`` ``(B, heads, N, width /
+        heads)``, ``h`` are tokens ``start`` to ``start + L - 1``, whose keys and values are
+        stored there and which attend to those of tokens ``0`` to ``start + L - 1``."""
         batch, length, width = h.shape
         q, k, v = (
             self.qkv(self.attention_norm(h))
             .view(batch, length, 3, self.heads, width // self.heads)
             .permute(2, 0, 3, 1, 4)
         )
+        if keys is not None and values is not None:
+            stop = start + length
+            keys[:, :, start:stop], values[:, :, start:stop] = k, v
+            k, v = keys[:, :, :stop], values[:, :, :stop]
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         h = h + self.out(attended.transpose(1, 2).reshape(batch, length, width))
         return h + self.feedforward(self.feedforward_norm(h))

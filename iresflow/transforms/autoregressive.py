@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 from iresflow._validation import check_float, check_int
-from iresflow.inverse.fixed_point import InverseStats, fixed_point_inverse
+from iresflow.inverse.causal import causal_fixed_point_inverse
+from iresflow.inverse.fixed_point import InverseStats
 from iresflow.nn.causal import CausalTransformer
 from iresflow.nn.conditional import check_context
 from iresflow.transforms.base import FRAMES, LogDetRequest, SequenceTransform
@@ -37,13 +38,16 @@ class AutoregressiveAffine(SequenceTransform):
     real frames before it only). A ``(B, D)`` batch of vectors is a batch of one-frame sequences:
     an affine map whose shift and scale depend on the context only.
 
-    The inverse iterates the Jacobi map :math:`T_y(x)_t = \mu_t(x_{<t}) + y_t \odot e^{s_t(x_{<t})}`
-    on all frames at once from :math:`x^0 = y`, with
-    :func:`~iresflow.inverse.fixed_point.fixed_point_inverse` (plain steps; its tolerance, its
-    residual :math:`\|x - T_y(x)\|_\infty` and its errors). Frame :math:`t` of the :math:`k`-th
-    iterate is exact once :math:`k > t`, so :math:`N` sweeps reach the solution and one more
-    evaluation confirms it: the default cap of :math:`N + 1` evaluations always suffices, for any
-    network. The diagnostics of the last inverse are kept in :attr:`last_inverse_stats`
+    The inverse solves the fixed point of the Jacobi map
+    :math:`T_y(x)_t = \mu_t(x_{<t}) + y_t \odot e^{s_t(x_{<t})}` from :math:`x^0 = y` with
+    :func:`~iresflow.inverse.causal.causal_fixed_point_inverse` (its tolerance, its residual
+    :math:`\|x - T_y(x)\|_\infty` per frame and its errors): the frames settle from the first
+    on, every sweep evaluates the Transformer on a window of the unsettled frames only, attending
+    to the keys and values it kept for the settled ones
+    (:class:`~iresflow.nn.causal.WindowEvaluator`), and :math:`N` sweeps always suffice, for any
+    network. With the default window of one frame, each sweep solves one frame exactly from the
+    frames before it; a wider window (``inverse_window``) moves more frames per sweep at once,
+    Jacobi style. The diagnostics of the last inverse are kept in :attr:`last_inverse_stats`
     (``iterations`` are the sweeps per sample). ``inverse`` runs without gradient tracking.
 
     Args:
@@ -58,8 +62,13 @@ class AutoregressiveAffine(SequenceTransform):
         max_log_scale: Bound :math:`S > 0` on every log-scale.
         inverse_tol: Max-abs residual tolerance of the inverse; ``None`` uses the dtype default
             of :func:`~iresflow.inverse.fixed_point.default_tolerance`.
-        inverse_max_iter: Cap on the sweeps of the inverse; ``None``: ``N + 1`` for sequences of
+        inverse_max_iter: Cap on the sweeps of the inverse; ``None``: ``N`` for sequences of
             length ``N``.
+        inverse_window: Frames evaluated per sweep of the inverse: 1 (the default) solves the
+            frames one after another, each with one pass of the Transformer over one token per
+            sequence (the fewest evaluations, and the fastest on a CPU); ``None``, all frames
+            at once (Jacobi sweeps, fewer when later frames converge early, each over all
+            tokens).
         on_failure: ``"raise"`` or ``"warn"`` when the inverse does not reach its tolerance.
 
     Example:
@@ -92,6 +101,7 @@ class AutoregressiveAffine(SequenceTransform):
         max_log_scale: float = 3.0,
         inverse_tol: float | None = None,
         inverse_max_iter: int | None = None,
+        inverse_window: int | None = 1,
         on_failure: Literal["raise", "warn"] = "raise",
     ) -> None:
         super().__init__()
@@ -102,6 +112,8 @@ class AutoregressiveAffine(SequenceTransform):
             inverse_tol, "inverse_tol", 0.0)
         self.inverse_max_iter = None if inverse_max_iter is None else check_int(
             inverse_max_iter, "inverse_max_iter", 1)
+        self.inverse_window = None if inverse_window is None else check_int(
+            inverse_window, "inverse_window", 1)
         if on_failure not in ("raise", "warn"):
             raise ValueError(f"on_failure must be 'raise' or 'warn', got {on_failure!r}")
         self.on_failure = on_failure
@@ -167,35 +179,57 @@ class AutoregressiveAffine(SequenceTransform):
     ) -> tuple[Tensor, Tensor | None]:
         vector = inputs.dim() == 2
         y = inputs.unsqueeze(1) if vector else inputs
+        x = self._solve(y, context, mask)
+        logabsdet = None
+        if logdet is not False:
+            with torch.no_grad():
+                logabsdet = self.shift_and_log_scale(x, context, mask)[1].sum((1, 2))
+        return (x.squeeze(1) if vector else x), logabsdet
+
+    def inverse_pinned(
+        self, inputs: Tensor, state: Tensor, known: Tensor, context: Tensor | None,
+        mask: Tensor | None,
+    ) -> Tensor:
+        """The inverse with the known frames, and the missing ones before the first new frame,
+        settled from the start at their inputs ``state``: the sweeps evaluate the conditioner
+        on the new frames only (:meth:`SequenceTransform.inverse_pinned`, same arguments)."""
+        new = known.logical_not() if mask is None else mask & ~known
+        solved = torch.where(new.any(1), new.long().argmax(1), new.shape[1])
+        x = self._solve(inputs, context, mask, torch.where(known.unsqueeze(-1), state, inputs),
+                        solved)
+        return torch.where(known.unsqueeze(-1), state, x)
+
+    def _solve(self, y: Tensor, context: Tensor | None, mask: Tensor | None,
+               x0: Tensor | None = None, solved: Tensor | None = None) -> Tensor:
+        """The frames ``(B, N, D)`` that ``y`` ``(B, N, D)`` is the image of, from ``x0``
+        (default ``y``) whose first ``solved`` ``(B,)`` frames are solutions, the conditioner
+        evaluated on a window of the unsettled frames only
+        (:func:`~iresflow.inverse.causal.causal_fixed_point_inverse`)."""
         with torch.no_grad():
             # Padded frames are solved as zeros (T_y is 0 there): the default tolerance scales
             # with the largest entry of each sample, which padding must not loosen.
             real = torch.ones(y.shape[:2], dtype=torch.bool, device=y.device) if mask is None \
                 else mask
             target = torch.where(real.unsqueeze(-1), y, 0.0)
+            windows = self.conditioner.windows(target, real, context)
 
-            def residual_branch(x: Tensor, y: Tensor, real: Tensor, *context: Tensor) -> Tensor:
-                # The solver iterates x <- y - g(x) = T_y(x): g(x) = y - T_y(x).
-                shift, log_scale = self.shift_and_log_scale(x, *context, mask=real)
-                return y - shift - y * torch.exp(log_scale)
+            def image(x: Tensor, start: int, stop: int) -> Tensor:  # T_y(x) on the window
+                shift, raw = windows(x, start, stop).chunk(2, dim=-1)
+                log_scale = self.max_log_scale * torch.tanh(raw / self.max_log_scale)
+                value = shift + target[:, start:stop] * torch.exp(log_scale)
+                return torch.where(real[:, start:stop, None], value, 0.0)
 
-            x, stats = fixed_point_inverse(
-                residual_branch,
-                target,
-                args=(target, real) if context is None else (target, real, context),
-                tol=self.inverse_tol,
-                max_iter=self.inverse_max_iter or y.shape[1] + 1,
-                solver="plain",
-                on_failure=self.on_failure,
+            x, stats = causal_fixed_point_inverse(
+                image, target, window=self.inverse_window, tol=self.inverse_tol,
+                max_iter=self.inverse_max_iter, on_failure=self.on_failure,
+                x0=None if x0 is None else torch.where(real.unsqueeze(-1), x0, 0.0),
+                solved=solved,
             )
-            x = torch.where(real.unsqueeze(-1), x, y)
             self.last_inverse_stats = stats
-            logabsdet = None
-            if logdet is not False:
-                logabsdet = self.shift_and_log_scale(x, context, mask)[1].sum((1, 2))
-        return (x.squeeze(1) if vector else x), logabsdet
+            return torch.where(real.unsqueeze(-1), x, y)
 
     def extra_repr(self) -> str:
         return (f"features={self.features}, context_features={self.context_features}, "
                 f"max_log_scale={self.max_log_scale}, inverse_tol={self.inverse_tol}, "
-                f"inverse_max_iter={self.inverse_max_iter}")
+                f"inverse_max_iter={self.inverse_max_iter}, "
+                f"inverse_window={self.inverse_window}")
