@@ -1,8 +1,9 @@
 """Sampling speed of a trained flow against the frame-by-frame samplers of its peers, side by side.
 
 The flow of a trained run (``iresflow train``'s folder) draws ``--num`` sequences of its
-dataset's longest length ``N`` with ``flow.sample`` (every step inverted over all frames at once:
-fixed-point iterations for the residual steps, Jacobi sweeps for the autoregressive ones); the
+dataset's longest length ``N`` with ``flow.sample`` (every residual step inverted over all frames
+at once by fixed-point iterations, every autoregressive step by sweeps that settle its frames in
+order, by default one per sweep); the
 GRU + MAF and the Transformer + MAF of the small-data suite
 (:class:`benchmarks.baselines.recurrent.RecurrentFlow`, its state and MADE width) draw the same
 number of sequences of the same length, one frame after another. A peer's drawing cost does not

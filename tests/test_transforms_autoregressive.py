@@ -1,5 +1,5 @@
-"""The autoregressive affine step with a causal Transformer conditioner and its Jacobi inverse
-(docs/math.md#autoregressive-step)."""
+"""The autoregressive affine step with a causal Transformer conditioner and its inverse by sweeps
+that settle the frames in order (docs/math.md#autoregressive-step)."""
 
 from __future__ import annotations
 

@@ -141,4 +141,4 @@ def _autoregressive(config: ModelConfig, encoding: nn.Module | None) -> Autoregr
 register_step("mix", _mix, "an LU feature mixing")
 register_step("autoregressive", _autoregressive,
               "an affine step whose shift and scale come from a causal Transformer over the past "
-              "frames (width hidden, inverted by Jacobi sweeps)")
+              "frames (width hidden, inverted by sweeps that settle the frames in order)")

@@ -1,5 +1,5 @@
-r"""A frame-autoregressive affine step with a causal Transformer conditioner, inverted by Jacobi
-fixed-point sweeps (docs/math.md#autoregressive-step)."""
+r"""A frame-autoregressive affine step with a causal Transformer conditioner, inverted by
+fixed-point sweeps that settle its frames in order (docs/math.md#autoregressive-step)."""
 
 from __future__ import annotations
 
@@ -206,27 +206,30 @@ class AutoregressiveAffine(SequenceTransform):
         evaluated on a window of the unsettled frames only
         (:func:`~iresflow.inverse.causal.causal_fixed_point_inverse`)."""
         with torch.no_grad():
-            # Padded frames are solved as zeros (T_y is 0 there): the default tolerance scales
-            # with the largest entry of each sample, which padding must not loosen.
-            real = torch.ones(y.shape[:2], dtype=torch.bool, device=y.device) if mask is None \
-                else mask
-            target = torch.where(real.unsqueeze(-1), y, 0.0)
-            windows = self.conditioner.windows(target, real, context)
+            if mask is not None and bool(mask.all()):
+                mask = None  # no padding: no masked attention, no masking of the frames
+
+            def real(values: Tensor, start: int = 0, stop: int | None = None) -> Tensor:
+                # Padded frames are solved as zeros (T_y is 0 there): the default tolerance
+                # scales with the largest entry of each sample, which padding must not loosen.
+                return values if mask is None else torch.where(
+                    mask[:, start:stop, None], values, 0.0)
+
+            target = real(y)
+            windows = self.conditioner.windows(target, mask, context)
 
             def image(x: Tensor, start: int, stop: int) -> Tensor:  # T_y(x) on the window
                 shift, raw = windows(x, start, stop).chunk(2, dim=-1)
                 log_scale = self.max_log_scale * torch.tanh(raw / self.max_log_scale)
-                value = shift + target[:, start:stop] * torch.exp(log_scale)
-                return torch.where(real[:, start:stop, None], value, 0.0)
+                return real(shift + target[:, start:stop] * torch.exp(log_scale), start, stop)
 
             x, stats = causal_fixed_point_inverse(
                 image, target, window=self.inverse_window, tol=self.inverse_tol,
                 max_iter=self.inverse_max_iter, on_failure=self.on_failure,
-                x0=None if x0 is None else torch.where(real.unsqueeze(-1), x0, 0.0),
-                solved=solved,
+                x0=None if x0 is None else real(x0), solved=solved,
             )
             self.last_inverse_stats = stats
-            return torch.where(real.unsqueeze(-1), x, y)
+            return x if mask is None else torch.where(mask.unsqueeze(-1), x, y)
 
     def extra_repr(self) -> str:
         return (f"features={self.features}, context_features={self.context_features}, "
