@@ -285,8 +285,9 @@ def _iterate(
             progress = x_residual < _PROGRESS * lowest
             lowest = torch.where(progress, x_residual, lowest)
             stalled = torch.where(progress, 0, stalled + 1)
-            floor = (stalled >= _STALL) & (x_residual < _FLOOR * tol_a)
-            tol_a = torch.where(floor & (x_residual >= tol_a), _FLOOR * tol_a, tol_a)
+            if k >= _STALL:  # no sample can have stalled for _STALL evaluations before
+                floor = (stalled >= _STALL) & (x_residual < _FLOOR * tol_a)
+                tol_a = torch.where(floor & (x_residual >= tol_a), _FLOOR * tol_a, tol_a)
         done = x_residual < tol_a  # False for NaN
         current = x
         if solver == "anderson":
