@@ -51,7 +51,8 @@ def _batch(device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 RECIPES = {
     "default": {},
-    "every kind": {"layers": ("conv", "autoregressive", "mix", "mlp"), "position_norm": "on"},
+    "every kind": {"layers": ("conv", "autoregressive", "mix", "mlp"), "position_norm": "on",
+                   "volatility": 2},
     "conditional": {"num_classes": 2, "layers": ("conv", "autoregressive", "mlp")},
     "dilated": {"dilation": 2},
 }

@@ -324,7 +324,7 @@ def test_config_and_defaults(device, dtype):
     assert model.config.to_dict() == {
         "features": 12, "n_blocks": 4, "hidden": 64, "heads": None, "coeff": 0.9,
         "attention": "l2", "positional": "sinusoidal", "max_len": 512, "logdet": "roulette",
-        "n_power_iterations": 1, "spectral_norm": "exact", "ar_order": 0,
+        "n_power_iterations": 1, "spectral_norm": "exact", "ar_order": 0, "volatility": 0,
         "layers": ("attention", "mlp"), "kernel_size": 3, "dilation": 1, "causal": False,
         "base": "normal",
         "context_features": 0, "num_classes": 0, "relative_window": None,

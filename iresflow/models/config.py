@@ -84,6 +84,12 @@ class ModelConfig(SettingsRecord):
         "without data: off)",
         ("auto", "on", "off"),
     )
+    volatility: int = setting(
+        0, "order q of a volatility step after the autoregressive layer at the data end: every "
+        "frame divided by a scale that follows the squares of the q frames before it, so bursts "
+        "and pauses within a recording get scales of their own (0: none; "
+        "docs/math.md#volatility-step)"
+    )
     n_blocks: int = setting(3, "number of blocks")
     layers: tuple[str, ...] = setting(
         ("conv", "mlp"),
@@ -150,6 +156,8 @@ class ModelConfig(SettingsRecord):
 
     def check(self) -> None:
         check_range("coeff", self.coeff, 0.0, 1.0)
+        if self.volatility < 0:
+            raise ConfigError(f"volatility must be >= 0 (0: none), got {self.volatility}")
         check_minimum(self, ("features", "max_len", "n_blocks", "hidden", "heads",
                              "n_power_iterations", "kernel_size", "relative_window", "dilation"),
                       1)

@@ -47,6 +47,7 @@ from iresflow.transforms.composite import SequenceCompositeTransform
 from iresflow.transforms.conditional import ConditionalAffine
 from iresflow.transforms.positionwise import PositionwiseAffine
 from iresflow.transforms.temporal import AutoregressiveLinear
+from iresflow.transforms.volatility import VolatilityScale
 
 __all__ = ["ResidualSequenceFlow", "input_order_nll"]
 
@@ -159,6 +160,9 @@ class ResidualSequenceFlow(SequenceFlow):
                                        config.resolved_context_features):
             steps.append(step)
             names.append(name)
+        if config.volatility:
+            steps.append(VolatilityScale(features, config.volatility))
+            names.append("input.volatility")
         for i in range(config.n_blocks):
             for j, kind in enumerate(config.layers):
                 repeated = config.layers.count(kind) > 1

@@ -3,22 +3,22 @@ fixed-point sweeps that settle its frames in order (docs/math.md#autoregressive-
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from iresflow._validation import check_float, check_int
-from iresflow.inverse.causal import causal_fixed_point_inverse
-from iresflow.inverse.fixed_point import InverseStats
 from iresflow.nn.causal import CausalTransformer
 from iresflow.nn.conditional import check_context
-from iresflow.transforms.base import FRAMES, LogDetRequest, SequenceTransform
+from iresflow.transforms.base import FRAMES, LogDetRequest
+from iresflow.transforms.settling import SettlingStep
 
 __all__ = ["AutoregressiveAffine"]
 
 
-class AutoregressiveAffine(SequenceTransform):
+class AutoregressiveAffine(SettlingStep):
     r"""Affine map of every real frame, its shift and log-scale functions of the frames before it.
 
     From data to noise (docs/math.md#autoregressive-step),
@@ -84,10 +84,6 @@ class AutoregressiveAffine(SequenceTransform):
         True
     """
 
-    causal = True  # output frame t reads input frames <= t
-
-    last_inverse_stats: InverseStats | None
-
     def __init__(
         self,
         features: int,
@@ -104,24 +100,15 @@ class AutoregressiveAffine(SequenceTransform):
         inverse_window: int | None = 1,
         on_failure: Literal["raise", "warn"] = "raise",
     ) -> None:
-        super().__init__()
+        super().__init__(inverse_tol=inverse_tol, inverse_max_iter=inverse_max_iter,
+                         inverse_window=inverse_window, on_failure=on_failure)
         self.features = check_int(features, "features", 1)
         self.context_features = check_int(context_features, "context_features", 0)
         self.max_log_scale = check_float(max_log_scale, "max_log_scale", 0.0)
-        self.inverse_tol = None if inverse_tol is None else check_float(
-            inverse_tol, "inverse_tol", 0.0)
-        self.inverse_max_iter = None if inverse_max_iter is None else check_int(
-            inverse_max_iter, "inverse_max_iter", 1)
-        self.inverse_window = None if inverse_window is None else check_int(
-            inverse_window, "inverse_window", 1)
-        if on_failure not in ("raise", "warn"):
-            raise ValueError(f"on_failure must be 'raise' or 'warn', got {on_failure!r}")
-        self.on_failure = on_failure
         self.conditioner = CausalTransformer(
             features, 2 * features, width=width, depth=depth, heads=heads,
             positional=positional, max_len=max_len, context_features=context_features,
         )
-        self.last_inverse_stats = None
 
     def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
         length = 1 if inputs.dim() == 2 else inputs.shape[1]
@@ -186,53 +173,18 @@ class AutoregressiveAffine(SequenceTransform):
                 logabsdet = self.shift_and_log_scale(x, context, mask)[1].sum((1, 2))
         return (x.squeeze(1) if vector else x), logabsdet
 
-    def inverse_pinned(
-        self, inputs: Tensor, state: Tensor, known: Tensor, context: Tensor | None,
-        mask: Tensor | None,
-    ) -> Tensor:
-        """The inverse with the known frames, and the missing ones before the first new frame,
-        settled from the start at their inputs ``state``: the sweeps evaluate the conditioner
-        on the new frames only (:meth:`SequenceTransform.inverse_pinned`, same arguments)."""
-        new = known.logical_not() if mask is None else mask & ~known
-        solved = torch.where(new.any(1), new.long().argmax(1), new.shape[1])
-        x = self._solve(inputs, context, mask, torch.where(known.unsqueeze(-1), state, inputs),
-                        solved)
-        return torch.where(known.unsqueeze(-1), state, x)
+    def _image(self, target: Tensor, context: Tensor | None,
+               mask: Tensor | None) -> Callable[[Tensor, int, int], Tensor]:
+        windows = self.conditioner.windows(target, mask, context)
 
-    def _solve(self, y: Tensor, context: Tensor | None, mask: Tensor | None,
-               x0: Tensor | None = None, solved: Tensor | None = None) -> Tensor:
-        """The frames ``(B, N, D)`` that ``y`` ``(B, N, D)`` is the image of, from ``x0``
-        (default ``y``) whose first ``solved`` ``(B,)`` frames are solutions, the conditioner
-        evaluated on a window of the unsettled frames only
-        (:func:`~iresflow.inverse.causal.causal_fixed_point_inverse`)."""
-        with torch.no_grad():
-            if mask is not None and bool(mask.all()):
-                mask = None  # no padding: no masked attention, no masking of the frames
+        def image(x: Tensor, start: int, stop: int) -> Tensor:  # T_y(x) on the window
+            shift, raw = windows(x, start, stop).chunk(2, dim=-1)
+            log_scale = self.max_log_scale * torch.tanh(raw / self.max_log_scale)
+            value = shift + target[:, start:stop] * torch.exp(log_scale)
+            return value if mask is None else torch.where(mask[:, start:stop, None], value, 0.0)
 
-            def real(values: Tensor, start: int = 0, stop: int | None = None) -> Tensor:
-                # Padded frames are solved as zeros (T_y is 0 there): the default tolerance
-                # scales with the largest entry of each sample, which padding must not loosen.
-                return values if mask is None else torch.where(
-                    mask[:, start:stop, None], values, 0.0)
-
-            target = real(y)
-            windows = self.conditioner.windows(target, mask, context)
-
-            def image(x: Tensor, start: int, stop: int) -> Tensor:  # T_y(x) on the window
-                shift, raw = windows(x, start, stop).chunk(2, dim=-1)
-                log_scale = self.max_log_scale * torch.tanh(raw / self.max_log_scale)
-                return real(shift + target[:, start:stop] * torch.exp(log_scale), start, stop)
-
-            x, stats = causal_fixed_point_inverse(
-                image, target, window=self.inverse_window, tol=self.inverse_tol,
-                max_iter=self.inverse_max_iter, on_failure=self.on_failure,
-                x0=None if x0 is None else real(x0), solved=solved,
-            )
-            self.last_inverse_stats = stats
-            return x if mask is None else torch.where(mask.unsqueeze(-1), x, y)
+        return image
 
     def extra_repr(self) -> str:
         return (f"features={self.features}, context_features={self.context_features}, "
-                f"max_log_scale={self.max_log_scale}, inverse_tol={self.inverse_tol}, "
-                f"inverse_max_iter={self.inverse_max_iter}, "
-                f"inverse_window={self.inverse_window}")
+                f"max_log_scale={self.max_log_scale}, {super().extra_repr()}")
