@@ -19,21 +19,48 @@ D = 3
 
 
 def make_step(device, order: int = 2, seed: int = 0, **kwargs) -> VolatilityScale:
-    """A float64 step moved away from its initial near-identity: weights of order one."""
+    """A float64 step, initialised and moved away from its fit: weights of order one."""
     torch.manual_seed(seed)
     step = VolatilityScale(D, order, **kwargs).to(device=device, dtype=F64)
+    step.initialize(torch.randn(4, 6, D, dtype=F64, device=device))
     with torch.no_grad():
         step.raw_floor.normal_()
         step.raw_weights.normal_()
     return step
 
 
-def test_starts_close_to_the_identity(device):
+def _arch_series(floor: torch.Tensor, weights: torch.Tensor, batch: int, length: int):
+    """Frames of the model itself: x_t = sigma_t * standard normal noise."""
+    order = weights.shape[0] // floor.shape[0]
+    x = torch.zeros(batch, length + order, floor.shape[0], dtype=F64)
+    for t in range(order, length + order):
+        lags = torch.cat([x[:, t - j].square() for j in range(1, order + 1)], dim=-1)
+        x[:, t] = (floor + lags @ weights).sqrt() * torch.randn(batch, floor.shape[0],
+                                                               dtype=F64)
+    return x[:, order:]
+
+
+def test_initialisation_is_the_least_squares_arch_fit():
+    torch.manual_seed(0)
+    floor = torch.tensor([0.5, 1.0], dtype=F64)
+    weights = torch.tensor([[0.4, 0.0], [0.1, 0.2]], dtype=F64)  # q = 1: (q D, D)
+    x = _arch_series(floor, weights, 400, 60)
+    step = VolatilityScale(2, 1).double()
+    step.initialize(x)
+    fitted = torch.nn.functional.softplus(step.raw_weights)
+    torch.testing.assert_close(fitted, weights.clamp_min(1e-4), atol=0.05, rtol=0)
+    mean = x.square().mean((0, 1))
+    implied = torch.nn.functional.softplus(step.raw_floor) + x.square().mean((0, 1)) @ fitted
+    torch.testing.assert_close(implied, mean, atol=0.05 * float(mean.max()), rtol=0)
+
+
+def test_without_enough_frames_the_step_stays_close_to_the_identity(device):
     step = VolatilityScale(D, 3).to(device=device, dtype=F64)
-    x, mask = padded_batch(device)
+    x, mask = padded_batch(device)  # no real frame has three real predecessors
+    step.initialize(x, mask)
     y, logabsdet = step(x, mask=mask)
     torch.testing.assert_close(y, x, atol=1e-2, rtol=1e-2)
-    assert logabsdet.abs().max() < 0.05
+    assert logabsdet.abs().max() < 0.05 and step.is_initialized
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -78,7 +105,7 @@ def test_windows_of_the_variance_equal_the_whole(device):
     whole = step.variance(x, mask)
     for start, stop in ((0, 1), (0, 4), (1, 3), (2, 4), (3, 4), (4, 4)):
         torch.testing.assert_close(step.variance(x, mask, start, stop), whole[:, start:stop],
-                                   atol=0, rtol=0)
+                                   atol=1e-14, rtol=0)
     assert (whole >= torch.nn.functional.softplus(step.raw_floor)).all()
 
 

@@ -11,18 +11,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from iresflow._validation import check_int
-from iresflow.transforms.actnorm import tokenwise_result
+from iresflow.transforms.actnorm import DataInitializedTransform, tokenwise_result
 from iresflow.transforms.base import LogDetRequest
 from iresflow.transforms.settling import SettlingStep
 
 __all__ = ["VolatilityScale"]
 
-# Initial raw values: a variance floor of softplus(0.55) = 1.0 and lag weights of about 1e-3,
-# so the step starts close to the identity.
+# Raw values before initialisation: a variance floor of softplus(0.5413) = 1.0 and lag weights
+# of about 1e-3, close to the identity.
 _RAW_FLOOR, _RAW_WEIGHT = 0.5413, -6.9
+# The initial fit keeps every lag weight at least this, and the floor at least this fraction of
+# the mean square of its feature.
+_MIN_WEIGHT, _MIN_FLOOR_FRACTION = 1e-4, 0.05
 
 
-class VolatilityScale(SettlingStep):
+class VolatilityScale(SettlingStep, DataInitializedTransform):
     r"""Divide every real frame by a scale computed from the squares of the ``order`` frames
     before it.
 
@@ -40,9 +43,16 @@ class VolatilityScale(SettlingStep):
     frames is block lower triangular with diagonal blocks :math:`\mathrm{diag}(1/\sigma_t)`,
     hence the exact log-determinant. A recording whose movement comes in bursts between pauses
     gets a large scale in a burst and a small one in a pause, which a scale per sequence (the
-    sequence-level t base) cannot give. The step starts close to the identity (:math:`\omega =
-    1`, weights about :math:`10^{-3}`). A ``(B, D)`` batch of vectors is a batch of one-frame
+    sequence-level t base) cannot give. A ``(B, D)`` batch of vectors is a batch of one-frame
     sequences, divided by :math:`\sqrt\omega`.
+
+    Initialisation (:class:`~iresflow.transforms.actnorm.DataInitializedTransform`): the
+    regression of every squared frame on its :math:`q` squared predecessors by least squares
+    (the moment estimator of an ARCH model), over the real frames with :math:`q` real
+    predecessors, its weights raised to at least :math:`10^{-4}` and the floor then set so that
+    the mean variance is the mean square, but at least :math:`0.05` of it. Without enough such
+    frames (:math:`qD + 2` or more) the step stays close to the identity (:math:`\omega = 1`,
+    weights about :math:`10^{-3}`).
 
     The inverse is the fixed point of :math:`T_y(x)_t = y_t \odot \sigma_t(x_{<t})`, solved by
     :func:`~iresflow.inverse.causal.causal_fixed_point_inverse` (frames settle in order; with
@@ -60,6 +70,7 @@ class VolatilityScale(SettlingStep):
     Example:
         >>> step = VolatilityScale(2, order=3).double()
         >>> x = torch.randn(4, 9, 2, dtype=torch.float64)
+        >>> step.initialize(x)
         >>> y, logabsdet = step(x)
         >>> x_back, inverse_logabsdet = step.inverse(y)
         >>> torch.allclose(x_back, x), torch.allclose(inverse_logabsdet, -logabsdet)
@@ -103,10 +114,37 @@ class VolatilityScale(SettlingStep):
             part = torch.where(mask[:, max(first, 0) : max(stop - 1, 0), None], part, 0.0)
         # squares of frames first .. stop - 2, zeros before the start
         squares = F.pad(part.square(), (0, 0, max(-first, 0), 0))
-        width = stop - start
-        lags = torch.cat([squares[:, self.order - j : self.order - j + width]
-                          for j in range(1, self.order + 1)], dim=-1)
+        lags = self._lags(squares, stop - start)
         return F.softplus(self.raw_floor) + lags @ F.softplus(self.raw_weights)
+
+    def _lags(self, squares: Tensor, width: int) -> Tensor:
+        """``(B, width, q D)``: for each of ``width`` frames, the squares of its ``q``
+        predecessors, from ``squares`` ``(B, q + width - 1, D)`` that start ``q`` frames before
+        the first."""
+        return torch.cat([squares[:, self.order - j : self.order - j + width]
+                          for j in range(1, self.order + 1)], dim=-1)
+
+    def _initialize(self, inputs: Tensor, mask: Tensor | None) -> None:
+        x = inputs.unsqueeze(1) if inputs.dim() == 2 else inputs
+        real = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None \
+            else mask
+        squares = torch.where(real.unsqueeze(-1), x, 0.0).square()
+        length = x.shape[1]
+        lags = self._lags(F.pad(squares[:, :-1], (0, 0, self.order, 0)), length)
+        usable = real.clone()  # real frames whose q predecessors are real
+        for j in range(1, self.order + 1):
+            usable &= F.pad(real, (j, 0))[:, :length]
+        if int(usable.sum()) < self.order * self.features + 2:
+            return
+        regressors = torch.cat([torch.ones_like(lags[usable][:, :1]), lags[usable]], dim=1)
+        targets = squares[usable]
+        fit = torch.linalg.lstsq(regressors.double(), targets.double()).solution
+        weights = fit[1:].clamp_min(_MIN_WEIGHT)
+        mean = targets.double().mean(0)
+        floor = (mean - lags[usable].double().mean(0) @ weights).clamp_min(
+            _MIN_FLOOR_FRACTION * mean).clamp_min(torch.finfo(x.dtype).tiny)
+        self.raw_weights.copy_(_softplus_inverse(weights))
+        self.raw_floor.copy_(_softplus_inverse(floor))
 
     def _forward(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
@@ -140,3 +178,8 @@ class VolatilityScale(SettlingStep):
 
     def extra_repr(self) -> str:
         return f"features={self.features}, order={self.order}, {super().extra_repr()}"
+
+
+def _softplus_inverse(value: Tensor) -> Tensor:
+    """The raw parameter whose softplus is ``value`` (positive)."""
+    return value + torch.log(-torch.expm1(-value))
