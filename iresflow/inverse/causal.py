@@ -130,13 +130,14 @@ def _sweep(image: Callable[[Tensor, int, int], Tensor], y: Tensor, window: int,
     tolerance = default_tolerance(y) if tol is None else torch.full_like(y[:, 0, 0], tol)
     residual = torch.zeros_like(tolerance)
     iterations = torch.where(settled == length, 0, max_iter)
-    sweeps = evaluations = start = 0  # the first call starts at frame 0, the later ones at
-    size = window  # the batch's first unsettled frame
+    # The first call starts at frame 0, the later ones at the batch's first unsettled frame.
+    sweeps = evaluations = start = 0
+    size = window
     while not bool((settled == length).all()):
         sweeps = evaluations = sweeps + 1
         first = int(settled.min())
         stop = min(first + size, length)
-        t_x, part = image(x, start, stop), x[:, start:stop]  # the first call starts at 0
+        t_x, part = image(x, start, stop), x[:, start:stop]
         step = (t_x - part).abs().amax(-1)  # (B, stop - start); NaN stays NaN
         position = torch.arange(start, stop, device=y.device)
         holds = (position < settled[:, None]) | (step < tolerance[:, None])
