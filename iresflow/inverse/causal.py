@@ -96,12 +96,14 @@ def causal_fixed_point_inverse(
         >>> torch.allclose(image(x, 0, 5), x), stats.evaluations
         (True, 5)
     """
-    check_arguments(image, y, (), tol, max_iter or 1, "plain", 1, on_failure, x0, False)
+    # the fixed-point engine's checks (its solver and memory options do not apply here)
+    check_arguments(image, y, (), tol, 1 if max_iter is None else max_iter, "plain", 1,
+                    on_failure, x0, False)
     if y.dim() != 3:
         raise ValueError(f"y must have shape (B, N, D), got {tuple(y.shape)}")
     length = y.shape[1]
     window = length if window is None else check_int(window, "window", 1)
-    max_iter = length if max_iter is None else check_int(max_iter, "max_iter", 1)
+    max_iter = length if max_iter is None else max_iter
     with torch.no_grad():
         x, stats = _sweep(image, y.detach(), window, tol, max_iter, x0, _solved(solved, y))
     if not bool(stats.converged.all()):

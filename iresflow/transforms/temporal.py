@@ -19,7 +19,7 @@ from iresflow.transforms.actnorm import DataInitializedTransform, tokenwise_resu
 from iresflow.transforms.ar_fit import conditional_gaussian_fit, relative_floor, whitening_of
 from iresflow.transforms.base import LogDetRequest
 
-__all__ = ["AutoregressiveLinear"]
+__all__ = ["AutoregressiveLinear", "history_lengths"]
 
 
 class AutoregressiveLinear(DataInitializedTransform):
@@ -211,7 +211,7 @@ class AutoregressiveLinear(DataInitializedTransform):
         # Whiten with every sub-model (p + 1 small products per frame), then pick h(t).
         whitening = whitening.expand(x.shape[0], *whitening.shape[1:])
         whitened = torch.einsum("bnjd,bjod->bnjo", residuals, whitening)
-        lengths = _history_lengths(x, mask, self.order)
+        lengths = history_lengths(x, mask, self.order)
         outputs = _select(whitened, lengths).reshape(inputs.shape)
         per_frame = torch.gather(log_diag.sum(-1).expand(x.shape[0], -1), 1, lengths)
         return tokenwise_result(inputs, outputs, mask, per_frame, logdet)
@@ -224,7 +224,7 @@ class AutoregressiveLinear(DataInitializedTransform):
         :math:`t = 0, 1, \dots`."""
         z = inputs.unsqueeze(1) if inputs.dim() == 2 else inputs
         batch, length, d = z.shape
-        lengths = _history_lengths(z, mask, self.order)
+        lengths = history_lengths(z, mask, self.order)
         models = self._sub_models(context)
         history = z.new_zeros(batch, 1, d, self.order)  # [..., p - k] holds x~_{t-k}
         outputs = self._recover(z, lengths, models, mask, 0, history).reshape(inputs.shape)
@@ -251,7 +251,7 @@ class AutoregressiveLinear(DataInitializedTransform):
         past = state if mask is None else torch.where(mask.unsqueeze(-1), state, 0.0)
         past = F.pad(past[:, max(first - p, 0):first], (0, 0, max(p - first, 0), 0))
         history = past.transpose(1, 2).unsqueeze(1)  # (B, 1, D, p), [..., p - k] is x_{t-k}
-        lengths = _history_lengths(inputs, mask, p)
+        lengths = history_lengths(inputs, mask, p)
         recovered = self._recover(inputs, lengths, self._sub_models(context), mask, first,
                                   history, (known, state))
         if mask is not None:
@@ -322,7 +322,7 @@ class AutoregressiveLinear(DataInitializedTransform):
         x = inputs.unsqueeze(1) if inputs.dim() == 2 else inputs
         work = torch.promote_types(x.dtype, torch.float32)
         real = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask
-        lengths = _history_lengths(x, mask, p)
+        lengths = history_lengths(x, mask, p)
         # lags[..., (k - 1) D : k D] is x_{t-k} (zero where it is not history: never used below).
         lags = _history_windows(x, mask, p).flip(-1).transpose(-1, -2).reshape(*x.shape[:2], p * d)
         # Real frames with h(t) = j and with h(t) >= j, read on the host once.
@@ -369,7 +369,7 @@ class AutoregressiveLinear(DataInitializedTransform):
         return f"features={self.features}, order={self.order}{conditional}"
 
 
-def _history_lengths(x: Tensor, mask: Tensor | None, order: int) -> Tensor:
+def history_lengths(x: Tensor, mask: Tensor | None, order: int) -> Tensor:
     r"""The capped history length :math:`h(t)` of every frame.
 
     Args:

@@ -14,6 +14,7 @@ from iresflow._validation import check_int
 from iresflow.transforms.actnorm import DataInitializedTransform, tokenwise_result
 from iresflow.transforms.base import LogDetRequest
 from iresflow.transforms.settling import SettlingStep
+from iresflow.transforms.temporal import history_lengths
 
 __all__ = ["VolatilityScale"]
 
@@ -108,40 +109,38 @@ class VolatilityScale(SettlingStep, DataInitializedTransform):
             ``(B, stop - start, D)``, at least :math:`\omega`.
         """
         stop = x.shape[1] if stop is None else stop
+        lags = self._lagged_squares(x, mask, start, stop)
+        return F.softplus(self.raw_floor) + lags @ F.softplus(self.raw_weights)
+
+    def _lagged_squares(self, x: Tensor, mask: Tensor | None, start: int, stop: int) -> Tensor:
+        """``(B, stop - start, q D)``: for every frame ``start`` to ``stop - 1`` of ``x``
+        ``(B, N, D)``, the squares of its ``q`` predecessors (``[..., (j - 1) D : j D]`` frame
+        ``t - j``), zero before the start and at padded frames."""
         first = start - self.order  # the earliest frame read
         part = x[:, max(first, 0) : max(stop - 1, 0)]
         if mask is not None:
             part = torch.where(mask[:, max(first, 0) : max(stop - 1, 0), None], part, 0.0)
         # squares of frames first .. stop - 2, zeros before the start
         squares = F.pad(part.square(), (0, 0, max(-first, 0), 0))
-        lags = self._lags(squares, stop - start)
-        return F.softplus(self.raw_floor) + lags @ F.softplus(self.raw_weights)
-
-    def _lags(self, squares: Tensor, width: int) -> Tensor:
-        """``(B, width, q D)``: for each of ``width`` frames, the squares of its ``q``
-        predecessors, from ``squares`` ``(B, q + width - 1, D)`` that start ``q`` frames before
-        the first."""
+        width = stop - start
         return torch.cat([squares[:, self.order - j : self.order - j + width]
                           for j in range(1, self.order + 1)], dim=-1)
 
     def _initialize(self, inputs: Tensor, mask: Tensor | None) -> None:
         x = inputs.unsqueeze(1) if inputs.dim() == 2 else inputs
-        real = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None \
-            else mask
-        squares = torch.where(real.unsqueeze(-1), x, 0.0).square()
-        length = x.shape[1]
-        lags = self._lags(F.pad(squares[:, :-1], (0, 0, self.order, 0)), length)
-        usable = real.clone()  # real frames whose q predecessors are real
-        for j in range(1, self.order + 1):
-            usable &= F.pad(real, (j, 0))[:, :length]
+        # real frames whose q predecessors are real
+        usable = history_lengths(x, mask, self.order) == self.order
+        if mask is not None:
+            usable &= mask
         if int(usable.sum()) < self.order * self.features + 2:
             return
-        regressors = torch.cat([torch.ones_like(lags[usable][:, :1]), lags[usable]], dim=1)
-        targets = squares[usable]
-        fit = torch.linalg.lstsq(regressors.double(), targets.double()).solution
+        lags = self._lagged_squares(x, mask, 0, x.shape[1])[usable].double()
+        targets = x[usable].square().double()
+        regressors = torch.cat([torch.ones_like(lags[:, :1]), lags], dim=1)
+        fit = torch.linalg.lstsq(regressors, targets).solution
         weights = fit[1:].clamp_min(_MIN_WEIGHT)
-        mean = targets.double().mean(0)
-        floor = (mean - lags[usable].double().mean(0) @ weights).clamp_min(
+        mean = targets.mean(0)
+        floor = (mean - lags.mean(0) @ weights).clamp_min(
             _MIN_FLOOR_FRACTION * mean).clamp_min(torch.finfo(x.dtype).tiny)
         self.raw_weights.copy_(_softplus_inverse(weights))
         self.raw_floor.copy_(_softplus_inverse(floor))
@@ -159,13 +158,11 @@ class VolatilityScale(SettlingStep, DataInitializedTransform):
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
     ) -> tuple[Tensor, Tensor | None]:
         y = inputs.unsqueeze(1) if inputs.dim() == 2 else inputs
-        x = self._solve(y, context, mask)
-        logabsdet = None
+        x, logabsdet = self._solve(y, context, mask), None
         if logdet is not False:
             with torch.no_grad():
-                per_frame = 0.5 * self.variance(x, mask).log().sum(-1)
-                logabsdet = (per_frame if mask is None
-                             else torch.where(mask, per_frame, 0.0)).sum(-1)
+                x, logabsdet = tokenwise_result(y, x, mask,
+                                                0.5 * self.variance(x, mask).log().sum(-1), logdet)
         return (x.squeeze(1) if inputs.dim() == 2 else x), logabsdet
 
     def _image(self, target: Tensor, context: Tensor | None,
