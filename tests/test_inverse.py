@@ -402,6 +402,41 @@ def test_position_wise_frames_are_solved_as_alone(device):
         assert torch.allclose(together[:, t], alone[:, 0], atol=1e-9, rtol=0)
 
 
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_position_wise_frames_that_stand_still_are_not_evaluated_again(device, solver):
+    """Once some frame keeps its value, g sees the moving frames alone, as sequences of one
+    frame with their rows of every argument, and the solution is the whole solve's."""
+    lipschitz = 0.9
+    x = torch.randn(5, 9, 1, device=device, dtype=F64)
+    scale = 0.5 + 0.5 * torch.rand(5, 9, device=device, dtype=F64)  # a per-frame argument
+    # frames that start near their fixed point stand still after a few evaluations
+    scale[:, ::2] = 1e-3
+    calls: list[tuple[int, ...]] = []
+
+    def g(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return lipschitz * scale[..., None] * torch.tanh(x)
+
+    y = x + g(x, scale)
+    calls.clear()
+    x_hat, stats = fixed_point_inverse(g, y, args=(scale,), solver=solver, position_wise=True)
+    assert bool(stats.converged.all())
+    residual = (x_hat + g(x_hat, scale) - y).abs().amax((1, 2))
+    assert torch.equal(stats.residual, residual)
+    assert float((x_hat - x).abs().max()) < 1e-9
+    frames = [shape for shape in calls if shape[1] == 1]
+    assert calls[0] == (5, 9, 1) and frames and all(shape[0] < 5 * 9 for shape in frames)
+    assert sum(math.prod(shape) for shape in calls) < stats.evaluations * 5 * 9
+
+
+def test_position_wise_arguments_must_be_per_frame(device):
+    g = tanh_contraction(0.9, 1, device)
+    y = torch.randn(3, 4, 1, device=device, dtype=F64)
+    with pytest.raises(ValueError, match=r"args\[0\] must be per frame, \(B, N, ...\)"):
+        fixed_point_inverse(lambda x, c: g(x), y, args=(torch.zeros(3, 2, device=device),),
+                            position_wise=True)
+
+
 def test_position_wise_secant_steps_need_fewer_evaluations(device):
     # slowly contracting frames, where a secant step per frame beats mixing whole samples
     g = tanh_contraction(0.97, 1, device, bias=False)

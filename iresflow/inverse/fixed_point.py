@@ -13,12 +13,11 @@ falls below a true tolerance, and the solver returns that iterate :math:`x^k`, s
 residual is the residual of the returned solution. (Returning the unverified next iterate
 :math:`T_y(x^k)` instead would report the residual of another point: when ``g`` contracts in the
 2-norm of the whole sequence, as the spectral and LipschitzNorm certificates do, the max-abs
-residual of :math:`T_y(x^k)` can exceed that of :math:`x^k` by up to :math:`L\sqrt{ND}`. The
-official residual-flows rule compares a *squared* difference with :math:`10^{-5}`, i.e. it stops
-at steps of about :math:`3 \cdot 10^{-3}`.) Samples are solved independently: a converged sample
-is frozen and ``g`` is evaluated only on the active ones. For a position-wise ``g`` on one
-feature the frames of a sample are independent scalar equations too (``position_wise=True``): a
-frame within the tolerance keeps its value, and the others take secant steps.
+residual of :math:`T_y(x^k)` can exceed that of :math:`x^k` by up to :math:`L\sqrt{ND}`.)
+Samples are solved independently: a converged sample is frozen and ``g`` is evaluated only on the
+active ones. For a position-wise ``g`` on one feature the frames of a sample are independent
+scalar equations too (``position_wise=True``): a frame within the tolerance keeps its value and
+is not evaluated again, and the others take secant steps.
 
 The solver runs under :func:`torch.no_grad`: the inverse serves sampling and evaluation, and its
 output carries no gradient.
@@ -167,13 +166,12 @@ def fixed_point_inverse(
     :math:`L` of ``g``. Stopped samples are frozen: ``g`` is called only on the rows still
     active, so it must act on every sample independently and accept any sub-batch.
 
-    With ``position_wise=True`` (``g`` acts on every frame on its own) and one feature, every
-    frame is a scalar equation (docs/guide.md#inversion): a frame within the sample's tolerance
-    keeps its value, the others take secant steps (``solver="anderson"``,
-    :class:`~iresflow.inverse.anderson.SecantMixer`) from the second evaluation on; stopping
+    With ``position_wise=True`` and one feature, every frame is a scalar equation
+    (docs/guide.md#inversion): a frame within the sample's tolerance keeps its value and is not
+    evaluated again (``g`` then sees the moving frames as sequences of one frame, ``(b', 1, 1)``,
+    every argument split alike), the others take secant steps (``solver="anderson"``); stopping
     rule and statistics stay the sample's. With several features the sample is solved whole.
-
-    Runs under :func:`torch.no_grad` (no gradient), with one host synchronisation per iteration.
+    Runs under :func:`torch.no_grad`, with one host synchronisation per iteration.
 
     Args:
         g: The residual branch, called as ``g(x, *args)`` on a sub-batch ``x`` of shape
@@ -181,7 +179,8 @@ def fixed_point_inverse(
             returns a tensor of the same shape.
         y: Right-hand sides, shape ``(B, ...)``, finite, floating point.
         args: Extra per-sample tensors (leading dimension ``B``), e.g. a padding mask,
-            passed to ``g`` sliced alongside ``x``.
+            passed to ``g`` sliced alongside ``x``; with ``position_wise=True`` per frame,
+            ``(B, N, ...)`` (a per-sequence value repeated over the frames).
         tol: Absolute tolerance on the per-sample max-abs residual; ``None`` uses
             :func:`default_tolerance`.
         max_iter: Maximum number of evaluations of ``g`` per sample.
@@ -266,15 +265,18 @@ def _iterate(
     budget = _PLAIN_BUDGET if parts == 1 else 0
 
     # The running samples are kept compact (rows of x, y, args, tol and the Anderson state);
-    # they are gathered again only when some sample stops.
+    # they are gathered again only when some sample stops. Parts that keep their value too.
     active = torch.arange(batch, device=y.device)
+    moving: Tensor | None = None  # (b, parts), once some part of a running sample stands still
+    g_x = torch.empty_like(y_flat)  # the images of the last evaluation
     x = (y_flat if x0 is None else x0.detach().reshape(batch, -1)).clone()
     y_a, args_a, tol_a = y_flat, args, tolerance.clone()
     previous = torch.full((batch, parts), float("inf"), dtype=y.dtype, device=y.device)
     lowest, stalled = tolerance.new_full((batch,), float("inf")), torch.zeros_like(iterations)
     evaluations = 0
     for k in range(1, max_iter + 1):
-        g_x = _evaluate(g, x, event, args_a)
+        g_x = _evaluate(g, x, event, args_a) if moving is None else _evaluate_moving(
+            g, x, event, args_a, moving, g_x)
         image = y_a - g_x
         # Max-abs residual of every part of x, the point returned when the sample stops (equal
         # to the step |T(x) - x| up to rounding), and of the whole sample.
@@ -282,12 +284,7 @@ def _iterate(
         x_residual = part_residual.amax(1)
         evaluations += 1
         if tol is None:  # an explicit tolerance has no rounding floor
-            progress = x_residual < _PROGRESS * lowest
-            lowest = torch.where(progress, x_residual, lowest)
-            stalled = torch.where(progress, 0, stalled + 1)
-            if k >= _STALL:  # no sample can have stalled for _STALL evaluations before
-                floor = (stalled >= _STALL) & (x_residual < _FLOOR * tol_a)
-                tol_a = torch.where(floor & (x_residual >= tol_a), _FLOOR * tol_a, tol_a)
+            lowest, stalled, tol_a = _rounding_floor(x_residual, lowest, stalled, tol_a, k)
         done = x_residual < tol_a  # False for NaN
         current = x
         if solver == "anderson":
@@ -298,10 +295,12 @@ def _iterate(
                          else SecantMixer(rows, size, x))
             if mixer is not None:
                 image = _mix(mixer, x, image, part_residual, slow)
-        # a part within the tolerance keeps its value: the other parts do not move it
-        x = image if parts == 1 else torch.where(
-            (part_residual < tol_a[:, None]).unsqueeze(-1), x.view(x.shape[0], parts, -1),
-            image.view(x.shape[0], parts, -1)).view(x.shape)
+        x = image
+        if parts > 1:  # a part within the tolerance keeps its value: the others do not move it
+            still = part_residual < tol_a[:, None]
+            x = torch.where(still.unsqueeze(-1), current.view(*still.shape, -1),
+                            image.view(*still.shape, -1)).view(image.shape)
+            moving = ~still if bool(still.any()) else None
         previous = part_residual
 
         running = ~done & torch.isfinite(x_residual)
@@ -314,6 +313,7 @@ def _iterate(
             if not bool(running.any()):
                 break
             active, x, y_a, tol_a = active[running], x[running], y_a[running], tol_a[running]
+            g_x, moving = g_x[running], None if moving is None else moving[running]
             previous, lowest, stalled = previous[running], lowest[running], stalled[running]
             args_a = tuple(a[running] for a in args_a)
             if mixer is not None:
@@ -332,6 +332,29 @@ def _evaluate(g: Callable[..., Tensor], x: Tensor, event: torch.Size,
             f"g must return the shape of its input {(x.shape[0], *event)}, got {tuple(g_x.shape)}"
         )
     return g_x.reshape(x.shape)
+
+
+def _rounding_floor(residual: Tensor, lowest: Tensor, stalled: Tensor, tol: Tensor, k: int
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """Every sample's lowest ``residual`` ``(b,)``, evaluations since it last fell by
+    :data:`_PROGRESS`, and tolerance, raised where it met its rounding floor at evaluation ``k``."""
+    progress = residual < _PROGRESS * lowest
+    lowest = torch.where(progress, residual, lowest)
+    stalled = torch.where(progress, 0, stalled + 1)
+    if k >= _STALL:  # no sample can have stalled for _STALL evaluations before
+        floor = (stalled >= _STALL) & (residual < _FLOOR * tol)
+        tol = torch.where(floor & (residual >= tol), _FLOOR * tol, tol)
+    return lowest, stalled, tol
+
+
+def _evaluate_moving(g: Callable[..., Tensor], x: Tensor, event: torch.Size,
+                     args: tuple[Tensor, ...], moving: Tensor, g_x: Tensor) -> Tensor:
+    """The last images ``g_x`` of the flat iterates ``x`` ``(b, n)``, in place, with the parts
+    ``moving`` ``(b, parts)`` evaluated again as one-frame sequences (arguments split alike)."""
+    g_x.view(*moving.shape, -1)[moving] = _evaluate(
+        g, x.view(*moving.shape, -1)[moving], torch.Size((1, *event[1:])),
+        tuple(a[moving].unsqueeze(1) for a in args))
+    return g_x
 
 
 def _mix(mixer: AndersonMixer | SecantMixer, x: Tensor, image: Tensor, part_residual: Tensor,
@@ -407,6 +430,10 @@ def check_arguments(
         raise TypeError(f"position_wise must be a bool, got {type(position_wise).__name__}")
     if position_wise and y.dim() != 3:
         raise ValueError(f"position_wise needs y of shape (B, N, D), got {tuple(y.shape)}")
+    for i, a in enumerate(args if position_wise else ()):
+        if a.dim() < 2 or a.shape[1] != y.shape[1]:
+            raise ValueError(f"with position_wise, args[{i}] must be per frame, (B, N, ...) with "
+                             f"N = {y.shape[1]}, got {tuple(a.shape)}")
     if x0 is not None:
         if not isinstance(x0, Tensor) or x0.dtype != y.dtype:
             raise TypeError(f"x0 must be a tensor of dtype {y.dtype}, got {_describe(x0)}")
@@ -418,6 +445,4 @@ def check_arguments(
 
 
 def _describe(obj: object) -> str:
-    if isinstance(obj, Tensor):
-        return f"tensor of dtype {obj.dtype}"
-    return type(obj).__name__
+    return f"tensor of dtype {obj.dtype}" if isinstance(obj, Tensor) else type(obj).__name__

@@ -219,8 +219,8 @@ class ResidualTransform(SequenceTransform):
             args: tuple[Tensor, ...] = () if mask is None else (mask,)
             if context is None:
                 branch = self.branch.solve_map()
-            else:  # the context rows follow the solver's active rows
-                args = (*args, context)
+            else:  # the context rows follow the solver's active rows (or frames)
+                args = (*args, _solver_context(self.branch, context, y.shape[1]))
                 branch = _with_context(self.branch, mask is not None)
             x, stats = fixed_point_inverse(
                 branch,
@@ -279,13 +279,15 @@ class ResidualTransform(SequenceTransform):
         inside = window(real[..., None].to(inputs.dtype)) > 0
         whole = bool(inside.all())  # no padding in the windows: the branch needs no mask
         args = (held, truth, *(() if whole else (inside[..., 0],)),
-                *(() if context is None else (context,)))
+                *(() if context is None else (_solver_context(branch, context, width),)))
 
         solve = branch.solve_map() if context is None else branch
 
         def pinned(x: Tensor, held: Tensor, truth: Tensor, *rest: Tensor) -> Tensor:
             x, rows = torch.where(held, truth, x), None if whole else rest[0]
-            return solve(x, rows) if context is None else solve(x, rows, context=rest[-1])
+            if context is None:
+                return solve(x, rows)
+            return solve(x, rows, context=rest[-1][:, 0] if branch.position_wise else rest[-1])
 
         with torch.no_grad():
             right = torch.where(inside, y, 0.0)
@@ -307,8 +309,19 @@ class ResidualTransform(SequenceTransform):
         )
 
 
+def _solver_context(branch: LipschitzBranch, context: Tensor, length: int) -> Tensor:
+    """The context ``(B, C)`` as the fixed-point solver's argument: ``(B, N, C)``, every frame's
+    row, for a position-wise branch (whose frames the solver may evaluate on their own), else
+    as it is."""
+    return context[:, None].expand(-1, length, -1) if branch.position_wise else context
+
+
 def _with_context(branch: LipschitzBranch, masked: bool) -> Callable[..., Tensor]:
-    """``branch`` as ``g(x, mask, context)`` or ``g(x, context)``, for the fixed-point solver."""
+    """``branch`` as ``g(x, mask, context)`` or ``g(x, context)``, for the fixed-point solver,
+    its context as :func:`_solver_context` gives it."""
+    def bound(x: Tensor, mask: Tensor | None, context: Tensor) -> Tensor:
+        return branch(x, mask, context=context[:, 0] if branch.position_wise else context)
+
     if masked:
-        return lambda x, mask, context: branch(x, mask, context=context)
-    return lambda x, context: branch(x, None, context=context)
+        return bound
+    return lambda x, context: bound(x, None, context)
