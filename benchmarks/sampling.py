@@ -24,6 +24,8 @@ them. Run from the repository root::
     iresflow train --data BasicMotions_TRAIN.ts --test-data BasicMotions_TEST.ts --causal \
         --out runs/bm-causal
     python -m benchmarks sampling --run runs/bm-causal --horizon 24
+
+``--peers gru`` leaves out the Transformer + MAF, whose frame-by-frame draws take the longest.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "instead (a causal run)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed calls per sampler (default: 3)")
+    parser.add_argument("--peers", nargs="+", choices=ENCODERS, default=list(ENCODERS),
+                        help="the peers' encoders of the past (default: both)")
     cli.add_threads(parser)
 
 
@@ -58,7 +62,7 @@ def _samplers(trained: LoadedRun, args: argparse.Namespace
     flow, length, features = trained.model.eval(), trained.dataset.max_len, trained.dataset.features
     generator = torch.Generator().manual_seed(0)
     peers = {PEER_NAMES[encoder]: RecurrentFlow(features, length, hidden=GRU_HIDDEN,
-                                                encoder=encoder).eval() for encoder in ENCODERS}
+                                                encoder=encoder).eval() for encoder in args.peers}
     if args.horizon is None:
         return (f"{args.num} sequences of N = {length} frames, D = {features}", {
             "iresflow": lambda: flow.sample(args.num, seq_len=length, generator=generator),

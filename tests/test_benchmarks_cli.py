@@ -230,6 +230,10 @@ def test_sampling_times_forecasts_of_a_causal_run(tmp_path: Path, capsys) -> Non
     out = capsys.readouterr().out
     assert out.startswith("3 forecasts of H = 5 frames after 47 observed ones, D = 1")
     assert all(f"  {name} " in out for name in ("iresflow", "GRU + MAF", "Transformer + MAF"))
+    assert cli.main(["sampling", "--run", str(run), "--num", "3", "--repeats", "1",
+                     "--peers", "gru"]) == 0
+    out = capsys.readouterr().out
+    assert "  GRU + MAF " in out and "Transformer" not in out
 
 
 def test_benchmarks_keep_freed_memory_as_the_command_does(monkeypatch, capsys) -> None:

@@ -491,3 +491,39 @@ def test_secant_mixer_rejects_a_step_that_raises_the_residual(device):
     assert bool(mixer.extrapolated.all())
     back = mixer.step(second, second + 3.0, torch.full((1,), 3.0, device=device, dtype=F64))
     assert torch.equal(back, first + 0.5) and not bool(mixer.extrapolated.any())
+
+
+def test_anderson_mixer_rejects_a_step_that_raises_the_residual_row_by_row(device):
+    # row 0's extrapolated step raises its residual: back to the plain step from its last
+    # accepted iterate; row 1, whose residual falls, mixes as a mixer of its own would
+    mixer = AndersonMixer(2, 1, 2, torch.zeros(1, 1, device=device, dtype=F64))
+    alone = AndersonMixer(1, 1, 2, torch.zeros(1, 1, device=device, dtype=F64))
+    x = torch.zeros(2, 1, device=device, dtype=F64)
+    first = mixer.step(x, x + 1.0, torch.ones(2, device=device, dtype=F64))
+    alone.step(x[1:], x[1:] + 1.0, torch.ones(1, device=device, dtype=F64))
+    second = mixer.step(first, first + 0.5, torch.full((2,), 0.5, device=device, dtype=F64))
+    alone.step(first[1:], first[1:] + 0.5, torch.full((1,), 0.5, device=device, dtype=F64))
+    assert bool(mixer.extrapolated.all())
+    steps = torch.tensor([3.0, 0.1], device=device, dtype=F64)
+    image = second + steps[:, None]
+    back = mixer.step(second, image, steps)
+    assert torch.equal(back[0], first[0] + 0.5)
+    assert mixer.extrapolated.tolist() == [False, True]
+    expected = alone.step(second[1:], image[1:], steps[1:])
+    torch.testing.assert_close(back[1:], expected, atol=1e-15, rtol=0)
+
+
+def test_anderson_mixer_takes_the_plain_step_where_its_weights_are_not_finite(device):
+    mixer = AndersonMixer(2, 3, 3, torch.zeros(1, 1, device=device, dtype=F64))
+    alone = AndersonMixer(1, 3, 3, torch.zeros(1, 1, device=device, dtype=F64))
+    a = 0.9 * symmetric_unit_matrix(3, device, F64)
+    x = torch.randn(2, 3, device=device, dtype=F64)
+    x_alone = x[1:]
+    for k in range(3):
+        image = 1.0 - torch.tanh(x @ a.T)
+        if k == 2:  # row 0's residual is not finite: its weights are not either
+            image[0, 0] = float("nan")
+        step = (image - x).abs().amax(1)
+        x, x_alone = mixer.step(x, image, step), alone.step(x_alone, image[1:], step[1:])
+        torch.testing.assert_close(x[1:], x_alone, atol=1e-14, rtol=0)
+    assert bool(torch.isnan(x[0, 0])) and torch.equal(x[0, 1:], image[0, 1:])  # the plain step

@@ -110,32 +110,38 @@ class AndersonMixer:
         self.gram[:, current, :] = dots
         self.gram[:, :, current] = dots
         self.valid[:, current] = accept
-        # rejected rows restart from their previous (accepted) iterate, stored in slot `last`
-        only_last = torch.zeros_like(self.valid[0])
-        only_last[last] = True
-        self.valid = torch.where(reject[:, None], only_last, self.valid)
+        rejected = bool(reject.any())  # rare: the common step skips the restart's operations
+        if rejected:  # rejected rows restart from their previous (accepted) iterate, in `last`
+            only_last = torch.zeros_like(self.valid[0])
+            only_last[last] = True
+            self.valid = torch.where(reject[:, None], only_last, self.valid)
         self.previous_step = torch.where(accept, step, self.previous_step)
         self.extrapolated = accept & (self.valid.sum(1) >= 2)
         self.position = (current + 1) % self.slots
-        x_next = torch.where(reject[:, None], self.images[:, last], self._mix(current))
+        x_next = self._mix(current)
+        if rejected:
+            x_next = torch.where(reject[:, None], self.images[:, last], x_next)
         return torch.where(self.engaged[:, None], x_next, image)
 
     def _mix(self, current: int) -> Tensor:
-        w = self.valid.to(self.gram.dtype)
-        gram = self.gram * (w[:, :, None] * w[:, None, :])
-        scale = (gram.diagonal(dim1=1, dim2=2).sum(1) / w.sum(1).clamp_min(1)).clamp_min(
-            torch.finfo(gram.dtype).tiny
+        solve_dtype = torch.float64 if self.gram.device.type != "mps" else self.gram.dtype
+        w = self.valid.to(solve_dtype)
+        system = torch.where(self.valid[:, :, None] & self.valid[:, None, :], self.gram, 0.0)
+        system = system.to(solve_dtype)
+        diagonal = system.diagonal(dim1=1, dim2=2)
+        scale = (diagonal.sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp_min(1)).clamp_min(
+            torch.finfo(self.gram.dtype).tiny
         )
         # Unused slots get an identity row and a zero constraint weight, hence alpha_i = 0.
-        system = gram + torch.diag_embed(self.regularisation * scale[:, None] * w + (1 - w))
-        solve_dtype = torch.float64 if system.device.type != "mps" else system.dtype
-        z, info = torch.linalg.solve_ex(system.to(solve_dtype), w.to(solve_dtype)[:, :, None])
+        diagonal.add_(torch.addcmul(1 - w, scale, w, value=self.regularisation))
+        z, info = torch.linalg.solve_ex(system, w.unsqueeze(2))
         alpha = z.squeeze(2) / z.sum(1)
-        usable = (info == 0) & torch.isfinite(alpha).all(1)
-        plain = torch.zeros_like(alpha)
-        plain[:, current] = 1.0
-        alpha = torch.where(usable[:, None], alpha, plain).to(self.images.dtype)
-        return (alpha[:, :, None] * self.images).sum(1)
+        if bool(info.any()) or not bool(torch.isfinite(alpha).all()):  # the plain step there
+            usable = (info == 0) & torch.isfinite(alpha).all(1)
+            plain = torch.zeros_like(alpha)
+            plain[:, current] = 1.0
+            alpha = torch.where(usable[:, None], alpha, plain)
+        return torch.bmm(alpha.to(self.images.dtype).unsqueeze(1), self.images).squeeze(1)
 
 
 class SecantMixer:

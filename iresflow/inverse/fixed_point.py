@@ -240,17 +240,9 @@ def report_failure(stats: InverseStats, max_iter: int, on_failure: str) -> None:
     warnings.warn(message, InversionWarning, stacklevel=3)
 
 
-def _iterate(
-    g: Callable[..., Tensor],
-    y: Tensor,
-    args: tuple[Tensor, ...],
-    tol: float | None,
-    max_iter: int,
-    solver: str,
-    memory: int,
-    x0: Tensor | None,
-    parts: int,
-) -> tuple[Tensor, InverseStats]:
+def _iterate(g: Callable[..., Tensor], y: Tensor, args: tuple[Tensor, ...], tol: float | None,
+             max_iter: int, solver: str, memory: int, x0: Tensor | None, parts: int
+             ) -> tuple[Tensor, InverseStats]:
     """The solve of :func:`fixed_point_inverse`, every sample split into ``parts`` independent
     problems of equal size: its frames (secant steps) for a position-wise ``g`` on one feature,
     else one (Anderson mixing of depth ``memory``)."""
@@ -262,6 +254,7 @@ def _iterate(
     residual = torch.full_like(y_flat[:, 0], float("inf"))
     converged = torch.zeros(batch, dtype=torch.bool, device=y.device)
     mixer: AndersonMixer | SecantMixer | None = None  # once plain steps are predicted slow
+    mixing = False  # whether every row of the mixer is engaged
     budget = _PLAIN_BUDGET if parts == 1 else 0
 
     # The running samples are kept compact (rows of x, y, args, tol and the Anderson state);
@@ -288,13 +281,16 @@ def _iterate(
         done = x_residual < tol_a  # False for NaN
         current = x
         if solver == "anderson":
-            slow = _plain_is_slow(part_residual, previous, tol_a[:, None], budget)
-            if mixer is None and bool(slow.any()):
+            # once every row mixes, none is left to engage
+            slow = None if mixing else _plain_is_slow(part_residual, previous, tol_a[:, None],
+                                                      budget)
+            if mixer is None and slow is not None and bool(slow.any()):
                 rows, size = x.shape[0] * parts, x.shape[1] // parts
                 mixer = (AndersonMixer(rows, size, memory, x) if parts == 1
                          else SecantMixer(rows, size, x))
             if mixer is not None:
                 image = _mix(mixer, x, image, part_residual, slow)
+                mixing = mixing or bool(mixer.engaged.all())
         x = image
         if parts > 1:  # a part within the tolerance keeps its value: the others do not move it
             still = part_residual < tol_a[:, None]
@@ -358,12 +354,13 @@ def _evaluate_moving(g: Callable[..., Tensor], x: Tensor, event: torch.Size,
 
 
 def _mix(mixer: AndersonMixer | SecantMixer, x: Tensor, image: Tensor, part_residual: Tensor,
-         engage: Tensor) -> Tensor:
+         engage: Tensor | None) -> Tensor:
     """The mixer's next iterates ``(b, n)`` from ``x`` and its image ``(b, n)``, every part of
-    a sample ``part_residual`` ``(b, parts)`` a row of the mixer (engaged where ``engage``)."""
+    a sample ``part_residual`` ``(b, parts)`` a row of the mixer (engaged where ``engage``,
+    everywhere if ``None``)."""
     rows = part_residual.numel()
     mixed = mixer.step(x.view(rows, -1), image.view(rows, -1), part_residual.view(rows),
-                       engage=engage.view(rows))
+                       engage=None if engage is None else engage.view(rows))
     return mixed.view(x.shape)
 
 
