@@ -57,7 +57,7 @@ def _branch(device, *, coeff=0.9, max_len=5, hidden=4, kernel_size=3, scale=3.0)
     return branch
 
 
-@pytest.mark.parametrize(("out", "inp"), [(5, 2), (2, 5), (3, 3)])  # both associations
+@pytest.mark.parametrize(("out", "inp"), [(5, 2), (2, 5), (1, 4), (3, 3)])  # both associations
 @pytest.mark.parametrize(("k", "dilation"), [(1, 1), (3, 1), (3, 2), (4, 3)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_conv_frames_is_conv1d(device, out, inp, k, dilation, causal):
