@@ -16,6 +16,7 @@ from iresflow.inverse.fixed_point import InversionError, InversionWarning, fixed
 from iresflow.logdet.exact import ExactLogDet
 from iresflow.logdet.roulette import RouletteLogDet
 from iresflow.nn.attention import ContractiveL2MultiheadAttention
+from iresflow.nn.conditional import ConditionalBranch
 from iresflow.nn.linear import SpectralLinear
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.transforms.residual import ResidualTransform
@@ -144,6 +145,26 @@ def test_position_wise_inverse_on_one_feature_solves_frame_by_frame(device, solv
                                              args=(mask,), solver=solver)
     assert torch.allclose(x_rec[mask], whole[mask], atol=1e-9, rtol=0)
     assert stats.evaluations <= whole_stats.evaluations
+
+
+def test_position_wise_inverse_on_one_feature_with_a_context(device):
+    """A conditional per-frame branch on one feature: its moving frames are evaluated alone with
+    their sequence's context, and the inverse is the forward's."""
+    branch = ConditionalBranch(make_branch("mlp", device, 0.97, features=1), context_features=2)
+    branch = branch.to(device=device, dtype=F64)
+    for p in branch.parameters():  # a shift that differs between the sequences
+        torch.nn.init.normal_(p, std=0.5)
+    block = ResidualTransform(branch, logdet="exact", inverse_solver="anderson")
+    x = torch.randn(3, 7, 1, device=device, dtype=F64)
+    mask = padding_mask([7, 4, 6], 7, device)
+    context = torch.randn(3, 2, device=device, dtype=F64)
+    y, _ = block(x, context=context, mask=mask)
+    lengths: list[int] = []
+    hook = branch.register_forward_hook(lambda module, args, out: lengths.append(args[0].shape[1]))
+    x_rec, _ = block.inverse(y, context=context, mask=mask)
+    hook.remove()
+    assert bool(block.last_inverse_stats.converged.all()) and 1 in lengths
+    assert float((x_rec - x)[mask].abs().max()) < 1e-9
 
 
 @pytest.mark.parametrize("kind", BRANCHES)
