@@ -268,11 +268,7 @@ class AutoregressiveLinear(DataInitializedTransform):
         a graph, from frame :math:`p` on by :meth:`_recover_steady`); with ``pinned = (known,
         state)`` a known frame takes its state instead. Returns ``(B, N - first, D)``."""
         lags, bias, whitening, _ = models
-        # Row vectors: L_j w = z  <=>  w^T L_j^T = z^T, solved for every sub-model, then h(t).
-        w = torch.linalg.solve_triangular(
-            whitening.mT.unsqueeze(1), z[:, first:, None, None, :], upper=True, left=False
-        )
-        w = _select(w.squeeze(-2), lengths[:, first:])
+        w = _select(_unwhiten(whitening, z[:, first:]), lengths[:, first:])
         # Without padding, pinned frames or a graph to record, every frame from p on is predicted
         # by the full model from its p predecessors: _recover_steady, one product per frame.
         general = mask is not None or pinned is not None or torch.is_grad_enabled()
@@ -394,6 +390,20 @@ def _select(values: Tensor, index: Tensor) -> Tensor:
     """Pick one sub-model per entry: ``values (..., p + 1, D)``, ``index (...)`` -> ``(..., D)``."""
     index = index[..., None, None].expand(*index.shape, 1, values.shape[-1])
     return torch.gather(values, -2, index).squeeze(-2)
+
+
+def _unwhiten(whitening: Tensor, z: Tensor) -> Tensor:
+    r""":math:`L_j^{-1} z_t` for every sub-model :math:`j` and frame: ``whitening`` ``(b, p + 1,
+    D, D)`` (lower-triangular), ``z`` ``(B, n, D)`` -> ``(B, n, p + 1, D)``. Every frame is a
+    right-hand side of one triangular solve per sub-model (``b = 1``; per sequence and sub-model
+    for a conditional layer), not a solve of its own."""
+    batch, n, d = z.shape
+    if whitening.shape[0] == 1:
+        columns = z.reshape(-1, d).T.expand(whitening.shape[1], d, batch * n)
+        w = torch.linalg.solve_triangular(whitening[0], columns, upper=False)
+        return w.view(-1, d, batch, n).permute(2, 3, 0, 1)
+    w = torch.linalg.solve_triangular(whitening, z.transpose(1, 2).unsqueeze(1), upper=False)
+    return w.permute(0, 3, 1, 2)
 
 
 def _history_windows(x: Tensor, mask: Tensor | None, order: int) -> Tensor:
