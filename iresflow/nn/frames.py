@@ -50,9 +50,9 @@ def conv_frames(
     The product is associated the cheaper way for the shapes: the input's windows times the
     tap matrix when the layer widens (``C_in <= C_out``), else all the taps at once times the
     input, the :math:`k` results shifted over time and summed, which never builds the windows of
-    a wide input. That product is taken with the frames last (``(k C_out, R N)``), where a
-    narrow output (the branch's last layer, ``C_out = D``) makes it several times faster than
-    with the channels last.
+    a wide input. That product is taken with the frames last (``(k C_out, R N)``): for a narrow
+    output (the branch's last layer, ``C_out = D``) it is up to twice as fast as with the
+    channels last.
 
     Args:
         h: Input ``(R, N, C_in)``.
