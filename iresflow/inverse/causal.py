@@ -8,7 +8,7 @@ once the frames before :math:`t` no longer change, one more sweep makes frame :m
 :func:`causal_fixed_point_inverse` keeps, per sample, the frames that have settled fixed and
 evaluates :math:`T` on the later frames only, so a sweep costs the frames still moving and
 ``T`` may keep what it computed for the settled ones (a Transformer its keys and values:
-:class:`~iresflow.nn.causal.SuffixEvaluator`).
+:class:`~iresflow.nn.causal.WindowEvaluator`).
 """
 
 from __future__ import annotations

@@ -142,12 +142,17 @@ class AutoregressiveAffine(SettlingStep):
             ``(shift, log_scale)``, each ``(B, N, D)``; row ``t`` depends on the real frames
             before ``t`` only, and ``|log_scale| <= max_log_scale``.
         """
-        shift, raw = self.conditioner(x, mask, context).chunk(2, dim=-1)
-        log_scale = self.max_log_scale * torch.tanh(raw / self.max_log_scale)
+        shift, log_scale = self._split(self.conditioner(x, mask, context))
         if mask is not None:
             real = mask.unsqueeze(-1)
             shift, log_scale = torch.where(real, shift, 0.0), torch.where(real, log_scale, 0.0)
         return shift, log_scale
+
+    def _split(self, outputs: Tensor) -> tuple[Tensor, Tensor]:
+        """The conditioner's outputs ``(B, n, 2 D)`` as the shift and the bounded log-scale
+        ``s = S tanh(a / S)``, each ``(B, n, D)``."""
+        shift, raw = outputs.chunk(2, dim=-1)
+        return shift, self.max_log_scale * torch.tanh(raw / self.max_log_scale)
 
     def _forward(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
@@ -178,8 +183,7 @@ class AutoregressiveAffine(SettlingStep):
         windows = self.conditioner.windows(target, mask, context)
 
         def image(x: Tensor, start: int, stop: int) -> Tensor:  # T_y(x) on the window
-            shift, raw = windows(x, start, stop).chunk(2, dim=-1)
-            log_scale = self.max_log_scale * torch.tanh(raw / self.max_log_scale)
+            shift, log_scale = self._split(windows(x, start, stop))
             value = shift + target[:, start:stop] * torch.exp(log_scale)
             return value if mask is None else torch.where(mask[:, start:stop, None], value, 0.0)
 

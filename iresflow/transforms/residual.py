@@ -281,13 +281,11 @@ class ResidualTransform(SequenceTransform):
         args = (held, truth, *(() if whole else (inside[..., 0],)),
                 *(() if context is None else (_solver_context(branch, context, width),)))
 
-        solve = branch.solve_map() if context is None else branch
+        solve = branch.solve_map() if context is None else _with_context(branch, True)
 
         def pinned(x: Tensor, held: Tensor, truth: Tensor, *rest: Tensor) -> Tensor:
             x, rows = torch.where(held, truth, x), None if whole else rest[0]
-            if context is None:
-                return solve(x, rows)
-            return solve(x, rows, context=rest[-1][:, 0] if branch.position_wise else rest[-1])
+            return solve(x, rows) if context is None else solve(x, rows, rest[-1])
 
         with torch.no_grad():
             right = torch.where(inside, y, 0.0)
