@@ -11,6 +11,7 @@ from torch import Tensor
 
 from iresflow._validation import check_length, check_logdet_dtype
 from iresflow.inverse.fixed_point import InverseStats, fixed_point_inverse
+from iresflow.inverse.scalar import TABLE_POINTS, scalar_start
 from iresflow.logdet.base import LogDetEstimator
 from iresflow.logdet.exact import frame_logdets
 from iresflow.logdet.factory import make_logdet
@@ -217,19 +218,23 @@ class ResidualTransform(SequenceTransform):
             # padded outputs are the padded inputs, put back afterwards.
             real = None if mask is None else mask[..., None]
             args: tuple[Tensor, ...] = () if mask is None else (mask,)
+            right = y if real is None else torch.where(real, y, 0.0)
+            start = None
             if context is None:
                 branch = self.branch.solve_map()
+                start = _scalar_start(self.branch, branch, right, mask)
             else:  # the context rows follow the solver's active rows (or frames)
                 args = (*args, _solver_context(self.branch, context, y.shape[1]))
                 branch = _with_context(self.branch, mask is not None)
             x, stats = fixed_point_inverse(
                 branch,
-                y if real is None else torch.where(real, y, 0.0),
+                right,
                 args=args,
                 tol=self.inverse_tol,
                 max_iter=self.inverse_max_iter,
                 solver=self.inverse_solver,
                 on_failure=self.on_failure,
+                x0=start,
                 position_wise=self.branch.position_wise,
             )
             if real is not None:
@@ -289,10 +294,13 @@ class ResidualTransform(SequenceTransform):
 
         with torch.no_grad():
             right = torch.where(inside, y, 0.0)
+            start = None if context is not None else _scalar_start(
+                branch, solve, right, inside[..., 0] & ~held[..., 0])
             x, self.last_inverse_stats = fixed_point_inverse(
                 pinned, right, args=args, tol=self.inverse_tol, max_iter=self.inverse_max_iter,
                 solver=self.inverse_solver, on_failure=self.on_failure,
-                x0=torch.where(held, truth, right), position_wise=branch.position_wise,
+                x0=torch.where(held, truth, right if start is None else start),
+                position_wise=branch.position_wise,
             )
             x = torch.where(held, truth, torch.where(inside, x, y))
         outputs = torch.where(known[..., None], state, inputs)
@@ -305,6 +313,25 @@ class ResidualTransform(SequenceTransform):
             f"logdet={type(self.logdet).__name__}, inverse_solver={self.inverse_solver!r}, "
             f"inverse_tol={self.inverse_tol}, inverse_max_iter={self.inverse_max_iter}"
         )
+
+
+def _scalar_start(branch: LipschitzBranch, g: Callable[[Tensor], Tensor], y: Tensor,
+                  frames: Tensor | None) -> Tensor | None:
+    """The solver's start ``(B, N, 1)`` for a per-frame ``branch`` on one feature, its map ``g``:
+    :func:`~iresflow.inverse.scalar.scalar_start` of the right-hand sides ``y`` ``(B, N, 1)`` at
+    ``frames`` ``(B, N)`` (all if ``None``; 0 elsewhere) when they outnumber the table's points;
+    ``None`` (start at ``y``) for any other branch or fewer frames."""
+    if not branch.position_wise or y.shape[-1] != 1:
+        return None
+    values = y[..., 0] if frames is None else y[..., 0][frames]
+    if values.numel() <= TABLE_POINTS:
+        return None
+    start = scalar_start(g, values.reshape(-1))
+    if frames is None:
+        return start.view_as(y)
+    out = torch.zeros_like(y)
+    out[..., 0][frames] = start
+    return out
 
 
 def _solver_context(branch: LipschitzBranch, context: Tensor, length: int) -> Tensor:
