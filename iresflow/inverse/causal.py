@@ -20,12 +20,8 @@ import torch
 from torch import Tensor
 
 from iresflow._validation import check_int
-from iresflow.inverse.fixed_point import (
-    InverseStats,
-    check_arguments,
-    default_tolerance,
-    report_failure,
-)
+from iresflow.inverse.arguments import check_arguments
+from iresflow.inverse.fixed_point import InverseStats, default_tolerance, report_failure
 
 __all__ = ["causal_fixed_point_inverse"]
 

@@ -33,8 +33,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from iresflow._validation import check_finite
 from iresflow.inverse.anderson import AndersonMixer, SecantMixer
+from iresflow.inverse.arguments import check_arguments
+from iresflow.inverse.chord import ChordSteps
 
 __all__ = [
     "InverseStats",
@@ -58,6 +59,7 @@ _UNIT_TOLERANCE = {
 # Anderson mixing starts for a sample once plain steps are predicted to need more evaluations
 # than this (below it, the per-step cost of mixing outweighs the saved evaluations).
 _PLAIN_BUDGET = 12
+_CHORD_AT = 2
 
 # The rounding floor. With the default tolerance, a sample whose residual has not fallen below
 # _PROGRESS times its lowest value for _STALL evaluations, and is within _FLOOR times its
@@ -148,30 +150,28 @@ def fixed_point_inverse(
     on_failure: Literal["raise", "warn"] = "raise",
     x0: Tensor | None = None,
     position_wise: bool = False,
+    jacobian: Callable[..., tuple[Tensor, Tensor]] | None = None,
 ) -> tuple[Tensor, InverseStats]:
     r"""Solve :math:`x + g(x) = y` per sample by fixed-point iteration
     (docs/math.md#fixed-point-inverse, check H9 (docs/math.md#checks)).
 
     Iterates :math:`x \leftarrow T_y(x) = y - g(x)` from :math:`x^0 = y` (``solver="plain"``) or
-    Anderson-accelerates the same map (``solver="anderson"``, see
-    :class:`~iresflow.inverse.anderson.AndersonMixer`), mixing a sample once its last
-    contraction ratio predicts more than 12 further plain steps (it pays off only for slowly
-    contracting samples). A sample stops as soon as the max-abs residual
-    :math:`r_k = \|x^k + g(x^k) - y\|_\infty` of its current iterate is below its tolerance and
-    then returns that :math:`x^k`; ``stats.residual`` is :math:`r_k` and ``stats.converged``
-    means :math:`r_k` < tolerance. With the default tolerance, a sample whose residual has not
-    fallen by 10% for 20 evaluations and is within ten times its tolerance has met the rounding
-    noise: it stops there, its tolerance raised to ten times the default. The error satisfies
-    :math:`\|x^k - x^*\| \le \|x^k + g(x^k) - y\| / (1 - L)` in the norm of the certificate
-    :math:`L` of ``g``. Stopped samples are frozen: ``g`` is called only on the rows still
-    active, so it must act on every sample independently and accept any sub-batch.
+    Anderson-accelerates it (``solver="anderson"``, :class:`~.anderson.AndersonMixer`) for a
+    sample whose last contraction ratio predicts more than 12 further plain steps. A sample
+    stops once the max-abs residual :math:`r_k = \|x^k + g(x^k) - y\|_\infty` of its iterate
+    is below its tolerance and returns that :math:`x^k` (``stats.residual`` is :math:`r_k`);
+    with the default tolerance, a sample whose residual has not fallen by 10% for 20
+    evaluations within ten times its tolerance stops at that rounding floor, its tolerance
+    raised tenfold. The error is at most :math:`r_k / (1 - L)` in the norm of the certificate
+    :math:`L` of ``g``. Stopped samples are frozen: ``g`` sees only the rows still active, so it
+    must act on every sample independently and accept any sub-batch.
 
     With ``position_wise=True`` and one feature, every frame is a scalar equation
     (docs/guide.md#inversion): a frame within the sample's tolerance keeps its value and is not
-    evaluated again (``g`` then sees the moving frames as sequences of one frame, ``(b', 1, 1)``,
-    every argument split alike), the others take secant steps (``solver="anderson"``); stopping
-    rule and statistics stay the sample's. With several features the sample is solved whole.
-    Runs under :func:`torch.no_grad`, with one host synchronisation per iteration.
+    evaluated again (``g`` sees the moving frames as sequences ``(b', 1, 1)``, every argument
+    split alike), the others take secant steps (``solver="anderson"``); stopping rule and
+    statistics stay the sample's; with several features the sample is solved whole. Runs under
+    :func:`torch.no_grad`, with one host synchronisation per iteration.
 
     Args:
         g: The residual branch, called as ``g(x, *args)`` on a sub-batch ``x`` of shape
@@ -181,26 +181,27 @@ def fixed_point_inverse(
         args: Extra per-sample tensors (leading dimension ``B``), e.g. a padding mask,
             passed to ``g`` sliced alongside ``x``; with ``position_wise=True`` per frame,
             ``(B, N, ...)`` (a per-sequence value repeated over the frames).
-        tol: Absolute tolerance on the per-sample max-abs residual; ``None`` uses
-            :func:`default_tolerance`.
+        tol: Absolute tolerance on a sample's max-abs residual (``None``: default_tolerance).
         max_iter: Maximum number of evaluations of ``g`` per sample.
         solver: ``"plain"`` fixed-point iteration or ``"anderson"`` acceleration (several
-            times fewer evaluations for slowly contracting samples, see
-            ``benchmarks/inverse.py``).
+            times fewer evaluations for slowly contracting samples, ``benchmarks/inverse.py``).
         memory: Anderson depth (number of previous iterates mixed with the current one).
         on_failure: ``"raise"`` an :class:`InversionError` or ``"warn"`` with an
-            :class:`InversionWarning` and return the last evaluated iterate (the one whose
-            residual is reported) when some sample did not converge.
+            :class:`InversionWarning` and return the last evaluated (reported) iterate when some
+            sample did not converge.
         x0: Optional starting point, same shape as ``y`` (default ``y``).
-        position_wise: Whether ``g`` is position-wise, ``y`` of shape ``(B, N, D)``: with
-            ``D = 1`` every frame is solved as an equation of its own.
+        position_wise: Whether ``g`` is position-wise, ``y`` ``(B, N, D)`` (with ``D = 1``
+            every frame an equation of its own).
+        jacobian: For ``g`` causal over frames on one feature: ``jacobian(x, *args)`` returns
+            ``g(x)`` and lower-triangular :math:`I + J_g(x)` ``(b, n, n)``; called at the second
+            iterate, then chord steps (:class:`~.chord.ChordSteps`; not with position_wise).
 
     Returns:
         ``x`` of the shape of ``y`` and the :class:`InverseStats` of the solve.
 
     Raises:
-        InversionError: Some sample did not converge within ``max_iter`` evaluations or its
-            iterates became non-finite (only with ``on_failure="raise"``).
+        InversionError: Some sample did not converge within ``max_iter`` evaluations or
+            diverged (only with ``on_failure="raise"``).
 
     Example:
         >>> y = torch.tensor([[1.0], [2.0]], dtype=torch.float64)
@@ -208,11 +209,12 @@ def fixed_point_inverse(
         >>> torch.allclose(x + 0.5 * torch.sin(x), y), bool(stats.converged.all())
         (True, True)
     """
-    check_arguments(g, y, args, tol, max_iter, solver, memory, on_failure, x0, position_wise)
+    check_arguments(g, y, args, tol, max_iter, solver, memory, on_failure, x0, position_wise,
+                    jacobian)
     # on one feature, every frame is a scalar equation of its own
     parts = y.shape[1] if position_wise and y.shape[-1] == 1 else 1
     with torch.no_grad():
-        x, stats = _iterate(g, y, args, tol, max_iter, solver, memory, x0, parts)
+        x, stats = _iterate(g, y, args, tol, max_iter, solver, memory, x0, parts, jacobian)
     if not bool(stats.converged.all()):
         report_failure(stats, max_iter, on_failure)
     return x, stats
@@ -241,11 +243,11 @@ def report_failure(stats: InverseStats, max_iter: int, on_failure: str) -> None:
 
 
 def _iterate(g: Callable[..., Tensor], y: Tensor, args: tuple[Tensor, ...], tol: float | None,
-             max_iter: int, solver: str, memory: int, x0: Tensor | None, parts: int
-             ) -> tuple[Tensor, InverseStats]:
+             max_iter: int, solver: str, memory: int, x0: Tensor | None, parts: int,
+             jacobian: Callable[..., tuple[Tensor, Tensor]] | None) -> tuple[Tensor, InverseStats]:
     """The solve of :func:`fixed_point_inverse`, every sample split into ``parts`` independent
     problems of equal size: its frames (secant steps) for a position-wise ``g`` on one feature,
-    else one (Anderson mixing of depth ``memory``)."""
+    else one (Anderson mixing of depth ``memory``, or chord steps with ``jacobian``)."""
     batch, event = y.shape[0], y.shape[1:]
     y_flat = y.detach().reshape(batch, -1)
     out = y_flat.clone()
@@ -253,7 +255,8 @@ def _iterate(g: Callable[..., Tensor], y: Tensor, args: tuple[Tensor, ...], tol:
     iterations = torch.zeros(batch, dtype=torch.int64, device=y.device)
     residual = torch.full_like(y_flat[:, 0], float("inf"))
     converged = torch.zeros(batch, dtype=torch.bool, device=y.device)
-    mixer: AndersonMixer | SecantMixer | None = None  # once plain steps are predicted slow
+    # once plain steps are predicted slow, or from the second evaluation with a Jacobian
+    mixer: AndersonMixer | SecantMixer | ChordSteps | None = None
     mixing = False  # whether every row of the mixer is engaged
     budget = _PLAIN_BUDGET if parts == 1 else 0
 
@@ -268,8 +271,11 @@ def _iterate(g: Callable[..., Tensor], y: Tensor, args: tuple[Tensor, ...], tol:
     lowest, stalled = tolerance.new_full((batch,), float("inf")), torch.zeros_like(iterations)
     evaluations = 0
     for k in range(1, max_iter + 1):
-        g_x = _evaluate(g, x, event, args_a) if moving is None else _evaluate_moving(
-            g, x, event, args_a, moving, g_x)
+        if k == _CHORD_AT and jacobian is not None:
+            g_x, mixer = _chord_start(jacobian, x, event, args_a)
+        else:
+            g_x = _evaluate(g, x, event, args_a) if moving is None else _evaluate_moving(
+                g, x, event, args_a, moving, g_x)
         image = y_a - g_x
         # Max-abs residual of every part of x, the point returned when the sample stops (equal
         # to the step |T(x) - x| up to rounding), and of the whole sample.
@@ -280,7 +286,7 @@ def _iterate(g: Callable[..., Tensor], y: Tensor, args: tuple[Tensor, ...], tol:
             lowest, stalled, tol_a = _rounding_floor(x_residual, lowest, stalled, tol_a, k)
         done = x_residual < tol_a  # False for NaN
         current = x
-        if solver == "anderson":
+        if solver == "anderson" or mixer is not None:
             # once every row mixes, none is left to engage
             slow = None if mixing else _plain_is_slow(part_residual, previous, tol_a[:, None],
                                                       budget)
@@ -291,12 +297,8 @@ def _iterate(g: Callable[..., Tensor], y: Tensor, args: tuple[Tensor, ...], tol:
             if mixer is not None:
                 image = _mix(mixer, x, image, part_residual, slow)
                 mixing = mixing or bool(mixer.engaged.all())
-        x = image
-        if parts > 1:  # a part within the tolerance keeps its value: the others do not move it
-            still = part_residual < tol_a[:, None]
-            x = torch.where(still.unsqueeze(-1), current.view(*still.shape, -1),
-                            image.view(*still.shape, -1)).view(image.shape)
-            moving = ~still if bool(still.any()) else None
+        x, moving = (image, None) if parts == 1 else _hold_still(current, image, part_residual,
+                                                                 tol_a)
         previous = part_residual
 
         running = ~done & torch.isfinite(x_residual)
@@ -343,6 +345,30 @@ def _rounding_floor(residual: Tensor, lowest: Tensor, stalled: Tensor, tol: Tens
     return lowest, stalled, tol
 
 
+def _chord_start(jacobian: Callable[..., tuple[Tensor, Tensor]], x: Tensor, event: torch.Size,
+                 args: tuple[Tensor, ...]) -> tuple[Tensor, ChordSteps]:
+    """The images ``(b, n)`` of the flat iterates ``x`` ``(b, n)`` and the chord steps of their
+    matrices, from ``jacobian`` (``ValueError`` for other shapes than ``(b, *event)`` and
+    ``(b, n, n)``)."""
+    g_x, matrix = jacobian(x.view(-1, *event), *args)
+    if g_x.shape != (x.shape[0], *event) or matrix.shape != (*x.shape, x.shape[1]):
+        raise ValueError(f"jacobian must return g(x) {(x.shape[0], *event)} and a matrix "
+                         f"{(*x.shape, x.shape[1])}, got {tuple(g_x.shape)} and "
+                         f"{tuple(matrix.shape)}")
+    return g_x.reshape(x.shape), ChordSteps(matrix)
+
+
+def _hold_still(x: Tensor, image: Tensor, part_residual: Tensor, tol: Tensor
+                ) -> tuple[Tensor, Tensor | None]:
+    """The next iterates ``(b, n)``: ``image``, but ``x`` on the parts within the tolerance
+    ``tol`` ``(b,)`` (``part_residual`` ``(b, parts)``), and the parts that move (``None`` if all
+    do)."""
+    still = part_residual < tol[:, None]
+    held = torch.where(still.unsqueeze(-1), x.view(*still.shape, -1),
+                       image.view(*still.shape, -1)).view(image.shape)
+    return held, ~still if bool(still.any()) else None
+
+
 def _evaluate_moving(g: Callable[..., Tensor], x: Tensor, event: torch.Size,
                      args: tuple[Tensor, ...], moving: Tensor, g_x: Tensor) -> Tensor:
     """The last images ``g_x`` of the flat iterates ``x`` ``(b, n)``, in place, with the parts
@@ -353,8 +379,8 @@ def _evaluate_moving(g: Callable[..., Tensor], x: Tensor, event: torch.Size,
     return g_x
 
 
-def _mix(mixer: AndersonMixer | SecantMixer, x: Tensor, image: Tensor, part_residual: Tensor,
-         engage: Tensor | None) -> Tensor:
+def _mix(mixer: AndersonMixer | SecantMixer | ChordSteps, x: Tensor, image: Tensor,
+         part_residual: Tensor, engage: Tensor | None) -> Tensor:
     """The mixer's next iterates ``(b, n)`` from ``x`` and its image ``(b, n)``, every part of
     a sample ``part_residual`` ``(b, parts)`` a row of the mixer (engaged where ``engage``,
     everywhere if ``None``)."""
@@ -379,67 +405,3 @@ def _plain_is_slow(step: Tensor, previous: Tensor, tol: Tensor, budget: int) -> 
     ratio = (step / previous).clamp(max=1.0 - 1e-6)
     remaining = torch.log(tol / step) / torch.log(ratio)
     return remaining > budget
-
-
-def check_arguments(
-    g: object,
-    y: object,
-    args: object,
-    tol: object,
-    max_iter: object,
-    solver: object,
-    memory: object,
-    on_failure: object,
-    x0: object,
-    position_wise: object,
-) -> None:
-    """``TypeError`` or ``ValueError`` for arguments of :func:`fixed_point_inverse` (the same
-    names) that are not what it accepts."""
-    if not callable(g):
-        raise TypeError(f"g must be callable, got {type(g).__name__}")
-    if not isinstance(y, Tensor) or not y.is_floating_point():
-        raise TypeError(f"y must be a floating-point torch.Tensor, got {_describe(y)}")
-    if y.dim() < 1 or y.shape[0] == 0 or y.numel() == 0:
-        raise ValueError(
-            f"y must have shape (B, ...) with B >= 1 and no empty dimension, got {tuple(y.shape)}"
-        )
-    check_finite(y, "y")
-    if not isinstance(args, tuple) or not all(isinstance(a, Tensor) for a in args):
-        raise TypeError("args must be a tuple of tensors")
-    for i, a in enumerate(args):
-        if a.dim() == 0 or a.shape[0] != y.shape[0]:
-            raise ValueError(
-                f"args[{i}] must have leading dimension B = {y.shape[0]}, got {tuple(a.shape)}"
-            )
-    if tol is not None and (
-        isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < float("inf")
-    ):
-        raise ValueError(f"tol must be a positive finite float or None, got {tol!r}")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-        raise ValueError(f"max_iter must be a positive int, got {max_iter!r}")
-    if solver not in ("plain", "anderson"):
-        raise ValueError(f"solver must be 'plain' or 'anderson', got {solver!r}")
-    if isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
-        raise ValueError(f"memory must be a positive int, got {memory!r}")
-    if on_failure not in ("raise", "warn"):
-        raise ValueError(f"on_failure must be 'raise' or 'warn', got {on_failure!r}")
-    if not isinstance(position_wise, bool):
-        raise TypeError(f"position_wise must be a bool, got {type(position_wise).__name__}")
-    if position_wise and y.dim() != 3:
-        raise ValueError(f"position_wise needs y of shape (B, N, D), got {tuple(y.shape)}")
-    for i, a in enumerate(args if position_wise else ()):
-        if a.dim() < 2 or a.shape[1] != y.shape[1]:
-            raise ValueError(f"with position_wise, args[{i}] must be per frame, (B, N, ...) with "
-                             f"N = {y.shape[1]}, got {tuple(a.shape)}")
-    if x0 is not None:
-        if not isinstance(x0, Tensor) or x0.dtype != y.dtype:
-            raise TypeError(f"x0 must be a tensor of dtype {y.dtype}, got {_describe(x0)}")
-        if x0.device != y.device:
-            raise ValueError(f"x0 must be on the device of y ({y.device}), got {x0.device}")
-        if x0.shape != y.shape:
-            raise ValueError(f"x0 must have the shape of y {tuple(y.shape)}, got {tuple(x0.shape)}")
-        check_finite(x0, "x0")
-
-
-def _describe(obj: object) -> str:
-    return f"tensor of dtype {obj.dtype}" if isinstance(obj, Tensor) else type(obj).__name__

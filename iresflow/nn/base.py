@@ -32,9 +32,12 @@ class Linearization(ABC):
 
     Attributes:
         params: The effective parameters, a tuple of tensors.
+        frame_jacobians: Whether its points form their Jacobian block by block
+            (:meth:`LinearizedPoint.frame_jacobian`).
     """
 
     params: tuple[Tensor, ...]
+    frame_jacobians = False
 
     @abstractmethod
     def at(self, x: Tensor, mask: Tensor | None = None) -> LinearizedPoint:
@@ -84,6 +87,12 @@ class LinearizedPoint(ABC):
         Returns:
             :math:`w^\top J`, shape ``(R, N, D)``.
         """
+
+    def frame_jacobian(self) -> Tensor | None:
+        r"""The Jacobian block by block over frames, ``(R, N, N, D, D)`` (block ``[r, t, s]``:
+        :math:`\partial g_t / \partial x_s` of row ``r``), where the point forms it directly;
+        ``None`` (the default) where it does not."""
+        return None
 
     @abstractmethod
     def surrogate_backward(

@@ -5,11 +5,13 @@ convolution branch (:class:`~iresflow.nn.conv.TemporalConvBranch`) and its linea
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["conv_frames", "tap_sum", "windows"]
+__all__ = ["TapStack", "conv_frames", "conv_stack_jacobian", "tap_sum", "windows"]
 
 
 def windows(h: Tensor, size: int, pad: tuple[int, int, int, int], dilation: int = 1) -> Tensor:
@@ -120,3 +122,72 @@ def tap_sum(z: Tensor, k: int, dilation: int, n: int) -> Tensor:
     for j in range(2, k):
         y += z[:, j * dilation:j * dilation + n, j * out:(j + 1) * out]
     return y
+
+
+class TapStack(Protocol):
+    """A stack of convolutions over frames as its linearization holds it
+    (:class:`~iresflow.nn.layered.ConvStackLinearization`): per layer the effective taps
+    ``(C_out, C_in, k)``, their number, their spacing and the padding of the input windows."""
+
+    weights: list[Tensor]
+    taps: list[int]
+    dilations: list[int]
+    forward_pads: list[tuple[int, int, int, int]]
+
+
+def conv_stack_jacobian(lin: TapStack, slopes: list[Tensor], keep: Tensor | None) -> Tensor:
+    r"""The Jacobian of a convolution stack at a point, block by block over frames.
+
+    For the temporal-convolution branch's stack of three layers, the middle one of one tap,
+    :math:`g_t = \sum_b W^3_b\, \phi(W^2 \phi(\sum_a W^1_a x_{t + b + a}))` with taps at the
+    offsets :math:`a`, :math:`b` of the first and last layers, the block of output frame
+    :math:`t` and input frame :math:`s` is
+
+    .. math:: \frac{\partial g_t}{\partial x_s} = \sum_{a + b = s - t} W^3_b
+        \operatorname{diag}(\phi'_2(u)) W^2 \operatorname{diag}(\phi'_1(u)) W^1_a,
+        \qquad u = t + b,
+
+    formed with one product by the middle layer per tap of the first (and ``D`` columns each):
+    about as much arithmetic as three evaluations of the branch on one feature. Padded frames
+    (``keep`` false) have zero rows and columns, as the masked stack has.
+
+    Args:
+        lin: The stack's linearization (effective taps, their offsets over time).
+        slopes: The LipSwish slopes :math:`\phi'_1, \phi'_2` at the point, ``(R, N, H)`` each,
+            zero at padded frames.
+        keep: Optional real-frame mask ``(R, N, 1)``.
+
+    Returns:
+        ``(R, N, N, D, D)``, block ``[r, t, s]`` the Jacobian of output frame ``t`` in input
+        frame ``s`` (rows: output features).
+
+    Raises:
+        ValueError: The stack is not three layers with a middle one of one tap.
+    """
+    if len(lin.weights) != 3 or lin.taps[1] != 1:
+        raise ValueError(f"conv_stack_jacobian needs three layers, the middle one of one tap; "
+                         f"got taps {lin.taps}")
+    first, middle, last = lin.weights
+    (rows, n, _), features = slopes[0].shape, first.shape[1]
+    offsets = [[lin.dilations[l] * j - lin.forward_pads[l][2] for j in range(lin.taps[l])]
+               for l in (0, 2)]
+    hidden, taps = middle.shape[0], len(offsets[1])
+    last_taps = last.permute(1, 0, 2).reshape(hidden, -1)  # (H, D k): output e, tap i
+    blocks = slopes[0].new_zeros(rows, n, n, features, features)
+    for j, a in enumerate(offsets[0]):
+        # at hidden frame u, column d: phi2'(u) * W2 (phi1'(u) * W1_a[:, d]), (R, N, D, H), then
+        # times every tap of the last layer: single matrix products over all rows and frames
+        column = (slopes[0].unsqueeze(2) * first[:, :, j].T).reshape(-1, hidden) @ middle[..., 0].T
+        column = column.view(rows, n, features, hidden) * slopes[1].unsqueeze(2)
+        products = (column.view(-1, hidden) @ last_taps).view(rows, n, features, features, taps)
+        for i, b in enumerate(offsets[1]):
+            lo, hi = max(0, b, -a), min(n, n + b, n - a)  # u with t = u - b and s = u + a inside
+            if hi > lo:
+                diagonal = blocks.diagonal(offset=a + b, dim1=1, dim2=2)  # (R, D, D, n - |a + b|)
+                start = lo - b if a + b >= 0 else lo + a  # its index of (t, s): t, or s below
+                diagonal[..., start:start + hi - lo] += products[:, lo:hi, ..., i].permute(
+                    0, 3, 2, 1)
+    if keep is not None:
+        real = keep[..., 0]
+        blocks = blocks * (real[:, :, None] & real[:, None, :])[..., None, None]
+    return blocks

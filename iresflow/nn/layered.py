@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from iresflow._validation import check_length
 from iresflow.nn.activations import LipSwish
 from iresflow.nn.base import Linearization, LinearizedPoint
-from iresflow.nn.frames import conv_frames, tap_sum, windows
+from iresflow.nn.frames import conv_frames, conv_stack_jacobian, tap_sum, windows
 
 __all__ = [
     "ConvStackLinearization",
@@ -231,7 +231,8 @@ class LayerStackPoint(LinearizedPoint):
                     if k > 1:
                         stacked = F.pad(h, lin.forward_pads[i]).unfold(1, lin.spans[i], 1)[
                             ..., :: lin.dilations[i]].reshape(*h.shape[:2], h.shape[2] * k)
-                    a = stacked @ matrices[i]
+                    # one product over all frames, not a batch of products (bit for bit alike)
+                    a = (stacked.flatten(0, 1) @ matrices[i]).view(*stacked.shape[:2], -1)
                     if bias is not None:
                         a = a.add_(bias)
                 if i == 0 and lin.shift is not None:
@@ -372,6 +373,7 @@ class ConvStackLinearization(LayerStackLinearization):
     """
 
     masks_hidden = True
+    frame_jacobians = True
 
     def __init__(
         self,
@@ -442,3 +444,7 @@ class ConvStackPoint(LayerStackPoint):
         stacked = windows(torch.cat([h, t]), weight.shape[-1], self.lin.forward_pads[l],
                           self.lin.dilations[l])
         return (as_rows(torch.cat([g, k])).T @ as_rows(stacked)).view(weight.shape)
+
+    def frame_jacobian(self) -> Tensor:
+        """:func:`~iresflow.nn.frames.conv_stack_jacobian` at this point."""
+        return conv_stack_jacobian(self.lin, self.slopes, self.keep)

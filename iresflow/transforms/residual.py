@@ -219,10 +219,11 @@ class ResidualTransform(SequenceTransform):
             real = None if mask is None else mask[..., None]
             args: tuple[Tensor, ...] = () if mask is None else (mask,)
             right = y if real is None else torch.where(real, y, 0.0)
-            start = None
+            start = jacobian = None
             if context is None:
                 branch = self.branch.solve_map()
                 start = _scalar_start(self.branch, branch, right, mask)
+                jacobian = _chord_jacobian(self.branch, y.shape[-1], pinned=False)
             else:  # the context rows follow the solver's active rows (or frames)
                 args = (*args, _solver_context(self.branch, context, y.shape[1]))
                 branch = _with_context(self.branch, mask is not None)
@@ -236,6 +237,7 @@ class ResidualTransform(SequenceTransform):
                 on_failure=self.on_failure,
                 x0=start,
                 position_wise=self.branch.position_wise,
+                jacobian=jacobian,
             )
             if real is not None:
                 x = torch.where(real, x, y)
@@ -294,13 +296,15 @@ class ResidualTransform(SequenceTransform):
 
         with torch.no_grad():
             right = torch.where(inside, y, 0.0)
-            start = None if context is not None else _scalar_start(
-                branch, solve, right, inside[..., 0] & ~held[..., 0])
+            start = jacobian = None
+            if context is None:
+                start = _scalar_start(branch, solve, right, inside[..., 0] & ~held[..., 0])
+                jacobian = _chord_jacobian(branch, inputs.shape[-1], pinned=True)
             x, self.last_inverse_stats = fixed_point_inverse(
                 pinned, right, args=args, tol=self.inverse_tol, max_iter=self.inverse_max_iter,
                 solver=self.inverse_solver, on_failure=self.on_failure,
                 x0=torch.where(held, truth, right if start is None else start),
-                position_wise=branch.position_wise,
+                position_wise=branch.position_wise, jacobian=jacobian,
             )
             x = torch.where(held, truth, torch.where(inside, x, y))
         outputs = torch.where(known[..., None], state, inputs)
@@ -332,6 +336,35 @@ def _scalar_start(branch: LipschitzBranch, g: Callable[[Tensor], Tensor], y: Ten
     out = torch.zeros_like(y)
     out[..., 0][frames] = start
     return out
+
+
+def _chord_jacobian(branch: LipschitzBranch, features: int, pinned: bool
+                    ) -> Callable[..., tuple[Tensor, Tensor]] | None:
+    """The solver's ``jacobian`` (chord steps, :class:`~iresflow.inverse.chord.ChordSteps`) for
+    a causal, position-mixing ``branch`` on one feature whose linearization forms its Jacobian
+    by frames (the temporal convolutions), ``None`` for any other. Its arguments are the
+    solve's: the mask if there is one, or pinned, ``(held, truth)`` and the window's mask if
+    there is one; the pinned frames' columns of :math:`I + J_g` are those of the identity."""
+    if branch.position_wise or not branch.causal or features != 1:
+        return None
+    linearization = branch.linearize()
+    if linearization is None or not linearization.frame_jacobians:
+        return None
+
+    def jacobian(x: Tensor, *args: Tensor) -> tuple[Tensor, Tensor]:
+        free = None
+        if pinned:
+            held, truth, *rest = args
+            x, free = torch.where(held, truth, x), ~held[..., 0]
+        else:
+            rest = list(args)
+        point = linearization.at(x, rest[0] if rest else None)
+        blocks = point.frame_jacobian()[..., 0, 0]  # (b, N, N), lower triangular
+        if free is not None:
+            blocks = blocks * free[:, None, :]
+        return point.output, blocks + torch.eye(x.shape[1], dtype=x.dtype, device=x.device)
+
+    return jacobian
 
 
 def _solver_context(branch: LipschitzBranch, context: Tensor, length: int) -> Tensor:
