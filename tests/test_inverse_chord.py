@@ -10,7 +10,6 @@ import torch
 from iresflow.inverse.chord import ChordSteps
 from iresflow.inverse.fixed_point import fixed_point_inverse
 from iresflow.nn.conv import TemporalConvBranch
-from iresflow.nn.frames import conv_stack_jacobian
 from iresflow.nn.layered import ConvStackLinearization
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.transforms.residual import ResidualTransform
@@ -35,7 +34,9 @@ def test_frame_jacobian_is_the_autograd_jacobian(device, causal, dilation, featu
     if masked:
         mask = torch.ones(2, 12, dtype=torch.bool, device=device)
         mask[1, 9:], mask[0, 4] = False, False  # padding at the end and inside
-    blocks = branch.linearize().at(x, mask).frame_jacobian()
+    linearization = branch.linearize()
+    value, blocks = linearization.frame_jacobian(x, mask)
+    torch.testing.assert_close(value, branch(x, mask), atol=1e-12, rtol=0)
     assert blocks.shape == (2, 12, 12, features, features)
     for r in range(2):
         rows = None if mask is None else mask[r:r + 1]
@@ -50,9 +51,10 @@ def test_frame_jacobian_is_the_autograd_jacobian(device, causal, dilation, featu
 def test_frame_jacobian_needs_the_branch_layout(device):
     w = [torch.randn(4, 1, 3, dtype=F64), torch.randn(1, 4, 3, dtype=F64)]
     two_layers = ConvStackLinearization(w, [None, None], [torch.tensor(1.0, dtype=F64)])
-    point = two_layers.at(torch.randn(1, 5, 1, dtype=F64))
     with pytest.raises(ValueError, match="three layers"):
-        conv_stack_jacobian(two_layers, point.slopes, point.keep)
+        two_layers.frame_jacobian(torch.randn(1, 5, 1, dtype=F64))
+    with pytest.raises(NotImplementedError, match="forms no frame Jacobian"):
+        LipschitzMLP((1, 8, 1), coeff=0.9).linearize().frame_jacobian(torch.randn(1, 5, 1))
 
 
 def causal_map(device, length=30, lipschitz=0.9):

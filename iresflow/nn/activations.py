@@ -6,7 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LipSwish"]
+__all__ = ["LIPSWISH_SCALE", "LipSwish", "lipswish_second"]
+
+#: The normalisation :math:`1 / 1.1` of LipSwish.
+LIPSWISH_SCALE = 1 / 1.1
 
 
 class LipSwish(nn.Module):
@@ -52,3 +55,21 @@ class LipSwish(nn.Module):
         # Without a graph, as one fresh tensor: z sigma(beta z) = silu(beta z) / beta.
         beta = self.beta
         return F.silu(z * beta, inplace=True).mul_(1 / (1.1 * beta))
+
+
+def lipswish_second(beta: Tensor, z: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    r"""Second-order LipSwish factors at ``z``, given :math:`s = \sigma(\beta z)`.
+
+    Args:
+        beta: The slope :math:`\beta` (0-dim).
+        z: Pre-activations, any shape.
+        s: :math:`\sigma(\beta z)`, the shape of ``z``.
+
+    Returns:
+        :math:`q = s (1 - s)(2 + t (1 - 2 s)) / 1.1` with :math:`t = \beta z` (so that
+        :math:`\phi'' = \beta q` and :math:`\partial\phi'/\partial\beta = z q`) and
+        :math:`d = s (1 - s) / 1.1` (so that :math:`\partial\phi/\partial\beta = z^2 d`), both
+        of the shape of ``z``.
+    """
+    d = torch.rsub(s, 1).mul_(s).mul_(LIPSWISH_SCALE)
+    return (beta * z).mul_(torch.rsub(s, 1, alpha=2)).add_(2).mul_(d), d

@@ -32,12 +32,22 @@ class Linearization(ABC):
 
     Attributes:
         params: The effective parameters, a tuple of tensors.
-        frame_jacobians: Whether its points form their Jacobian block by block
-            (:meth:`LinearizedPoint.frame_jacobian`).
+        frame_jacobians: Whether it forms its Jacobian block by block over frames
+            (:meth:`frame_jacobian`).
     """
 
     params: tuple[Tensor, ...]
     frame_jacobians = False
+
+    def frame_jacobian(self, x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        r"""The map at ``x`` ``(R, N, D)`` and its Jacobian block by block over frames,
+        ``(R, N, N, D, D)`` (block ``[r, t, s]``: :math:`\partial g_t / \partial x_s` of row
+        ``r``), where :attr:`frame_jacobians` says the linearization forms it.
+
+        Raises:
+            NotImplementedError: It does not.
+        """
+        raise NotImplementedError(f"{type(self).__name__} forms no frame Jacobian")
 
     @abstractmethod
     def at(self, x: Tensor, mask: Tensor | None = None) -> LinearizedPoint:
@@ -87,12 +97,6 @@ class LinearizedPoint(ABC):
         Returns:
             :math:`w^\top J`, shape ``(R, N, D)``.
         """
-
-    def frame_jacobian(self) -> Tensor | None:
-        r"""The Jacobian block by block over frames, ``(R, N, N, D, D)`` (block ``[r, t, s]``:
-        :math:`\partial g_t / \partial x_s` of row ``r``), where the point forms it directly;
-        ``None`` (the default) where it does not."""
-        return None
 
     @abstractmethod
     def surrogate_backward(

@@ -172,14 +172,14 @@ def conv_stack_jacobian(lin: TapStack, slopes: list[Tensor], keep: Tensor | None
     offsets = [[lin.dilations[l] * j - lin.forward_pads[l][2] for j in range(lin.taps[l])]
                for l in (0, 2)]
     hidden, taps = middle.shape[0], len(offsets[1])
-    last_taps = last.permute(1, 0, 2).reshape(hidden, -1)  # (H, D k): output e, tap i
+    last_taps = last.permute(0, 2, 1).reshape(-1, hidden)  # (D k, H): output e, tap i
     blocks = slopes[0].new_zeros(rows, n, n, features, features)
     for j, a in enumerate(offsets[0]):
         # at hidden frame u, column d: phi2'(u) * W2 (phi1'(u) * W1_a[:, d]), (R, N, D, H), then
         # times every tap of the last layer: single matrix products over all rows and frames
         column = (slopes[0].unsqueeze(2) * first[:, :, j].T).reshape(-1, hidden) @ middle[..., 0].T
         column = column.view(rows, n, features, hidden) * slopes[1].unsqueeze(2)
-        products = (column.view(-1, hidden) @ last_taps).view(rows, n, features, features, taps)
+        products = F.linear(column, last_taps).view(rows, n, features, features, taps)
         for i, b in enumerate(offsets[1]):
             lo, hi = max(0, b, -a), min(n, n + b, n - a)  # u with t = u - b and s = u + a inside
             if hi > lo:

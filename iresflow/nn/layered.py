@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from iresflow._validation import check_length
-from iresflow.nn.activations import LipSwish
+from iresflow.nn.activations import LIPSWISH_SCALE, LipSwish, lipswish_second
 from iresflow.nn.base import Linearization, LinearizedPoint
 from iresflow.nn.frames import conv_frames, conv_stack_jacobian, tap_sum, windows
 
@@ -34,20 +34,6 @@ __all__ = [
     "as_rows",
     "stack_parameters",
 ]
-
-
-_SCALE = 1 / 1.1  # the LipSwish normalisation
-
-
-def _lipswish_second(beta: Tensor, z: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
-    r"""Second-order LipSwish factors at ``z``, given :math:`s = \sigma(\beta z)`.
-
-    Returns :math:`q = s (1 - s)(2 + t (1 - 2 s)) / 1.1` (so that :math:`\phi'' = \beta q` and
-    :math:`\partial\phi'/\partial\beta = z q`) and :math:`d = s (1 - s) / 1.1` (so that
-    :math:`\partial\phi/\partial\beta = z^2 d`).
-    """
-    d = torch.rsub(s, 1).mul_(s).mul_(_SCALE)
-    return (beta * z).mul_(torch.rsub(s, 1, alpha=2)).add_(2).mul_(d), d
 
 
 def as_rows(t: Tensor) -> Tensor:
@@ -144,13 +130,16 @@ class LayerStackLinearization(Linearization):
         """The stack at ``x`` ``(R, N, D)`` with an optional padding mask ``(R, N)``."""
         return LayerStackPoint(self, x, mask)
 
-    def evaluate(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+    def evaluate(self, x: Tensor, mask: Tensor | None = None,
+                 slopes: list[Tensor] | None = None) -> Tensor:
         r"""The stack's value at ``x`` ``(R, N, D)`` (optional mask ``(R, N)``), equal to
         ``at(x, mask).output`` to rounding, with every LipSwish folded into the layers around
         it: :math:`\phi_l(a) = \mathrm{silu}(\beta_l a) / (1.1 \beta_l)`, so layer :math:`l`
         multiplies by :math:`\beta_l \tilde W_l / (1.1 \beta_{l-1})`, adds :math:`\beta_l b_l`
         (the last layer: :math:`\tilde W_l / (1.1 \beta_{l-1})` and :math:`b_l`) and applies
         one SiLU in place: two passes over every hidden layer fewer than the module's forward.
+        Appends the LipSwish slopes :math:`\phi_l'(a)` ``(R, N, H_l)`` (zero at padded frames)
+        to ``slopes`` if given.
         """
         if self._folded is None:
             self._folded = self._fold()
@@ -163,6 +152,11 @@ class LayerStackLinearization(Linearization):
             h = self.apply_folded(i, h, weight, bias)
             if i == 0 and shift is not None:
                 h = h + LayerStackPoint._shift_rows(shift, x.shape[0]).unsqueeze(1)
+            if i < last and slopes is not None:  # at the folded pre-activation t = beta a
+                sigmoid = torch.sigmoid(h)
+                slope = torch.addcmul(sigmoid, h * sigmoid, torch.rsub(sigmoid, 1))
+                slope = slope.mul_(LIPSWISH_SCALE)
+                slopes.append(slope if keep is None else slope * keep)
             h = h if i == last else F.silu(h, inplace=True)
         return h if keep is None else torch.where(keep, h, 0.0)
 
@@ -175,7 +169,7 @@ class LayerStackLinearization(Linearization):
         last = len(self.weights) - 1
         weights, biases = [], []
         for i, (weight, bias) in enumerate(zip(self.weights, self.biases, strict=True)):
-            into = 1.0 if i == 0 else _SCALE / self.betas[i - 1]
+            into = 1.0 if i == 0 else LIPSWISH_SCALE / self.betas[i - 1]
             out = 1.0 if i == last else self.betas[i]
             weights.append(weight * (into * out))
             biases.append(None if bias is None else bias * out)
@@ -244,7 +238,7 @@ class LayerStackPoint(LinearizedPoint):
                     # slope (s + t s (1 - s)) / 1.1 (docs/math.md#lipswish).
                     t = lin.betas[i] * a
                     sigmoid = torch.sigmoid(t)
-                    scaled = sigmoid * _SCALE
+                    scaled = sigmoid * LIPSWISH_SCALE
                     h = a * scaled
                     slope = torch.addcmul(scaled, t.mul_(scaled), torch.rsub(sigmoid, 1))
                     if keep is not None:
@@ -328,7 +322,7 @@ class LayerStackPoint(LinearizedPoint):
             rho = self.hidden_input(self.adjoint_layer(l + 1, kappa[0]))
             eta = self.hidden_input(self.adjoint_layer(l + 1, gamma[0]))
             z = self.pre[l]
-            q, d = _lipswish_second(betas[l], z, self.sigmoids[l])
+            q, d = lipswish_second(betas[l], z, self.sigmoids[l])
             extra = (rho * alpha[l]).mul_(q)
             kappa.insert(0, self.slopes[l] * rho)
             gamma.insert(0, torch.addcmul(self.slopes[l] * eta, extra, betas[l]))
@@ -410,10 +404,18 @@ class ConvStackLinearization(LayerStackLinearization):
         check_length(x.shape[1], self.max_len, "TemporalConvBranch")
         return ConvStackPoint(self, x, mask)
 
-    def evaluate(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+    def evaluate(self, x: Tensor, mask: Tensor | None = None,
+                 slopes: list[Tensor] | None = None) -> Tensor:
         """:meth:`LayerStackLinearization.evaluate`, for ``N <= max_len`` only."""
         check_length(x.shape[1], self.max_len, "TemporalConvBranch")
-        return super().evaluate(x, mask)
+        return super().evaluate(x, mask, slopes)
+
+    def frame_jacobian(self, x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """:meth:`evaluate` at ``x`` with its LipSwish slopes, and from them
+        :func:`~iresflow.nn.frames.conv_stack_jacobian`."""
+        slopes: list[Tensor] = []
+        value = self.evaluate(x, mask, slopes)
+        return value, conv_stack_jacobian(self, slopes, None if mask is None else mask[..., None])
 
     def apply_folded(self, l: int, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """Layer ``l``'s convolution with folded parameters (:meth:`evaluate`)."""
@@ -444,7 +446,3 @@ class ConvStackPoint(LayerStackPoint):
         stacked = windows(torch.cat([h, t]), weight.shape[-1], self.lin.forward_pads[l],
                           self.lin.dilations[l])
         return (as_rows(torch.cat([g, k])).T @ as_rows(stacked)).view(weight.shape)
-
-    def frame_jacobian(self) -> Tensor:
-        """:func:`~iresflow.nn.frames.conv_stack_jacobian` at this point."""
-        return conv_stack_jacobian(self.lin, self.slopes, self.keep)

@@ -358,11 +358,11 @@ def _chord_jacobian(branch: LipschitzBranch, features: int, pinned: bool
             x, free = torch.where(held, truth, x), ~held[..., 0]
         else:
             rest = list(args)
-        point = linearization.at(x, rest[0] if rest else None)
-        blocks = point.frame_jacobian()[..., 0, 0]  # (b, N, N), lower triangular
+        value, blocks = linearization.frame_jacobian(x, rest[0] if rest else None)
+        blocks = blocks[..., 0, 0]  # (b, N, N), lower triangular
         if free is not None:
             blocks = blocks * free[:, None, :]
-        return point.output, blocks + torch.eye(x.shape[1], dtype=x.dtype, device=x.device)
+        return value, blocks + torch.eye(x.shape[1], dtype=x.dtype, device=x.device)
 
     return jacobian
 
