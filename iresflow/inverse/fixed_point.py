@@ -59,6 +59,10 @@ _UNIT_TOLERANCE = {
 # Anderson mixing starts for a sample once plain steps are predicted to need more evaluations
 # than this (below it, the per-step cost of mixing outweighs the saved evaluations).
 _PLAIN_BUDGET = 12
+
+# With a Jacobian, the evaluation whose iterate gives the chord steps their matrix: the first
+# after the start (one plain step closer to the solution than the start; later matrices, or
+# fresh ones every few steps, cost more than the steps they save on a GunPoint forecast).
 _CHORD_AT = 2
 
 # The rounding floor. With the default tolerance, a sample whose residual has not fallen below
