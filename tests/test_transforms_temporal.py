@@ -187,6 +187,23 @@ def test_ar_inverse_without_padding_equals_the_masked_one(device, order, conditi
                                 else None)[0], (small,))
 
 
+@pytest.mark.parametrize("first", [1, 5])
+def test_ar_pinned_inverse_after_a_known_prefix_equals_the_frame_by_frame_one(device, first):
+    """A forecast's pinned inverse: the known frames are a prefix of sequences without padding,
+    so without a graph the new frames from ``p`` on are recovered by the full model alone; it
+    equals the frame-by-frame recovery that a graph takes, and keeps the known frames."""
+    layer = _random_ar(3, 3, device)
+    x = torch.randn(4, 9, 3, dtype=F64, device=device)
+    z, _ = layer(x)
+    known = (torch.arange(9, device=device) < first).expand(4, -1)
+    state, real = torch.where(known[..., None], x, 0.0), torch.ones_like(known)
+    with torch.no_grad():
+        steady = layer.inverse_pinned(z, state, known, None, real)
+    general = layer.inverse_pinned(z, state, known, None, real)  # with a graph: frame by frame
+    torch.testing.assert_close(steady, general, atol=1e-12, rtol=0)
+    torch.testing.assert_close(steady, x, atol=1e-12, rtol=1e-12)
+
+
 def _conditional_ar(device, order: int = 2) -> AutoregressiveLinear:
     torch.manual_seed(5)
     layer = AutoregressiveLinear(3, order, context_features=2, context_hidden=8)

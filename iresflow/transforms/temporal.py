@@ -269,9 +269,11 @@ class AutoregressiveLinear(DataInitializedTransform):
         state)`` a known frame takes its state instead. Returns ``(B, N - first, D)``."""
         lags, bias, whitening, _ = models
         w = _select(_unwhiten(whitening, z[:, first:]), lengths[:, first:])
-        # Without padding, pinned frames or a graph to record, every frame from p on is predicted
-        # by the full model from its p predecessors: _recover_steady, one product per frame.
-        general = mask is not None or pinned is not None or torch.is_grad_enabled()
+        # Without padding, pinned frames from `first` on or a graph to record, every frame from p
+        # on is predicted by the full model from its p predecessors: _recover_steady, one
+        # product per frame (a forecast's known frames all come before its first new one).
+        general = (not (mask is None or bool(mask.all())) or torch.is_grad_enabled()
+                   or (pinned is not None and bool(pinned[0][:, first:].any())))
         steady = z.shape[1] if general else max(first, self.order)
         frames = []
         for t in range(first, min(steady, z.shape[1])):
