@@ -111,6 +111,14 @@ def test_chord_steps_state():
     assert torch.equal(nxt, 2 * image[:2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_matrices_are_solved_in_float32(dtype):
+    steps = ChordSteps(2 * torch.eye(3, dtype=dtype).expand(2, 3, 3))
+    nxt = steps.step(torch.zeros(2, 3, dtype=dtype), torch.ones(2, 3, dtype=dtype),
+                     torch.ones(2, dtype=dtype))
+    assert nxt.dtype == dtype and torch.equal(nxt, torch.full((2, 3), 0.5, dtype=dtype))
+
+
 def test_jacobian_arguments_are_checked(device):
     g, jacobian = causal_map(device)
     y = torch.randn(2, 30, 1, device=device, dtype=F64)

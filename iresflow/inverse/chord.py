@@ -42,7 +42,8 @@ class ChordSteps:
     """
 
     def __init__(self, matrix: Tensor) -> None:
-        self.matrix = matrix
+        # half precision has no triangular solve: its matrices are solved in float32
+        self.matrix = matrix.to(torch.promote_types(matrix.dtype, torch.float32))
         #: Rows still taking chord steps; all of them count as mixing for the solver.
         self.engaged = torch.ones(matrix.shape[0], dtype=torch.bool, device=matrix.device)
         self.chord = self.engaged.clone()
@@ -71,5 +72,5 @@ class ChordSteps:
         self.chord = self.chord & (step < self.previous_step)
         self.previous_step = step
         correction = torch.linalg.solve_triangular(
-            self.matrix, (x - image).unsqueeze(-1), upper=False).squeeze(-1)
-        return torch.where(self.chord[:, None], x - correction, image)
+            self.matrix, (x - image).to(self.matrix.dtype).unsqueeze(-1), upper=False)
+        return torch.where(self.chord[:, None], x - correction.squeeze(-1).to(x.dtype), image)
