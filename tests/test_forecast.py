@@ -319,8 +319,8 @@ def test_residual_steps_solve_the_new_frames_on_their_window_as_the_whole_invers
         hook = step.branch.register_forward_hook(
             lambda module, args, out, seen=lengths: seen.append(args[0].shape[1]))
 
-        def recording(solve=step.branch.solve_map, seen=lengths):
-            inner = solve()
+        def recording(linearization=None, solve=step.branch.solve_map, seen=lengths):
+            inner = solve(linearization)
             return lambda x, *rest, **kw: seen.append(x.shape[1]) or inner(x, *rest, **kw)
 
         monkeypatch.setattr(step.branch, "solve_map", recording)

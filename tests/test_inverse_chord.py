@@ -145,22 +145,27 @@ def test_a_causal_convolution_step_on_one_feature_inverts_with_chord_steps(devic
 
 
 def test_other_branches_take_no_chord_steps(device):
-    """Not causal, position-wise, or several features: no Jacobian is formed (a causal
-    convolution on one feature linearizes twice: for its solve map and its Jacobian)."""
-    for branch, expected in ((conv_branch(device), 2), (conv_branch(device, causal=False), 1),
-                             (conv_branch(device, features=2), 1),
-                             (LipschitzMLP((1, 8, 1), coeff=0.9).to(device=device, dtype=F64),
-                              1)):
+    """Not causal, position-wise, or several features: no Jacobian is formed; a causal
+    convolution on one feature forms one, from the linearization its solve map evaluates (the
+    branch linearizes once per solve)."""
+    for branch, jacobians in ((conv_branch(device), 1), (conv_branch(device, causal=False), 0),
+                              (conv_branch(device, features=2), 0),
+                              (LipschitzMLP((1, 8, 1), coeff=0.9).to(device=device, dtype=F64),
+                               0)):
         block = ResidualTransform(branch, logdet="exact", inverse_solver="anderson").eval()
         y = torch.randn(3, 12, branch.features, device=device, dtype=F64)
-        calls: list[int] = []
-        original = type(branch).linearize
+        calls: dict[str, int] = {"linearize": 0, "frame_jacobian": 0}
 
-        def counting(self, *args, original=original, calls=calls, **kwargs):
-            calls.append(1)
-            return original(self, *args, **kwargs)
+        def counting(name, original, calls=calls):
+            def call(self, *args, **kwargs):
+                calls[name] += 1
+                return original(self, *args, **kwargs)
+            return call
 
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(type(branch), "linearize", counting)
+            patch.setattr(type(branch), "linearize",
+                          counting("linearize", type(branch).linearize))
+            patch.setattr(ConvStackLinearization, "frame_jacobian",
+                          counting("frame_jacobian", ConvStackLinearization.frame_jacobian))
             block.inverse(y)
-        assert len(calls) == expected
+        assert calls == {"linearize": 1, "frame_jacobian": jacobians}

@@ -225,13 +225,15 @@ class LipschitzBranch(nn.Module, ABC):
                 f"{tuple(shift.shape)}"
             )
 
-    def solve_map(self) -> Callable[..., Tensor]:
+    def solve_map(self, linearization: Linearization | None = None) -> Callable[..., Tensor]:
         """The map ``g(x, mask)`` a fixed-point solve evaluates (no graph, sub-batches of rows):
         the branch, or with ``solves_linearized`` its :meth:`linearize`'s
         :meth:`Linearization.evaluate`, equal to rounding and cheaper: the effective parameters
         are computed once per solve and the iterates, which the solver checks, are not checked
-        again at every evaluation."""
-        linearization = self.linearize() if self.solves_linearized else None
+        again at every evaluation. A ``linearization`` the solve already formed (for its
+        Jacobian) is evaluated instead of a new one."""
+        if linearization is None and self.solves_linearized:
+            linearization = self.linearize()
         return self if linearization is None else linearization.evaluate
 
     def linearize(self, shift: Tensor | None = None) -> Linearization | None:

@@ -15,7 +15,7 @@ from iresflow.inverse.scalar import TABLE_POINTS, scalar_start
 from iresflow.logdet.base import LogDetEstimator
 from iresflow.logdet.exact import frame_logdets
 from iresflow.logdet.factory import make_logdet
-from iresflow.nn.base import LipschitzBranch
+from iresflow.nn.base import Linearization, LipschitzBranch
 from iresflow.nn.conditional import check_context
 from iresflow.transforms.base import FRAMES, LogDetRequest, SequenceTransform
 
@@ -221,9 +221,10 @@ class ResidualTransform(SequenceTransform):
             right = y if real is None else torch.where(real, y, 0.0)
             start = jacobian = None
             if context is None:
-                branch = self.branch.solve_map()
+                chord = _chord_linearization(self.branch, y.shape[-1])
+                branch = self.branch.solve_map(chord)
                 start = _scalar_start(self.branch, branch, right, mask)
-                jacobian = _chord_jacobian(self.branch, y.shape[-1], pinned=False)
+                jacobian = None if chord is None else _chord_jacobian(chord, pinned=False)
             else:  # the context rows follow the solver's active rows (or frames)
                 args = (*args, _solver_context(self.branch, context, y.shape[1]))
                 branch = _with_context(self.branch, mask is not None)
@@ -288,7 +289,8 @@ class ResidualTransform(SequenceTransform):
         args = (held, truth, *(() if whole else (inside[..., 0],)),
                 *(() if context is None else (_solver_context(branch, context, width),)))
 
-        solve = branch.solve_map() if context is None else _with_context(branch, True)
+        chord = None if context is not None else _chord_linearization(branch, inputs.shape[-1])
+        solve = branch.solve_map(chord) if context is None else _with_context(branch, True)
 
         def pinned(x: Tensor, held: Tensor, truth: Tensor, *rest: Tensor) -> Tensor:
             x, rows = torch.where(held, truth, x), None if whole else rest[0]
@@ -299,7 +301,7 @@ class ResidualTransform(SequenceTransform):
             start = jacobian = None
             if context is None:
                 start = _scalar_start(branch, solve, right, inside[..., 0] & ~held[..., 0])
-                jacobian = _chord_jacobian(branch, inputs.shape[-1], pinned=True)
+                jacobian = None if chord is None else _chord_jacobian(chord, pinned=True)
             x, self.last_inverse_stats = fixed_point_inverse(
                 pinned, right, args=args, tol=self.inverse_tol, max_iter=self.inverse_max_iter,
                 solver=self.inverse_solver, on_failure=self.on_failure,
@@ -338,18 +340,22 @@ def _scalar_start(branch: LipschitzBranch, g: Callable[[Tensor], Tensor], y: Ten
     return out
 
 
-def _chord_jacobian(branch: LipschitzBranch, features: int, pinned: bool
-                    ) -> Callable[..., tuple[Tensor, Tensor]] | None:
-    """The solver's ``jacobian`` (chord steps, :class:`~iresflow.inverse.chord.ChordSteps`) for
-    a causal, position-mixing ``branch`` on one feature whose linearization forms its Jacobian
-    by frames (the temporal convolutions), ``None`` for any other. Its arguments are the
-    solve's: the mask if there is one, or pinned, ``(held, truth)`` and the window's mask if
-    there is one; the pinned frames' columns of :math:`I + J_g` are those of the identity."""
+def _chord_linearization(branch: LipschitzBranch, features: int) -> Linearization | None:
+    """The linearization of a causal, position-mixing ``branch`` on one feature that forms its
+    Jacobian by frames (the temporal convolutions), for the solve's map and its chord steps;
+    ``None`` for any other branch."""
     if branch.position_wise or not branch.causal or features != 1:
         return None
     linearization = branch.linearize()
-    if linearization is None or not linearization.frame_jacobians:
-        return None
+    return linearization if linearization is not None and linearization.frame_jacobians else None
+
+
+def _chord_jacobian(linearization: Linearization, pinned: bool
+                    ) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The solver's ``jacobian`` (chord steps, :class:`~iresflow.inverse.chord.ChordSteps`) from
+    ``linearization`` (:func:`_chord_linearization`). Its arguments are the solve's: the mask if
+    there is one, or pinned, ``(held, truth)`` and the window's mask if there is one; the pinned
+    frames' columns of :math:`I + J_g` are those of the identity."""
 
     def jacobian(x: Tensor, *args: Tensor) -> tuple[Tensor, Tensor]:
         free = None
