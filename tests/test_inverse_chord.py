@@ -119,6 +119,15 @@ def test_half_precision_matrices_are_solved_in_float32(dtype):
     assert nxt.dtype == dtype and torch.equal(nxt, torch.full((2, 3), 0.5, dtype=dtype))
 
 
+def test_chord_steps_reject_bad_matrices():
+    with pytest.raises(ValueError, match=r"matrix must have shape \(b, n, n\)"):
+        ChordSteps(torch.eye(3, dtype=F64))
+    with pytest.raises(ValueError, match=r"matrix must have shape \(b, n, n\)"):
+        ChordSteps(torch.ones(2, 3, 4, dtype=F64))
+    with pytest.raises(TypeError, match="matrix must be a floating-point tensor"):
+        ChordSteps(torch.ones(2, 3, 3, dtype=torch.int64))
+
+
 def test_jacobian_arguments_are_checked(device):
     g, jacobian = causal_map(device)
     y = torch.randn(2, 30, 1, device=device, dtype=F64)

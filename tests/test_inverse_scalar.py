@@ -82,6 +82,16 @@ def test_bad_arguments_raise(device):
         scalar_start(wavy, torch.zeros(3, 2, device=device, dtype=F64))
     with pytest.raises(ValueError, match="points must be at least 4"):
         scalar_start(wavy, torch.zeros(3, device=device, dtype=F64), points=3)
+    with pytest.raises(ValueError, match="values must have shape"):
+        scalar_start(wavy, torch.zeros(0, device=device, dtype=F64))
+    with pytest.raises(ValueError, match="values contains NaN or Inf"):
+        scalar_start(wavy, torch.tensor([0.0, float("nan")], device=device, dtype=F64))
+    with pytest.raises(TypeError, match="values must be a floating-point tensor"):
+        scalar_start(wavy, torch.arange(3, device=device))
+    with pytest.raises(TypeError, match="values must be a floating-point tensor"):
+        scalar_start(wavy, [0.0, 1.0])
+    with pytest.raises(TypeError, match="points must be an int"):
+        scalar_start(wavy, torch.zeros(3, device=device, dtype=F64), points=8.0)
 
 
 def many_frames(device, batch: int = 6, length: int = 200):

@@ -32,6 +32,10 @@ class ChordSteps:
     Args:
         matrix: :math:`M = I + J_g(x^1)` per row, ``(b, n, n)``, lower triangular.
 
+    Raises:
+        TypeError: ``matrix`` is not a floating-point tensor.
+        ValueError: ``matrix`` is not ``(b, n, n)``.
+
     Example:
         >>> m = torch.tensor([[[1.0, 0.0], [0.5, 1.0]]], dtype=torch.float64)
         >>> steps = ChordSteps(m)  # g(x) = (0, x_0 / 2): x + g(x) = y is linear
@@ -42,6 +46,11 @@ class ChordSteps:
     """
 
     def __init__(self, matrix: Tensor) -> None:
+        if not isinstance(matrix, Tensor) or not matrix.is_floating_point():
+            raise TypeError(f"matrix must be a floating-point tensor, got "
+                            f"{type(matrix).__name__}")
+        if matrix.dim() != 3 or matrix.shape[1] != matrix.shape[2]:
+            raise ValueError(f"matrix must have shape (b, n, n), got {tuple(matrix.shape)}")
         # half precision has no triangular solve: its matrices are solved in float32
         self.matrix = matrix.to(torch.promote_types(matrix.dtype, torch.float32))
         #: Rows still taking chord steps; all of them count as mixing for the solver.

@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from iresflow._validation import check_finite
+
 __all__ = ["TABLE_POINTS", "scalar_start"]
 
 # Rounds of moving the ends of the bracket outwards, each twice as far: from a quarter of |g|
@@ -52,14 +54,25 @@ def scalar_start(g: Callable[[Tensor], Tensor], values: Tensor, points: int = TA
     Returns:
         Starting points, shape ``(n,)``, dtype and device of ``values``, without a graph.
 
+    Raises:
+        TypeError: ``values`` is not a floating-point tensor or ``points`` not an int.
+        ValueError: ``values`` is not ``(n,)`` with ``n >= 1`` or holds NaN/Inf, or
+            ``points < 4``.
+
     Example:
         >>> v = torch.linspace(-3.0, 3.0, 50, dtype=torch.float64)
         >>> x = scalar_start(lambda x: 0.5 * torch.sin(x), v, points=64)
         >>> bool((x + 0.5 * torch.sin(x) - v).abs().max() < 1e-4)
         True
     """
-    if values.dim() != 1:
-        raise ValueError(f"values must have shape (n,), got {tuple(values.shape)}")
+    if not isinstance(values, Tensor) or not values.is_floating_point():
+        raise TypeError(f"values must be a floating-point tensor, got {type(values).__name__}"
+                        + (f" of dtype {values.dtype}" if isinstance(values, Tensor) else ""))
+    if values.dim() != 1 or values.numel() == 0:
+        raise ValueError(f"values must have shape (n,) with n >= 1, got {tuple(values.shape)}")
+    check_finite(values, "values")
+    if isinstance(points, bool) or not isinstance(points, int):
+        raise TypeError(f"points must be an int, got {type(points).__name__}")
     if points < 4:
         raise ValueError(f"points must be at least 4, got {points}")
     bracket = _bracket(g, torch.stack([values.min(), values.max()]))
