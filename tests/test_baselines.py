@@ -22,7 +22,7 @@ from benchmarks.baselines.cnf import (
 )
 from benchmarks.baselines.gaussian import FrameGaussian, SequenceGaussian, fit_gaussian
 from benchmarks.baselines.nflows_models import frame_maf, sequence_maf, sequence_realnvp
-from benchmarks.baselines.recurrent import ENCODERS, RecurrentFlow, left_align
+from benchmarks.baselines.recurrent import ENCODERS, RecurrentFlow
 from benchmarks.figures import mean_curve
 from benchmarks.results_report import entries, provenance_text, summarize, target_check
 from benchmarks.results_specs import FULL, mode_budget
@@ -121,13 +121,11 @@ B1 = torch.tensor([0.3, -1.0], dtype=torch.float64)
 C1 = torch.tensor([[0.5, 0.0], [0.2, 0.3]], dtype=torch.float64)
 
 
-def test_lagged_and_left_align() -> None:
+def test_lagged() -> None:
     x = torch.arange(1.0, 5.0).reshape(1, 4, 1)
     assert history_lags(x, None, 2)[0][0].tolist() == [[0, 0], [1, 0], [2, 1], [3, 2]]
     assert history_lags(x, None, 6)[0].shape == (1, 4, 6)
     assert history_lags(x, None, 0)[0].shape == (1, 4, 0)
-    aligned, mask = left_align(x, torch.tensor([[True, False, True, True]]))
-    assert aligned.flatten().tolist() == [1, 3, 4, 0] and mask.tolist() == [[1, 1, 1, 0]]
 
 
 def test_ar_joint_equals_the_implied_full_covariance_gaussian() -> None:

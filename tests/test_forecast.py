@@ -54,6 +54,8 @@ RECIPES = {
     "every kind": {"layers": ("conv", "autoregressive", "mix", "mlp"), "position_norm": "on",
                    "volatility": 2},
     "conditional": {"num_classes": 2, "layers": ("conv", "autoregressive", "mlp")},
+    "recurrent": {"num_classes": 2, "layers": ("autoregressive", "conv", "mlp"),
+                  "conditioner": "gru"},
     "dilated": {"dilation": 2},
 }
 BASES = ("sequence-t", "normal", "student-t", "multivariate-t")
@@ -360,11 +362,11 @@ def test_the_autoregressive_step_recovers_new_frames_from_the_first_one_on(recip
                        pinned[:, first:])
 
 
-@pytest.mark.parametrize("recipe", ["every kind", "conditional"])
+@pytest.mark.parametrize("recipe", ["every kind", "conditional", "recurrent"])
 def test_the_autoregressive_affine_step_solves_the_new_frames_only(recipe):
-    """The Transformer-conditioned step's pinned inverse equals inverting it whole and putting
-    the known frames back; the known frames are settled from the start, so with its window of
-    one frame it sweeps once per new frame of the batch's longest history."""
+    """The Transformer- or GRU-conditioned step's pinned inverse equals inverting it whole and
+    putting the known frames back; the known frames are settled from the start, so with its
+    window of one frame it sweeps once per new frame of the batch's longest history."""
     model = _model(torch.device("cpu"), torch.float64, **RECIPES[recipe])
     x, mask, known, c = _pinned_case(model, FEATURES)
     for step in [t for t in model.transform.steps if isinstance(t, AutoregressiveAffine)]:

@@ -12,12 +12,14 @@ import torch
 from iresflow.models.config import ConfigError, ModelConfig, default_heads
 from iresflow.models.distributions import StandardNormalSequence, StudentTSequence
 from iresflow.models.residual_flow import ResidualSequenceFlow
+from iresflow.nn.causal import CausalTransformer
 from iresflow.nn.mlp import LipschitzMLP
 from iresflow.nn.positional import (
     LearnedPositionalEncoding,
     PositionalBranch,
     SinusoidalPositionalEncoding,
 )
+from iresflow.nn.recurrent import CausalGRU
 from iresflow.transforms.actnorm import ActNorm
 from tests.oracles import MixingBranch, jacobian, jacobian_logdet
 
@@ -328,7 +330,7 @@ def test_config_and_defaults(device, dtype):
         "layers": ("attention", "mlp"), "kernel_size": 3, "dilation": 1, "causal": False,
         "base": "normal",
         "context_features": 0, "num_classes": 0, "relative_window": None,
-        "position_norm": "auto",
+        "position_norm": "auto", "conditioner": "transformer",
     }
     assert type(model.base) is StandardNormalSequence
     heavy = ResidualSequenceFlow(model.config, base="multivariate-t").base
@@ -452,17 +454,21 @@ def test_positional_branch_rejects_non_branches():
         PositionalBranch(LipschitzMLP((2, 2)), lambda x: x)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("conditioner", ["transformer", "gru"])
 @pytest.mark.parametrize("conditional", [False, True])
-def test_autoregressive_layers_mix_with_residual_steps(device, dtype, conditional):
+def test_autoregressive_layers_mix_with_residual_steps(device, dtype, conditional, conditioner):
     # The autoregressive step kind in a block recipe: exact log-density against the dense
     # Jacobian of the whole flow, an exact inverse by Jacobi sweeps, gradients everywhere.
     model = ResidualSequenceFlow(
         features=2, hidden=8, max_len=5, n_blocks=2, ar_order=1, base="normal",
         layers=("autoregressive", "conv"), num_classes=2 if conditional else 0,
+        conditioner=conditioner,
     ).to(device=device, dtype=dtype)
     steps = dict(model.transform.named_steps())
     assert {"block0.autoregressive", "block1.autoregressive"} <= set(steps)
     assert "block0.autoregressive.actnorm" not in steps  # a step kind, not a residual one
+    kind = CausalGRU if conditioner == "gru" else CausalTransformer
+    assert isinstance(steps["block0.autoregressive"].conditioner, kind)
     x = torch.randn(3, 5, 2, device=device, dtype=dtype) * 1.5 + 0.2
     mask = torch.tensor([[True] * 5, [True, True, False, True, True], [True] * 2 + [False] * 3],
                         device=device)

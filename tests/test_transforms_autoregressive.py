@@ -1,5 +1,5 @@
-"""The autoregressive affine step with a causal Transformer conditioner and its inverse by sweeps
-that settle the frames in order (docs/math.md#autoregressive-step)."""
+"""The autoregressive affine step with a causal Transformer or GRU conditioner and its inverse by
+sweeps that settle the frames in order (docs/math.md#autoregressive-step)."""
 
 from __future__ import annotations
 
@@ -35,14 +35,21 @@ def make_step(device, *, std: float = 0.3, seed: int = 0, **kwargs) -> Autoregre
     return step
 
 
+@pytest.fixture(params=["transformer", "gru"])
+def conditioner(request) -> str:
+    """Each conditioner kind in turn."""
+    return request.param
+
+
 def step_map(step: SequenceTransform, context: torch.Tensor | None = None):
     """``step`` as ``f(x, mask)`` for the oracles (one sample at a time: ``context`` is a row)."""
     return lambda x, mask: step(x, context, mask=mask)[0]
 
 
 @pytest.mark.parametrize("context_features", [0, C])
-def test_starts_as_the_identity(device, context_features):
-    step = AutoregressiveAffine(D, width=8, heads=2, context_features=context_features)
+def test_starts_as_the_identity(device, conditioner, context_features):
+    step = AutoregressiveAffine(D, width=8, heads=2, context_features=context_features,
+                                conditioner=conditioner)
     step = step.to(device=device, dtype=F64)
     x, mask = padded_batch(device)
     context = torch.randn(3, C, dtype=F64, device=device) if context_features else None
@@ -55,17 +62,19 @@ def test_starts_as_the_identity(device, context_features):
 
 
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("positional", ["sinusoidal", "learned"])
-def test_logdet_matches_the_jacobian_oracle(device, masked, positional):
-    step = make_step(device, positional=positional, max_len=6)
+@pytest.mark.parametrize("options", [{"positional": "sinusoidal"}, {"positional": "learned"},
+                                     {"conditioner": "gru", "depth": 1},
+                                     {"conditioner": "gru", "positional": "learned"}])
+def test_logdet_matches_the_jacobian_oracle(device, masked, options):
+    step = make_step(device, max_len=6, **options)
     x, mask = padded_batch(device)  # end padding and a gap
     mask = mask if masked else None
     _, logabsdet = step(x, mask=mask)
     torch.testing.assert_close(logabsdet, jacobian_logdet(step_map(step), x, mask))
 
 
-def test_conditional_logdet_matches_the_jacobian_oracle(device):
-    step = make_step(device, context_features=C)
+def test_conditional_logdet_matches_the_jacobian_oracle(device, conditioner):
+    step = make_step(device, conditioner=conditioner, context_features=C)
     x, mask = padded_batch(device)
     context = torch.randn(3, C, dtype=F64, device=device)
     y, logabsdet = step(x, context, mask=mask)
@@ -83,8 +92,8 @@ def test_conditional_logdet_matches_the_jacobian_oracle(device):
     assert torch.equal(logabsdet_other[[0, 2]], logabsdet[[0, 2]])
 
 
-def test_jacobian_is_block_lower_triangular_with_the_scales_on_the_diagonal(device):
-    step = make_step(device)
+def test_jacobian_is_block_lower_triangular_with_the_scales_on_the_diagonal(device, conditioner):
+    step = make_step(device, conditioner=conditioner)
     x = torch.randn(2, 5, D, dtype=F64, device=device)
     jac = jacobian(step_map(step), x).view(2, 5, D, 5, D)
     _, log_scale = step.shift_and_log_scale(x)
@@ -95,8 +104,8 @@ def test_jacobian_is_block_lower_triangular_with_the_scales_on_the_diagonal(devi
     assert jac[:, 1:, :, 0, :].abs().amax() > 1e-3  # the past does matter
 
 
-def test_a_frame_changes_nothing_before_it(device):
-    step = make_step(device, context_features=C)
+def test_a_frame_changes_nothing_before_it(device, conditioner):
+    step = make_step(device, conditioner=conditioner, context_features=C)
     x = torch.randn(2, 6, D, dtype=F64, device=device)
     context = torch.randn(2, C, dtype=F64, device=device)
     y, _ = step(x, context)
@@ -113,8 +122,8 @@ def test_a_frame_changes_nothing_before_it(device):
             assert not torch.allclose(shift_moved[:, t + 1], shift[:, t + 1])
 
 
-def test_padded_frames_pass_through_and_influence_nothing(device):
-    step = make_step(device)
+def test_padded_frames_pass_through_and_influence_nothing(device, conditioner):
+    step = make_step(device, conditioner=conditioner)
     x, mask = padded_batch(device)
     y, logabsdet = step(x, mask=mask)
     assert torch.equal(y[~mask], x[~mask])
@@ -132,8 +141,8 @@ def test_padded_frames_pass_through_and_influence_nothing(device):
     torch.testing.assert_close(logabsdet_short, logabsdet[1:2], rtol=1e-14, atol=1e-14)
 
 
-def test_a_missing_frame_is_absent_and_the_frames_before_it_are_seen(device):
-    step = make_step(device)
+def test_a_missing_frame_is_absent_and_the_frames_before_it_are_seen(device, conditioner):
+    step = make_step(device, conditioner=conditioner)
     x, mask = padded_batch(device)  # sequence 2: frames 0, 2, 3 real, frame 1 missing
     shift, _ = step.shift_and_log_scale(x, mask=mask)
     # Not a frame of zeros: the missing frame is no key of the attention at all.
@@ -153,8 +162,9 @@ def test_a_missing_frame_is_absent_and_the_frames_before_it_are_seen(device):
 @pytest.mark.parametrize("window", [1, 3, None])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("context_features", [0, C])
-def test_inverse_round_trip_within_n_sweeps(device, masked, context_features, window):
-    step = make_step(device, context_features=context_features, inverse_window=window)
+def test_inverse_round_trip_within_n_sweeps(device, conditioner, masked, context_features, window):
+    step = make_step(device, conditioner=conditioner, context_features=context_features,
+                     inverse_window=window)
     x, mask = padded_batch(device)
     mask = mask if masked else None
     context = torch.randn(3, C, dtype=F64, device=device) if context_features else None
@@ -172,11 +182,11 @@ def test_inverse_round_trip_within_n_sweeps(device, masked, context_features, wi
         assert torch.equal(step.inverse(noisy, context, mask=mask)[0][mask], x_back[mask])
 
 
-def test_jacobi_sweeps_are_exact_for_a_conditioner_that_does_not_contract(device):
+def test_jacobi_sweeps_are_exact_for_a_conditioner_that_does_not_contract(device, conditioner):
     # Strongly coupled frames: the Jacobi error does not shrink from sweep to sweep, it is only
     # pushed one frame further each time, so the solve needs all N sweeps and the check.
     length = 8
-    step = make_step(device, std=1.0, seed=1)
+    step = make_step(device, conditioner=conditioner, std=1.0, seed=1)
     x = torch.randn(4, length, D, dtype=F64, device=device)
     y, _ = step(x)
     x_back, _ = step.inverse(y)
@@ -184,19 +194,20 @@ def test_jacobi_sweeps_are_exact_for_a_conditioner_that_does_not_contract(device
     assert step.last_inverse_stats.iterations.tolist() == [length] * 4
 
 
-def test_inverse_failure_raises_or_warns(device):
-    step = make_step(device, std=1.0, seed=1, inverse_max_iter=2)
+def test_inverse_failure_raises_or_warns(device, conditioner):
+    step = make_step(device, conditioner=conditioner, std=1.0, seed=1, inverse_max_iter=2)
     y = torch.randn(3, 6, D, dtype=F64, device=device)
     with pytest.raises(InversionError):
         step.inverse(y)
-    step = make_step(device, std=1.0, seed=1, inverse_max_iter=2, on_failure="warn")
+    step = make_step(device, conditioner=conditioner, std=1.0, seed=1, inverse_max_iter=2,
+                     on_failure="warn")
     with pytest.warns(InversionWarning):
         step.inverse(y)
     assert not bool(step.last_inverse_stats.converged.any())
 
 
-def test_vectors_are_one_frame_sequences(device):
-    step = make_step(device, context_features=C)
+def test_vectors_are_one_frame_sequences(device, conditioner):
+    step = make_step(device, conditioner=conditioner, context_features=C)
     x = torch.randn(4, D, dtype=F64, device=device)
     context = torch.randn(4, C, dtype=F64, device=device)
     y, logabsdet = step(x, context)
@@ -216,9 +227,10 @@ def test_log_scales_are_bounded(device):
     assert log_scale.abs().max() <= 0.5 and log_scale.abs().max() > 0.49
 
 
-def test_logdet_gradient_passes_gradcheck(device):
+def test_logdet_gradient_passes_gradcheck(device, conditioner):
     torch.manual_seed(0)
-    step = AutoregressiveAffine(2, width=4, depth=1, heads=2, context_features=1)
+    step = AutoregressiveAffine(2, width=4, depth=1, heads=2, context_features=1,
+                                conditioner=conditioner)
     step = step.to(device=device, dtype=F64)
     with torch.no_grad():
         for p in step.parameters():
@@ -237,7 +249,8 @@ def test_logdet_gradient_passes_gradcheck(device):
 
 
 @pytest.mark.parametrize("options", [{}, {"positional": "learned", "max_len": 5,
-                                          "context_features": C}])
+                                          "context_features": C},
+                                     {"conditioner": "gru", "context_features": C}])
 def test_gradients_reach_every_parameter(device, options):
     step = make_step(device, **options)
     x, mask = padded_batch(device)
@@ -248,11 +261,13 @@ def test_gradients_reach_every_parameter(device, options):
         assert p.grad is not None and p.grad.abs().max() > 0, name
 
 
-def test_state_dict_round_trip(device):
-    step = make_step(device, positional="learned", max_len=4)
+@pytest.mark.parametrize("options", [{"positional": "learned", "max_len": 4},
+                                     {"conditioner": "gru"}])
+def test_state_dict_round_trip(device, options):
+    step = make_step(device, **options)
     buffer = io.BytesIO()
     torch.save(step.state_dict(), buffer)
-    other = make_step(device, seed=1, positional="learned", max_len=4)
+    other = make_step(device, seed=1, **options)
     buffer.seek(0)
     other.load_state_dict(torch.load(buffer))
     x = torch.randn(2, 4, D, dtype=F64, device=device)
@@ -260,8 +275,8 @@ def test_state_dict_round_trip(device):
         assert torch.equal(a, b)
 
 
-def test_train_and_eval_modes_agree_and_nothing_is_initialised_from_data(device):
-    step = make_step(device)
+def test_train_and_eval_modes_agree_and_nothing_is_initialised_from_data(device, conditioner):
+    step = make_step(device, conditioner=conditioner)
     x, mask = padded_batch(device)
     assert step.is_initialized
     before = {name: p.clone() for name, p in step.state_dict().items()}
@@ -273,10 +288,11 @@ def test_train_and_eval_modes_agree_and_nothing_is_initialised_from_data(device)
         assert torch.equal(value, before[name]), name
 
 
-def test_nflows_composite_inverse_transform_and_flow(device):
+def test_nflows_composite_inverse_transform_and_flow(device, conditioner):
     # Two steps with time reversed between them, as autoregressive flows alternate directions.
     # The reversal of 4 frames of 3 features is an even permutation: the oracle needs det > 0.
-    first, second = make_step(device, seed=1), make_step(device, seed=2)
+    first = make_step(device, conditioner=conditioner, seed=1)
+    second = make_step(device, conditioner=conditioner, seed=2)
     chain = nft.CompositeTransform([first, nft.ReversePermutation(4, dim=1), second])
     x = torch.randn(5, 4, D, dtype=F64, device=device)
     z, logabsdet = chain(x)
@@ -294,9 +310,11 @@ def test_nflows_composite_inverse_transform_and_flow(device):
     torch.testing.assert_close(flow.log_prob(x), normal + logabsdet)
 
 
-def test_masked_chain_with_a_conditional_step(device):
-    chain = SequenceCompositeTransform([make_step(device, seed=1, context_features=C),
-                                        make_step(device, seed=2, context_features=C)])
+def test_masked_chain_with_a_conditional_step(device, conditioner):
+    chain = SequenceCompositeTransform(
+        [make_step(device, conditioner=conditioner, seed=seed, context_features=C)
+         for seed in (1, 2)]
+    )
     x, mask = padded_batch(device)
     context = torch.randn(3, C, dtype=F64, device=device)
     z, logabsdet = chain(x, context, mask=mask)
@@ -309,8 +327,8 @@ def test_masked_chain_with_a_conditional_step(device):
     torch.testing.assert_close(inverse_logabsdet, -logabsdet, atol=1e-9, rtol=0)
 
 
-def test_runs_in_the_dtype_and_device_of_its_parameters(device):
-    step = make_step(device).float()
+def test_runs_in_the_dtype_and_device_of_its_parameters(device, conditioner):
+    step = make_step(device, conditioner=conditioner).float()
     x = torch.randn(3, 6, D, device=device)
     y, logabsdet = step(x)
     assert y.dtype == logabsdet.dtype == torch.float32 and y.device == x.device
@@ -322,7 +340,8 @@ def test_runs_in_the_dtype_and_device_of_its_parameters(device):
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
-        (lambda s, x, c: s(x.masked_fill(x > 1, float("nan")), c), ValueError, "NaN"),
+        (lambda s, x, c: s(x.index_fill(1, torch.tensor([1], device=x.device), float("nan")),
+                           c), ValueError, "NaN"),
         (lambda s, x, c: s.inverse(torch.full_like(x, float("inf")), c), ValueError, "Inf"),
         (lambda s, x, c: s(x[..., :2], c), ValueError, "3 features"),
         (lambda s, x, c: s(x.float(), c), TypeError, "dtype"),
@@ -335,8 +354,9 @@ def test_runs_in_the_dtype_and_device_of_its_parameters(device):
         (lambda s, x, c: s(torch.cat([x, x], dim=1), c), ValueError, "max_len=5"),
     ],
 )
-def test_bad_inputs_raise(device, call, error, match):
-    step = make_step(device, context_features=C, positional="learned", max_len=5)
+def test_bad_inputs_raise(device, conditioner, call, error, match):
+    step = make_step(device, conditioner=conditioner, context_features=C, positional="learned",
+                     max_len=5)
     x = torch.randn(2, 4, D, dtype=F64, device=device)
     context = torch.randn(2, C, dtype=F64, device=device)
     with pytest.raises(error, match=match):
@@ -357,6 +377,9 @@ def test_bad_inputs_raise(device, call, error, match):
         ({"inverse_max_iter": 0}, ValueError),
         ({"inverse_window": 0}, ValueError),
         ({"on_failure": "ignore"}, ValueError),
+        ({"conditioner": "lstm"}, ValueError),
+        ({"conditioner": "gru", "depth": 0}, ValueError),
+        ({"conditioner": "gru", "positional": "learned"}, ValueError),  # without max_len
         ({"context_features": 1.5}, TypeError),
     ],
 )

@@ -34,12 +34,13 @@ from benchmarks.baselines.nflows_models import sample_flow
 from iresflow.data.datasets import SequenceDataset
 from iresflow.models.distributions import sample_mask
 from iresflow.nn.causal import CausalTransformer
+from iresflow.nn.recurrent import left_align
 from iresflow.train.config import TrainConfig
 from iresflow.train.fit import fit
 from iresflow.train.likelihood import split_log_prob
 
 __all__ = ["ENCODERS", "GRU_HIDDEN", "GRU_LR", "GRU_PATIENCE", "PEER_NAMES", "TRANSFORMER_DEPTH",
-           "TRANSFORMER_HEADS", "RecurrentFlow", "left_align", "train_recurrent_flow"]
+           "TRANSFORMER_HEADS", "RecurrentFlow", "train_recurrent_flow"]
 
 #: The GRU + MAF of the small-data and long-range benchmarks: a fixed architecture (state and
 #: MADE width), Adam's learning rate and the early-stopping patience in epochs; the Transformer +
@@ -51,32 +52,6 @@ TRANSFORMER_DEPTH, TRANSFORMER_HEADS = 2, 4
 ENCODERS = ("gru", "transformer")
 #: The name of the peer each encoder makes, in tables.
 PEER_NAMES = {"gru": "GRU + MAF", "transformer": "Transformer + MAF"}
-
-
-def left_align(x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Move the real frames of every sequence to its front, keeping their order.
-
-    Args:
-        x: Sequences ``(B, N, D)``.
-        mask: Padding mask ``(B, N)`` (``True`` = real) or ``None`` (all real).
-
-    Returns:
-        ``(x', mask')``: ``x'`` ``(B, N, D)`` with the real frames first and zeros after them,
-        ``mask'`` ``(B, N)`` with ``mask'[b, t] = t < length_b``.
-
-    Example:
-        >>> x = torch.arange(3.0).reshape(1, 3, 1)
-        >>> aligned, mask = left_align(x, torch.tensor([[False, True, True]]))
-        >>> aligned.flatten().tolist(), mask.tolist()
-        ([1.0, 2.0, 0.0], [[True, True, False]])
-    """
-    if mask is None:
-        return x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
-    order = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)
-    aligned = torch.gather(x, 1, order.unsqueeze(-1).expand_as(x))
-    lengths = mask.sum(1, keepdim=True)
-    new_mask = torch.arange(x.shape[1], device=x.device) < lengths
-    return torch.where(new_mask.unsqueeze(-1), aligned, 0.0), new_mask
 
 
 class _GRUPast(nn.Module):

@@ -40,8 +40,9 @@ __all__ = ["AUTOREGRESSIVE_DEPTH", "MLP_LAYERS", "layer_steps", "needs_positiona
 #: Linear layers of the position-wise MLP branch (dims ``(D, hidden, hidden, D)``).
 MLP_LAYERS = 3
 
-#: Transformer layers of the conditioner of an ``autoregressive`` step.
-AUTOREGRESSIVE_DEPTH = 2
+#: Layers of the conditioner of an ``autoregressive`` step: Transformer layers, GRU layers (one,
+#: as in the GRU + MAF a user would otherwise build).
+AUTOREGRESSIVE_DEPTH = {"transformer": 2, "gru": 1}
 
 
 def layer_steps(
@@ -132,13 +133,15 @@ def _mix(config: ModelConfig, encoding: nn.Module | None) -> FeatureMixing:
 
 def _autoregressive(config: ModelConfig, encoding: nn.Module | None) -> AutoregressiveAffine:
     return AutoregressiveAffine(
-        config.features, width=config.hidden, depth=AUTOREGRESSIVE_DEPTH,
+        config.features, width=config.hidden, depth=AUTOREGRESSIVE_DEPTH[config.conditioner],
         heads=default_heads(config.hidden), max_len=config.max_len, positional=config.positional,
+        conditioner=config.conditioner,  # type: ignore[arg-type]  # a checked choice
         context_features=config.resolved_context_features,
     )
 
 
 register_step("mix", _mix, "an LU feature mixing")
 register_step("autoregressive", _autoregressive,
-              "an affine step whose shift and scale come from a causal Transformer over the past "
-              "frames (width hidden, inverted by sweeps that settle the frames in order)")
+              "an affine step whose shift and scale come from a causal Transformer or a GRU over "
+              "the past frames (conditioner; width hidden, inverted by sweeps that settle the "
+              "frames in order)")

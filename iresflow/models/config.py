@@ -99,6 +99,11 @@ class ModelConfig(SettingsRecord):
         "the past frames by a causal Transformer",
         LAYER_KINDS,
     )
+    conditioner: str = setting(
+        "transformer", "network that computes the shift and scale of the autoregressive layers "
+        "from the past frames: transformer (causal attention over all of them) or gru (a "
+        "recurrent state, one cheap update per frame when sampling)", ("transformer", "gru"),
+    )
     hidden: int = setting(64, "hidden width of the feed-forward and convolution branches")
     kernel_size: int = setting(3, "odd kernel size of the temporal convolutions")
     dilation: int = setting(

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from iresflow._validation import check_int
 from iresflow.nn.positional import make_positional_encoding
 
-__all__ = ["CausalTransformer", "WindowEvaluator"]
+__all__ = ["CausalTransformer", "WindowEvaluator", "check_window"]
 
 #: Hidden width of the feed-forward part of a layer, in multiples of the model width.
 _FEEDFORWARD_RATIO = 4
@@ -199,11 +199,7 @@ class WindowEvaluator:
         Raises:
             ValueError: the window breaks these rules.
         """
-        lowest, highest = self.stored
-        if not lowest <= start <= min(highest, stop) or stop > self.length:
-            raise ValueError(f"the window [start, stop) must start between the start and the "
-                             f"stop of the call before ({lowest} and {highest}; 0 and 0 on the "
-                             f"first call) and end by N = {self.length}, got [{start}, {stop})")
+        check_window(self.stored, start, stop, self.length)
         self.stored = (start, stop)
         net = self.net
         h = net._tokens(x, start, stop, self.mask, self.context, self.table)
@@ -213,6 +209,26 @@ class WindowEvaluator:
         for layer, keys, values in zip(net.layers, self.keys, self.values, strict=True):
             h = layer(h, allowed, keys, values, start)
         return net.head(net.norm(h))
+
+
+def check_window(stored: tuple[int, int], start: int, stop: int, length: int) -> None:
+    """Check a window ``[start, stop)`` of an evaluator against its call rules.
+
+    Args:
+        stored: The window of the call before (``(0, 0)`` before the first call).
+        start: First frame of the window.
+        stop: End of the window.
+        length: Number of frames ``N`` served.
+
+    Raises:
+        ValueError: ``start`` is not between the ``start`` and the ``stop`` of the call before
+            (or after ``stop``), or ``stop > N``.
+    """
+    lowest, highest = stored
+    if not lowest <= start <= min(highest, stop) or stop > length:
+        raise ValueError(f"the window [start, stop) must start between the start and the "
+                         f"stop of the call before ({lowest} and {highest}; 0 and 0 on the "
+                         f"first call) and end by N = {length}, got [{start}, {stop})")
 
 
 def _allowed(batch: int, length: int, mask: Tensor | None, device: torch.device) -> Tensor:

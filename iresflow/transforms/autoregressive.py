@@ -1,4 +1,4 @@
-r"""A frame-autoregressive affine step with a causal Transformer conditioner, inverted by
+r"""A frame-autoregressive affine step with a causal Transformer or GRU conditioner, inverted by
 fixed-point sweeps that settle its frames in order (docs/math.md#autoregressive-step)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from torch import Tensor
 from iresflow._validation import check_float, check_int
 from iresflow.nn.causal import CausalTransformer
 from iresflow.nn.conditional import check_context
+from iresflow.nn.recurrent import CausalGRU
 from iresflow.transforms.base import FRAMES, LogDetRequest
 from iresflow.transforms.settling import SettlingStep
 
@@ -28,11 +29,12 @@ class AutoregressiveAffine(SettlingStep):
         s_t = S \tanh(a_t / S), \qquad
         \log|\det J| = -\sum_{t \text{ real}} \sum_{d=1}^{D} s_{t,d},
 
-    with :math:`(\mu_t, a_t)` the outputs of a :class:`~iresflow.nn.causal.CausalTransformer` at
-    frame :math:`t`, which reads only the real frames before :math:`t` (and the context
-    :math:`c`), and :math:`|s_{t,d}| \le S` (``max_log_scale``). The Jacobian over the real frames
-    is block lower triangular with diagonal blocks :math:`\mathrm{diag}(e^{-s_t})`, hence the
-    exact log-determinant; no Lipschitz bound is needed. The network's output layer starts at
+    with :math:`(\mu_t, a_t)` the outputs at frame :math:`t` of a conditioner, a
+    :class:`~iresflow.nn.causal.CausalTransformer` or a :class:`~iresflow.nn.recurrent.CausalGRU`,
+    which reads only the real frames before :math:`t` (and the context :math:`c`), and
+    :math:`|s_{t,d}| \le S` (``max_log_scale``). The Jacobian over the real frames is block
+    lower triangular with diagonal blocks :math:`\mathrm{diag}(e^{-s_t})`, hence the exact
+    log-determinant; no Lipschitz bound is needed. The network's output layer starts at
     zero, so the step starts as the identity. Padded frames pass through unchanged, add nothing
     to the log-determinant and never influence a real frame (with gaps, a real frame sees the
     real frames before it only). A ``(B, D)`` batch of vectors is a batch of one-frame sequences:
@@ -42,9 +44,10 @@ class AutoregressiveAffine(SettlingStep):
     :math:`T_y(x)_t = \mu_t(x_{<t}) + y_t \odot e^{s_t(x_{<t})}` from :math:`x^0 = y` with
     :func:`~iresflow.inverse.causal.causal_fixed_point_inverse` (its tolerance, its residual
     :math:`\|x - T_y(x)\|_\infty` per frame and its errors): the frames settle from the first
-    on, every sweep evaluates the Transformer on a window of the unsettled frames only, attending
-    to the keys and values it kept for the settled ones
-    (:class:`~iresflow.nn.causal.WindowEvaluator`), and :math:`N` sweeps always suffice, for any
+    on, every sweep evaluates the conditioner on a window of the unsettled frames only: the
+    Transformer attends to the keys and values it kept for the settled ones
+    (:class:`~iresflow.nn.causal.WindowEvaluator`), the GRU continues from the state it kept
+    (:class:`~iresflow.nn.recurrent.RecurrentWindows`); and :math:`N` sweeps always suffice, for any
     network. With the default window of one frame, each sweep solves one frame exactly from the
     frames before it; a wider window (``inverse_window``) moves more frames per sweep at once,
     Jacobi style. The diagnostics of the last inverse are kept in :attr:`last_inverse_stats`
@@ -52,12 +55,14 @@ class AutoregressiveAffine(SettlingStep):
 
     Args:
         features: Frame size ``D``.
-        width: Token width of the Transformer.
-        depth: Number of Transformer layers.
-        heads: Attention heads (must divide ``width``).
+        width: Token width of the conditioner (and the GRU's state width).
+        depth: Number of Transformer or GRU layers.
+        heads: Attention heads of a Transformer (must divide ``width``; unused by a GRU).
         max_len: Longest sequence; required with ``positional="learned"``, where longer
             sequences are rejected.
         positional: ``"sinusoidal"`` or ``"learned"`` positions.
+        conditioner: ``"transformer"`` (attention over all earlier frames) or ``"gru"`` (a
+            recurrent state; its inverse costs one GRU update per frame).
         context_features: Context size ``C`` (0: unconditional).
         max_log_scale: Bound :math:`S > 0` on every log-scale.
         inverse_tol: Max-abs residual tolerance of the inverse; ``None`` uses the dtype default
@@ -93,6 +98,7 @@ class AutoregressiveAffine(SettlingStep):
         heads: int = 4,
         max_len: int | None = None,
         positional: Literal["sinusoidal", "learned"] = "sinusoidal",
+        conditioner: Literal["transformer", "gru"] = "transformer",
         context_features: int = 0,
         max_log_scale: float = 3.0,
         inverse_tol: float | None = None,
@@ -105,10 +111,19 @@ class AutoregressiveAffine(SettlingStep):
         self.features = check_int(features, "features", 1)
         self.context_features = check_int(context_features, "context_features", 0)
         self.max_log_scale = check_float(max_log_scale, "max_log_scale", 0.0)
-        self.conditioner = CausalTransformer(
-            features, 2 * features, width=width, depth=depth, heads=heads,
-            positional=positional, max_len=max_len, context_features=context_features,
-        )
+        self.conditioner: CausalTransformer | CausalGRU
+        if conditioner == "transformer":
+            self.conditioner = CausalTransformer(
+                features, 2 * features, width=width, depth=depth, heads=heads,
+                positional=positional, max_len=max_len, context_features=context_features,
+            )
+        elif conditioner == "gru":
+            self.conditioner = CausalGRU(
+                features, 2 * features, width=width, depth=depth, positional=positional,
+                max_len=max_len, context_features=context_features,
+            )
+        else:
+            raise ValueError(f"conditioner must be 'transformer' or 'gru', got {conditioner!r}")
 
     def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
         length = 1 if inputs.dim() == 2 else inputs.shape[1]
