@@ -104,7 +104,8 @@ def test_a_sample_that_does_not_settle_raises_or_warns_with_its_residual():
     assert not bool(stats.converged.any())
 
 
-def test_non_finite_images_do_not_converge():
+@pytest.mark.parametrize("window", [None, 1])  # 1: the one-frame sweeps
+def test_non_finite_images_do_not_converge(window):
     y = torch.randn(2, 5, 1, dtype=F64)
 
     def image(x, start, stop):
@@ -112,7 +113,7 @@ def test_non_finite_images_do_not_converge():
         return torch.where(torch.arange(start, stop)[None, :, None] == 3, torch.nan, out)
 
     with pytest.warns(InversionWarning):
-        _, stats = causal_fixed_point_inverse(image, y, on_failure="warn")
+        _, stats = causal_fixed_point_inverse(image, y, window=window, on_failure="warn")
     assert not bool(stats.converged.any()) and torch.isnan(stats.residual).all()
 
 

@@ -130,29 +130,18 @@ def _sweep(image: Callable[[Tensor, int, int], Tensor], y: Tensor, window: int,
     iterations = torch.where(settled == length, 0, max_iter)
     # The first call starts at frame 0, the later ones at the batch's first unsettled frame.
     sweeps = evaluations = start = 0
-    size = window
-    while not bool((settled == length).all()):
+    size, lowest = window, int(settled.min())
+    while lowest < length:
         sweeps = evaluations = sweeps + 1
-        first = int(settled.min())
+        first = lowest
         stop = min(first + size, length)
-        t_x, part = image(x, start, stop), x[:, start:stop]
-        step = (t_x - part).abs().amax(-1)  # (B, stop - start); NaN stays NaN
-        position = torch.arange(start, stop, device=y.device)
-        holds = (position < settled[:, None]) | (step < tolerance[:, None])
-        moving = (~holds).cumsum(1) > 0  # from the first frame that does not hold
-        size = 2 * size if not bool(moving.any()) else window
-        newly = ~moving & (position >= settled[:, None])
-        residual = torch.maximum(residual, step.where(newly, 0.0).amax(1))
-        x[:, start:stop] = torch.where(moving[..., None], t_x, part)
-        # The first moving frame's image came from settled frames alone: it is exact (if finite).
-        lead = start + (~moving).sum(1)
-        finite = torch.isfinite(t_x).all(-1)
-        exact = (lead < stop) & finite.gather(1, (lead - start).clamp(max=stop - start - 1)
-                                              [:, None]).squeeze(1)
-        settled = torch.maximum(settled, lead + exact.long())
+        t_x = image(x, start, stop)
+        settle = _settle_frame if stop - start == 1 else _settle_window
+        settled, residual, moved = settle(x, t_x, start, settled, tolerance, residual)
+        size = window if moved else 2 * size
         iterations = torch.where((settled == length) & (iterations == max_iter), sweeps,
                                  iterations)
-        start = int(settled.min())
+        start = lowest = int(settled.min())
         if start < length and (sweeps == max_iter or start == first):
             # Out of sweeps, or stopped by a non-finite image: the steps of the unsettled frames
             # of the iterate returned, measured by one more evaluation, join the residual.
@@ -163,3 +152,40 @@ def _sweep(image: Callable[[Tensor, int, int], Tensor], y: Tensor, window: int,
             break
     converged = (settled == length) & (residual < tolerance)
     return x, InverseStats(iterations, residual, converged, evaluations, tolerance)
+
+
+def _settle_window(x: Tensor, t_x: Tensor, start: int, settled: Tensor, tolerance: Tensor,
+                   residual: Tensor) -> tuple[Tensor, Tensor, bool]:
+    """One sweep's moves and settling on the window of frames ``start`` onwards that ``t_x``
+    ``(B, W, D)`` is the image of: ``x`` is updated in place; returns the settled counts, the
+    residuals and whether any frame moved."""
+    stop = start + t_x.shape[1]
+    part = x[:, start:stop]
+    step = (t_x - part).abs().amax(-1)  # (B, W); NaN stays NaN
+    position = torch.arange(start, stop, device=x.device)
+    holds = (position < settled[:, None]) | (step < tolerance[:, None])
+    moving = (~holds).cumsum(1) > 0  # from the first frame that does not hold
+    newly = ~moving & (position >= settled[:, None])
+    residual = torch.maximum(residual, step.where(newly, 0.0).amax(1))
+    x[:, start:stop] = torch.where(moving[..., None], t_x, part)
+    # The first moving frame's image came from settled frames alone: it is exact (if finite).
+    lead = start + (~moving).sum(1)
+    finite = torch.isfinite(t_x).all(-1)
+    exact = (lead < stop) & finite.gather(1, (lead - start).clamp(max=stop - start - 1)
+                                          [:, None]).squeeze(1)
+    return torch.maximum(settled, lead + exact.long()), residual, bool(moving.any())
+
+
+def _settle_frame(x: Tensor, t_x: Tensor, start: int, settled: Tensor, tolerance: Tensor,
+                  residual: Tensor) -> tuple[Tensor, Tensor, bool]:
+    """:func:`_settle_window` on a window of one frame, the batch's first unsettled one, in
+    fewer operations: every sample whose frame it is settles it, by its step if that holds,
+    else at its image, which is exact (if finite)."""
+    image, part = t_x[:, 0], x[:, start]
+    step = (image - part).abs().amax(-1)  # (B,); NaN stays NaN
+    ahead = settled > start
+    holds = ahead | (step < tolerance)
+    residual = torch.maximum(residual, step.where(holds & ~ahead, 0.0))
+    x[:, start] = torch.where(holds[:, None], part, image)
+    settles = holds | torch.isfinite(image).all(-1)
+    return torch.maximum(settled, start + settles.long()), residual, not bool(holds.all())
