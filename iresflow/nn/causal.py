@@ -16,13 +16,74 @@ from torch import Tensor, nn
 from iresflow._validation import check_int
 from iresflow.nn.positional import make_positional_encoding
 
-__all__ = ["CausalTransformer", "WindowEvaluator", "check_window"]
+__all__ = ["CausalConditioner", "CausalTransformer", "WindowEvaluator", "check_window"]
 
 #: Hidden width of the feed-forward part of a layer, in multiples of the model width.
 _FEEDFORWARD_RATIO = 4
 
 
-class CausalTransformer(nn.Module):
+class CausalConditioner(nn.Module):
+    r"""What the conditioners of the autoregressive step share: a learned start token, an input
+    map :math:`W_{\rm in}` of the frames, a positional table, an optional linear map
+    :math:`W_c` of the context and an output layer that starts at zero.
+
+    Subclasses build their layers after calling this constructor, then their output layer
+    (``_output_layer``), so that the parameters are created, and drawn, in that order.
+
+    Args:
+        features: Frame size ``D``.
+        out_features: Output size per frame.
+        width: Token width.
+        positional: ``"sinusoidal"`` (any length) or ``"learned"`` (``max_len`` rows).
+        max_len: Longest sequence, required by ``positional="learned"``.
+        context_features: Context size ``C`` (0: unconditional).
+    """
+
+    def __init__(
+        self,
+        features: int,
+        out_features: int,
+        *,
+        width: int,
+        positional: Literal["sinusoidal", "learned"],
+        max_len: int | None,
+        context_features: int,
+    ) -> None:
+        super().__init__()
+        self.features = check_int(features, "features", 1)
+        self.out_features = check_int(out_features, "out_features", 1)
+        self.width = check_int(width, "width", 1)
+        if positional == "learned" and max_len is None:
+            raise ValueError("positional='learned' needs max_len")
+        self.max_len = None if max_len is None else check_int(max_len, "max_len", 1)
+        self.positional = positional
+        self.context_features = check_int(context_features, "context_features", 0)
+        # (a sinusoidal table ignores max_len)
+        self.encoding = make_positional_encoding(positional, width, max_len or 1)
+        self.start = nn.Parameter(0.02 * torch.randn(width))
+        self.embed = nn.Linear(features, width)
+        self.context_embed = nn.Linear(context_features, width) if context_features else None
+
+    def _output_layer(self) -> nn.Linear:
+        """The output layer ``width -> out_features``, at zero."""
+        head = nn.Linear(self.width, self.out_features)
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+        return head
+
+    def positional_rows(self, x: Tensor) -> Tensor:
+        """The positional rows of the tokens of frames ``x``.
+
+        Args:
+            x: Frames ``(B, N, D)`` (only their number ``N`` is read).
+
+        Returns:
+            ``(N, width)``: row ``t`` is the position of token ``t``.
+        """
+        return self.encoding(x.new_empty(1, x.shape[1], self.width))
+
+
+class CausalTransformer(CausalConditioner):
     r"""A pre-norm Transformer whose output at frame :math:`t` reads only the real frames
     before :math:`t` (and the context).
 
@@ -68,29 +129,16 @@ class CausalTransformer(nn.Module):
         max_len: int | None = None,
         context_features: int = 0,
     ) -> None:
-        super().__init__()
-        self.features = check_int(features, "features", 1)
-        self.out_features = check_int(out_features, "out_features", 1)
-        self.width = check_int(width, "width", 1)
         check_int(depth, "depth", 1)
-        self.heads = check_int(heads, "heads", 1)
+        check_int(heads, "heads", 1)
         if width % heads:
             raise ValueError(f"heads must divide width, got width={width}, heads={heads}")
-        if positional == "learned" and max_len is None:
-            raise ValueError("positional='learned' needs max_len")
-        self.max_len = None if max_len is None else check_int(max_len, "max_len", 1)
-        self.positional = positional
-        self.context_features = check_int(context_features, "context_features", 0)
-        # (a sinusoidal table ignores max_len)
-        self.encoding = make_positional_encoding(positional, width, max_len or 1)
-        self.start = nn.Parameter(0.02 * torch.randn(width))
-        self.embed = nn.Linear(features, width)
-        self.context_embed = nn.Linear(context_features, width) if context_features else None
+        super().__init__(features, out_features, width=width, positional=positional,
+                         max_len=max_len, context_features=context_features)
+        self.heads = heads
         self.layers = nn.ModuleList(_CausalLayer(width, heads) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, out_features)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
+        self.head = self._output_layer()
 
     def forward(
         self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None
@@ -105,7 +153,7 @@ class CausalTransformer(nn.Module):
         Returns:
             ``(B, N, out_features)``; row ``t`` depends on the real frames before ``t`` only.
         """
-        h = self._tokens(x, 0, x.shape[1], mask, context, self._table(x))
+        h = self._tokens(x, 0, x.shape[1], mask, context, self.positional_rows(x))
         allowed = _allowed(x.shape[0], x.shape[1], mask, x.device)
         for layer in self.layers:
             h = layer(h, allowed)
@@ -123,10 +171,6 @@ class CausalTransformer(nn.Module):
             context: Context ``(B, C)`` of a conditional network, else ``None``.
         """
         return WindowEvaluator(self, x, mask, context)
-
-    def _table(self, x: Tensor) -> Tensor:
-        """The positional rows ``(N, width)`` of the tokens of frames ``x`` ``(B, N, D)``."""
-        return self.encoding(x.new_empty(1, x.shape[1], self.width))
 
     def _tokens(self, x: Tensor, start: int, stop: int, mask: Tensor | None,
                 context: Tensor | None, table: Tensor) -> Tensor:
@@ -178,7 +222,7 @@ class WindowEvaluator:
                  context: Tensor | None) -> None:
         batch, length, _ = x.shape
         self.net, self.mask, self.context = net, mask, context
-        self.table = net._table(x)
+        self.table = net.positional_rows(x)
         self.allowed = _allowed(batch, length, mask, x.device)
         head_width = net.width // net.heads
         self.keys = [x.new_empty(batch, net.heads, length, head_width) for _ in net.layers]

@@ -14,13 +14,12 @@ import torch
 from torch import Tensor, nn
 
 from iresflow._validation import check_int
-from iresflow.nn.causal import check_window
-from iresflow.nn.positional import make_positional_encoding
+from iresflow.nn.causal import CausalConditioner, check_window
 
 __all__ = ["CausalGRU", "RecurrentWindows", "left_align", "real_first"]
 
 
-class CausalGRU(nn.Module):
+class CausalGRU(CausalConditioner):
     r"""A GRU whose output at frame :math:`t` reads only the real frames before :math:`t` (and
     the context).
 
@@ -62,24 +61,12 @@ class CausalGRU(nn.Module):
         max_len: int | None = None,
         context_features: int = 0,
     ) -> None:
-        super().__init__()
-        self.features = check_int(features, "features", 1)
-        self.out_features = check_int(out_features, "out_features", 1)
-        self.width = check_int(width, "width", 1)
-        self.depth = check_int(depth, "depth", 1)
-        if positional == "learned" and max_len is None:
-            raise ValueError("positional='learned' needs max_len")
-        self.max_len = None if max_len is None else check_int(max_len, "max_len", 1)
-        self.positional = positional
-        self.context_features = check_int(context_features, "context_features", 0)
-        self.encoding = make_positional_encoding(positional, width, max_len or 1)
-        self.start = nn.Parameter(0.02 * torch.randn(width))
-        self.embed = nn.Linear(features, width)
-        self.context_embed = nn.Linear(context_features, width) if context_features else None
+        check_int(depth, "depth", 1)
+        super().__init__(features, out_features, width=width, positional=positional,
+                         max_len=max_len, context_features=context_features)
+        self.depth = depth
         self.gru = nn.GRU(width, width, num_layers=depth, batch_first=True)
-        self.head = nn.Linear(width, out_features)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
+        self.head = self._output_layer()
 
     def forward(
         self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None
@@ -94,7 +81,7 @@ class CausalGRU(nn.Module):
         Returns:
             ``(B, N, out_features)``; row ``t`` depends on the real frames before ``t`` only.
         """
-        frames, rank, positions = x, None, self._table(x)
+        frames, rank, positions = x, None, self.positional_rows(x)
         if mask is not None:  # the real frames first, in order; padding after them, as zeros
             order = real_first(mask)
             frames = _gather_frames(torch.where(mask.unsqueeze(-1), x, 0.0), order)
@@ -118,10 +105,6 @@ class CausalGRU(nn.Module):
             context: Context ``(B, C)`` of a conditional network, else ``None``.
         """
         return RecurrentWindows(self, x, mask, context)
-
-    def _table(self, x: Tensor) -> Tensor:
-        """The positional rows ``(N, width)`` of frames ``x`` ``(B, N, D)``."""
-        return self.encoding(x.new_empty(1, x.shape[1], self.width))
 
     def _start(self, x: Tensor) -> Tensor:
         """The start token ``(B, 1, width)`` of a batch of frames ``x``."""
@@ -166,7 +149,7 @@ class RecurrentWindows:
         # states[t]: the GRU's layers after token t, (depth, B, width)
         self.states = x.new_zeros(length, net.depth, batch, net.width)
         self.length, self.stored = length, (0, 0)  # the window of the call before
-        table = net._table(x)
+        table = net.positional_rows(x)
         # token t (frame t - 1) carries the position of the first real frame from t on
         following = torch.arange(length, device=x.device).expand(batch, -1)
         if mask is not None:
