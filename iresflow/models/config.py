@@ -96,7 +96,7 @@ class ModelConfig(SettingsRecord):
         "layers of every block, in order: attention, relative (an MLP of a learned average "
         "over relative offsets), conv (temporal convolution) and mlp are residual steps after "
         "an ActNorm; mix is an LU feature mixing; autoregressive an affine step conditioned on "
-        "the past frames by a causal Transformer",
+        "the past frames by a causal Transformer or a GRU (conditioner)",
         LAYER_KINDS,
     )
     conditioner: str = setting(
