@@ -71,6 +71,17 @@ class CausalConditioner(nn.Module):
         nn.init.zeros_(head.bias)
         return head
 
+    def _start_tokens(self, batch: int) -> Tensor:
+        """The start token of every sequence, ``(batch, 1, width)``."""
+        return self.start.expand(batch, 1, self.width)
+
+    def _with_context(self, tokens: Tensor, context: Tensor | None) -> Tensor:
+        """Tokens ``(B, L, width)`` with the context's map added to each (a conditional
+        network's; unchanged otherwise)."""
+        if self.context_embed is None:
+            return tokens
+        return tokens + self.context_embed(context).unsqueeze(1)
+
     def positional_rows(self, x: Tensor) -> Tensor:
         """The positional rows of the tokens of frames ``x``.
 
@@ -177,18 +188,14 @@ class CausalTransformer(CausalConditioner):
         """Tokens ``start`` to ``stop - 1`` ``(B, stop - start, width)`` of frames ``x``
         ``(B, N, D)`` (token ``u + 1`` holds frame ``u``, token 0 the start vector); ``table``
         the positional rows of all ``N`` tokens."""
-        batch = x.shape[0]
         first, last = max(start - 1, 0), max(stop - 1, 0)
         frames = x[:, first:last]
         if mask is not None:  # padded values must not reach any token, even as 0 * inf
             frames = torch.where(mask[:, first:last, None], frames, 0.0)
         h = self.embed(frames)
         if start == 0 < stop:
-            h = torch.cat([self.start.expand(batch, 1, self.width), h], dim=1)
-        h = h + table[start:stop]
-        if self.context_embed is not None:
-            h = h + self.context_embed(context).unsqueeze(1)
-        return h
+            h = torch.cat([self._start_tokens(x.shape[0]), h], dim=1)
+        return self._with_context(h + table[start:stop], context)
 
     def extra_repr(self) -> str:
         return (f"features={self.features}, out_features={self.out_features}, "

@@ -87,7 +87,8 @@ class CausalGRU(CausalConditioner):
             frames = _gather_frames(torch.where(mask.unsqueeze(-1), x, 0.0), order)
             positions = positions[order]  # token k: the position of the k-th real frame
             rank = (mask.cumsum(1) - mask.long()).unsqueeze(-1)  # real frames before t
-        tokens = torch.cat([self._start(x), self.embed(frames[:, :-1])], dim=1) + positions
+        tokens = torch.cat([self._start_tokens(x.shape[0]), self.embed(frames[:, :-1])],
+                           dim=1) + positions
         states, _ = self.gru(self._with_context(tokens, context))
         if rank is not None:
             states = states.gather(1, rank.expand(-1, -1, self.width))
@@ -105,16 +106,6 @@ class CausalGRU(CausalConditioner):
             context: Context ``(B, C)`` of a conditional network, else ``None``.
         """
         return RecurrentWindows(self, x, mask, context)
-
-    def _start(self, x: Tensor) -> Tensor:
-        """The start token ``(B, 1, width)`` of a batch of frames ``x``."""
-        return self.start.expand(x.shape[0], 1, self.width)
-
-    def _with_context(self, tokens: Tensor, context: Tensor | None) -> Tensor:
-        """Tokens ``(B, L, width)`` with the context's map added to each."""
-        if self.context_embed is None:
-            return tokens
-        return tokens + self.context_embed(context).unsqueeze(1)
 
     def extra_repr(self) -> str:
         return (f"features={self.features}, out_features={self.out_features}, "
@@ -150,11 +141,13 @@ class RecurrentWindows:
         self.states = x.new_zeros(length, net.depth, batch, net.width)
         self.length, self.stored = length, (0, 0)  # the window of the call before
         table = net.positional_rows(x)
-        # token t (frame t - 1) carries the position of the first real frame from t on
-        following = torch.arange(length, device=x.device).expand(batch, -1)
+        # token t (frame t - 1) carries the position of the first real frame from t on: frame t
+        # itself without padding
+        self.positions = table.expand(batch, -1, -1)  # (B, N, width)
         if mask is not None:
+            following = torch.arange(length, device=x.device).expand(batch, -1)
             following = torch.where(mask, following, length - 1).flip(1).cummin(1).values.flip(1)
-        self.positions = table[following]  # (B, N, width)
+            self.positions = table[following]
         self.weights = [tuple(getattr(net.gru, f"{name}_l{layer}") for name in
                               ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
                         for layer in range(net.depth)]
@@ -186,7 +179,7 @@ class RecurrentWindows:
         """
         check_window(self.stored, start, stop, self.length)
         self.stored = (start, stop)
-        state = self.states[start - 1] if start else self.states[0].zero_()
+        state = self.states[start - 1] if start else torch.zeros_like(self.states[0])
         outputs = []
         for t in range(start, stop):  # one GRU update per token (a window is usually one)
             self.states[t] = state = self._update(x, t, state)
