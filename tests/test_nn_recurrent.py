@@ -6,7 +6,7 @@ import pytest
 import torch
 from oracles import padded_batch
 
-from iresflow.nn.recurrent import CausalGRU, left_align
+from iresflow.nn.recurrent import CausalGRU, left_align, real_first
 
 F64 = torch.float64
 D = 3  # features
@@ -126,3 +126,21 @@ def test_left_align_moves_the_real_frames_to_the_front_in_order():
     assert aligned.flatten().tolist() == [1, 3, 4, 0] and mask.tolist() == [[1, 1, 1, 0]]
     aligned, mask = left_align(x, None)
     assert torch.equal(aligned, x) and bool(mask.all())
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: left_align(torch.zeros(2, 3), None), ValueError, "x must"),
+        (lambda: left_align(torch.zeros(2, 3, 1), torch.ones(2, 3)), TypeError, "bool"),
+        (lambda: left_align(torch.zeros(2, 3, 1), torch.ones(2, 4, dtype=torch.bool)),
+         ValueError, "shape"),
+        (lambda: left_align(torch.zeros(1, 3, 1), torch.zeros(1, 3, dtype=torch.bool)),
+         ValueError, "padding"),
+        (lambda: real_first(torch.ones(2, 3)), TypeError, "boolean"),
+        (lambda: real_first(torch.ones(3, dtype=torch.bool)), ValueError, "shape"),
+    ],
+)
+def test_bad_masks_raise(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

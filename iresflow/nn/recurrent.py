@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from iresflow._validation import check_int
+from iresflow._validation import check_int, check_mask
 from iresflow.nn.causal import CausalConditioner, check_window
 
 __all__ = ["CausalGRU", "RecurrentWindows", "left_align", "real_first"]
@@ -224,14 +224,23 @@ def left_align(x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
         ``(x', mask')``: ``x'`` ``(B, N, D)`` with the real frames first and zeros after them,
         ``mask'`` ``(B, N)`` with ``mask'[b, t] = t < length_b``.
 
+    Raises:
+        TypeError: ``mask`` is not a boolean tensor.
+        ValueError: ``x`` is not ``(B, N, D)``, or ``mask`` not ``(B, N)`` or with a sequence
+            of padding only.
+
     Example:
         >>> x = torch.arange(3.0).reshape(1, 3, 1)
         >>> aligned, mask = left_align(x, torch.tensor([[False, True, True]]))
         >>> aligned.flatten().tolist(), mask.tolist()
         ([1.0, 2.0, 0.0], [[True, True, False]])
     """
+    if not isinstance(x, Tensor) or x.dim() != 3:
+        raise ValueError(f"x must be a tensor of shape (B, N, D), got "
+                         f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
     if mask is None:
         return x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+    check_mask(mask, x)
     aligned = _gather_frames(x, real_first(mask))
     lengths = mask.sum(1, keepdim=True)
     new_mask = torch.arange(x.shape[1], device=x.device) < lengths
@@ -248,10 +257,19 @@ def real_first(mask: Tensor) -> Tensor:
         ``(B, N)`` int64: row ``b`` lists the real frames of sequence ``b`` in order, then its
         padded ones.
 
+    Raises:
+        TypeError: ``mask`` is not a boolean tensor.
+        ValueError: ``mask`` is not ``(B, N)``.
+
     Example:
         >>> real_first(torch.tensor([[False, True, True]])).tolist()
         [[1, 2, 0]]
     """
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a boolean tensor, got "
+                        f"{mask.dtype if isinstance(mask, Tensor) else type(mask).__name__}")
+    if mask.dim() != 2:
+        raise ValueError(f"mask must have shape (B, N), got {tuple(mask.shape)}")
     return torch.argsort(mask.logical_not().to(torch.uint8), dim=1, stable=True)
 
 
