@@ -95,7 +95,8 @@ def train_and_measure(store: str, cap: int, run: str) -> dict[str, float]:
     config = TrainConfig.from_dict({
         "data": store, "memory_cap": cap, "bucket": 8, "batch_size": 256, "epochs": 1,
         "n_blocks": 1, "hidden": 8, "max_eval": 256, "eval_method": "roulette",
-        "eval_n_samples": 1, "device": "cpu", "scheduler": "none", "seed": 0})
+        "eval_n_samples": 1, "device": "cpu", "scheduler": "none", "seed": 0,
+        "alternative": "none"})
     values = (Path(store) / "values.npy").resolve()
     mapped = [0.0]
     done = threading.Event()

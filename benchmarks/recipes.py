@@ -106,7 +106,8 @@ def run_recipe(settings: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """Train one recipe (flat ``iresflow train`` settings) and score its best checkpoint exactly
     on validation and test."""
     start = time.perf_counter()
-    result = train(TrainConfig.from_dict(settings), run_dir, overwrite=True, progress=False)
+    config = TrainConfig.from_dict({"alternative": "none", **settings})  # that recipe alone
+    result = train(config, run_dir, overwrite=True, progress=False)
     seconds = time.perf_counter() - start
     run = load_run(run_dir, device="cpu")
     return {

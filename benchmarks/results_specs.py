@@ -271,9 +271,10 @@ def train_config(spec: ModelSpec, name: str, lr: float, seed: int, budget: Budge
     ``budget.batch_size`` in epochs of one pass over the training split, gradient-norm
     clipping at :data:`GRAD_CLIP`, at most ``budget.max_epochs`` epochs and
     ``budget.max_seconds`` seconds of optimisation (0: no limit), early stopping after
-    ``budget.patience`` epochs without a better validation NLL; the rest are the defaults of
-    ``iresflow train`` (validation with 4 roulette estimates per sequence for a flow), or the
-    flat settings ``overrides`` (e.g. the data's).
+    ``budget.patience`` epochs without a better validation NLL, one model per row (no
+    ``alternative``); the rest are the defaults of ``iresflow train`` (validation with 4
+    roulette estimates per sequence for a flow), or the flat settings ``overrides`` (e.g. the
+    data's).
 
     Example:
         >>> config = train_config(SPECS["iresflow"], "co2_windows", 3e-3, 1, FULL)
@@ -285,4 +286,4 @@ def train_config(spec: ModelSpec, name: str, lr: float, seed: int, budget: Budge
         "data": name, "seed": seed, "device": "cpu", "lr": lr, "batch_size": budget.batch_size,
         "epochs": budget.max_epochs, "min_steps": 1, "max_seconds": budget.max_seconds,
         "patience": budget.patience, "scheduler": "none", "warmup": 0, "clip": GRAD_CLIP,
-        **recipe, **overrides})
+        "alternative": "none", **recipe, **overrides})

@@ -44,7 +44,7 @@ def throughput(nproc: int, settings: dict[str, Any], folder: Path) -> float:
     single process the threads of this one.
     """
     name = f"nproc{nproc}-threads{torch.get_num_threads()}"
-    config = TrainConfig.from_dict({**settings, "nproc": nproc})
+    config = TrainConfig.from_dict({"alternative": "none", **settings, "nproc": nproc})
     result = train(config, folder / name, overwrite=True, progress=False)
     return float(settings["max_train"]) / result.history[-1]["train_seconds"]
 

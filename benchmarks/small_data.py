@@ -52,6 +52,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,7 @@ from iresflow.runs.load import load_run
 from iresflow.train.config import TrainConfig
 from iresflow.train.factories import load_data
 from iresflow.train.loop import train
+from iresflow.train.selection import candidate_paths, choose
 
 #: UEA/UCR archive datasets bundled in the aeon wheel, in the suite's order.
 ARCHIVE = ("BasicMotions", "CardanoSentiment", "ItalyPowerDemand", "GunPoint", "ArrowHead",
@@ -151,6 +153,9 @@ def run_flow(name: str, seed: int, run_dir: Path,
              settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """The default flow through the product path: ``train``, then ``evaluate_run``'s scores.
 
+    With an ``alternative`` (the default's) the record also names the candidate kept and gives
+    every candidate's validation and test NLL; ``seconds`` covers all of their training.
+
     Args:
         name: Dataset of :data:`DATASETS`.
         seed: Seed of the run (split and training).
@@ -169,13 +174,24 @@ def run_flow(name: str, seed: int, run_dir: Path,
         evaluation = evaluate_run(run, split="test", method="auto",
                                   n_samples=config.eval_n_samples, seed=config.seed,
                                   scores=str(scores))
+        seconds = time.perf_counter() - start
+        kept = choose(result.selection).name if result.selection else None
+        candidates = [{**asdict(candidate), "test_nll": evaluation["nll"] if candidate.name == kept
+                       else evaluate_run(
+                           load_run(candidate_paths(result.paths, candidate.name).root),
+                           split="test", method="auto", n_samples=config.eval_n_samples,
+                           seed=config.seed, save=False)["nll"]}
+                      for candidate in result.selection if candidate.error is None]
     per_sequence = torch.from_numpy(np.load(scores)["nll"])
-    return {"test_nll": evaluation["nll"], "method": evaluation["method"],
-            "epochs": result.epochs, "best_epoch": result.best_epoch,
-            "stopped_early": result.stopped_early, "seconds": time.perf_counter() - start,
-            "params": sum(p.numel() for p in run.model.parameters()),
-            "position_norm": run.config.model.position_norm, "settings": settings,
-            "sequences": summarize_sequence_nll(per_sequence).to_dict()}
+    record = {"test_nll": evaluation["nll"], "method": evaluation["method"],
+              "epochs": result.epochs, "best_epoch": result.best_epoch,
+              "stopped_early": result.stopped_early, "seconds": seconds,
+              "params": sum(p.numel() for p in run.model.parameters()),
+              "position_norm": run.config.model.position_norm, "settings": settings,
+              "sequences": summarize_sequence_nll(per_sequence).to_dict()}
+    if kept is not None:  # every candidate's validation and test NLL, and the one kept
+        record.update(kept=kept, candidates=candidates)
+    return record
 
 
 def run_references(ds: SequenceDataset) -> dict[str, Any]:
@@ -283,7 +299,9 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     Returns:
         A markdown table; the best NLL of every row is in bold, and † marks a peer that
         reached its time budget (rather than early stopping) on at least one seed. The
-        Transformer + MAF has a column where a record has it.
+        Transformer + MAF has a column where a record has it. After the flow's NLL of a run
+        that chose between candidates, the initials of the one kept on each seed (c:
+        configured, r: recurrent).
     """
     order = DATASETS + HELD_OUT
     names = sorted(dict.fromkeys(r["dataset"] for r in rows),  # the suite's order first
@@ -311,6 +329,9 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         orders = "/".join(str(r["ar"]["order"]) for r in runs)
         sizes = "/".join(str(s) for s in first["sizes"])
         length = f"≤ {first['max_len']}" if first["variable_length"] else str(first["max_len"])
+        kept = [r["flow"]["kept"] for r in runs if "kept" in r.get("flow", {})]
+        if kept:
+            cells["flow"] += " (" + "/".join(k[0] for k in kept) + ")"
         table.append([name, sizes, str(first["features"]), length, first["unit"], cells["flow"],
                       f"{cells['ar']} ({orders})", cells["sequence_gaussian"],
                       *(cells[key] for key in peers),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import shlex
 from pathlib import Path
 from typing import Any
@@ -239,3 +240,22 @@ def test_an_ablation_table_names_its_settings_and_goes_into_its_block(tmp_path: 
     assert cli.main(["small_data", "--table-from", str(stored), "--doc", str(page),
                      "--block", "other"]) == 0
     assert "| a | 8/1/5 |" in page.read_text()
+
+
+def test_the_flow_record_gives_every_candidate_of_the_default(tmp_path: Path) -> None:
+    settings = {"n_blocks": 1, "hidden": 8, "max_train": 12, "max_eval": 6, "batch_size": 6,
+                "epochs": 1, "min_steps": 1, "device": "cpu"}
+    record = small_data.run_flow("japanese_vowels", 0, tmp_path / "run", settings)
+    names = [candidate["name"] for candidate in record["candidates"]]
+    assert names == ["configured", "recurrent"] and record["kept"] in names
+    kept = next(c for c in record["candidates"] if c["name"] == record["kept"])
+    assert kept["test_nll"] == record["test_nll"]
+    assert kept["best_val_nll"] == min(c["best_val_nll"] for c in record["candidates"])
+    other = next(c for c in record["candidates"] if c["name"] != record["kept"])
+    assert math.isfinite(other["test_nll"]) and other["test_nll"] != kept["test_nll"]
+    rows = [_record("a", seed, 1.0, 2.0, None) for seed in (0, 1)]
+    rows[0]["flow"]["kept"], rows[1]["flow"]["kept"] = "recurrent", "configured"
+    assert "**1.000 ± 0.000** (r/c)" in markdown_table(rows)
+    alone = small_data.run_flow("japanese_vowels", 0, tmp_path / "alone",
+                                {**settings, "alternative": "none"})
+    assert "kept" not in alone and "candidates" not in alone

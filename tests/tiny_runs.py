@@ -8,10 +8,11 @@ from iresflow.train.checkpoint import load_checkpoint, save_checkpoint
 from iresflow.train.config import TrainConfig
 from iresflow.train.paths import RunPaths
 
-#: One block of width 8 on a dozen sequences, one epoch of one pass on the CPU.
+#: One block of width 8 on a dozen sequences, one epoch of one pass on the CPU; one model (no
+#: alternative: tests/test_train_selection.py trains the two candidates of a default run).
 TINY = TrainConfig(
     model=ModelConfig(n_blocks=1, hidden=8), max_train=12, max_eval=6, batch_size=6, epochs=1,
-    min_steps=1, device="cpu", scheduler="plateau", eval_method="exact",
+    min_steps=1, device="cpu", scheduler="plateau", eval_method="exact", alternative="none",
 )
 
 

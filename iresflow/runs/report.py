@@ -9,6 +9,7 @@ InfoSettings`). The other functions put the results of :mod:`iresflow.runs.evalu
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,6 +20,13 @@ from iresflow.runs.sample import Samples
 from iresflow.runs.settings import InfoSettings
 from iresflow.train.config import ConfigError
 from iresflow.train.loop import TrainResult
+from iresflow.train.selection import (
+    CONFIGURED,
+    CandidateResult,
+    candidate_paths,
+    choose,
+    read_selection,
+)
 
 __all__ = [
     "describe_classification",
@@ -27,13 +35,15 @@ __all__ = [
     "describe_reference",
     "describe_run",
     "describe_samples",
+    "describe_selection",
     "describe_training",
 ]
 
 
 def describe_run(run: LoadedRun, settings: InfoSettings | None = None, **changes: Any) -> str:
-    """A run's data, checkpoint, condition, best validation NLL, size, settings and the
-    Lipschitz constants of its residual branches (certified and observed).
+    """A run's data, checkpoint, condition, best validation NLL (and the candidates it chose
+    from), size, settings and the Lipschitz constants of its residual branches (certified and
+    observed).
 
     Args:
         run: A loaded run.
@@ -68,6 +78,10 @@ def describe_run(run: LoadedRun, settings: InfoSettings | None = None, **changes
     if run.history:
         best = min(run.history, key=lambda row: row["val_nll"])
         lines.append(f"best validation NLL: {best['val_nll']:.4f} (epoch {best['epoch']:.0f})")
+    selection = read_selection(run.paths)
+    if selection is not None:
+        lines.append(f"{describe_selection(selection)} (candidate runs in "
+                     f"{candidate_paths(run.paths, CONFIGURED).root.parent})")
     lines += [
         f"parameters: {sum(p.numel() for p in run.model.parameters()):,}",
         "\nsettings:",
@@ -116,6 +130,8 @@ def describe_training(result: TrainResult, patience: int) -> str:
     how = "stopped early" if result.stopped_early else "done"
     text = (f"trained {result.epochs} epochs ({how}); best validation NLL "
             f"{result.best_val_nll:.4f} at epoch {result.best_epoch}")
+    if result.selection:
+        text = f"{describe_selection(result.selection)}\nkept: {text}"
     window = patience if patience > 0 else max(1, result.epochs // 10)
     if not result.stopped_early and result.epochs - result.best_epoch < window:
         text += (f"\nnote: the best epoch is among the last {window}, and the run ended at its "
@@ -123,6 +139,22 @@ def describe_training(result: TrainResult, patience: int) -> str:
                  f"improving: it may have been cut short (train on: --resume with a higher "
                  f"--epochs or --max-seconds)")
     return text
+
+
+def describe_selection(results: Sequence[CandidateResult]) -> str:
+    """The candidates of a run (:mod:`iresflow.train.selection`) and the one kept, one line.
+
+    Example:
+        >>> print(describe_selection([CandidateResult("configured", -1.25, 9, 19),
+        ...     CandidateResult("recurrent", -1.5, 4, 14)]))  # doctest: +NORMALIZE_WHITESPACE
+        candidates: configured -1.2500 (best epoch 9 of 19), recurrent -1.5000 (best epoch 4
+        of 14); kept recurrent, the lower validation NLL
+    """
+    parts = [f"{result.name} failed ({result.error})" if result.error is not None
+             else f"{result.name} {result.best_val_nll:.4f} (best epoch {result.best_epoch} of "
+                  f"{result.epochs})" for result in results]
+    return (f"candidates: {', '.join(parts)}; kept {choose(results).name}, the lower validation "
+            "NLL")
 
 
 def describe_evaluation(result: dict[str, Any]) -> str:

@@ -79,11 +79,11 @@ NESTED: dict[str, tuple[type[SettingsRecord], tuple[str, ...]]] = {
 #: Settings added after runs were first written, with the value that reproduces such a run: the
 #: noise density was standard normal before ``base`` existed, no layer was per position before
 #: ``position_norm``, an epoch was one pass over the training split before ``min_steps``,
-#: overlapping table windows were split at random before ``window_split``, and data were read as
-#: they are before ``dequantize``.
+#: overlapping table windows were split at random before ``window_split``, data were read as
+#: they are before ``dequantize``, and a run trained one model before ``alternative``.
 SETTINGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"base": "normal", "position_norm": "off",
                                                 "min_steps": 1, "window_split": "random",
-                                                "dequantize": "off"}
+                                                "dequantize": "off", "alternative": "none"}
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,13 @@ class TrainConfig(SettingsRecord):
     )
     # model: the defaults, help texts and checks are ModelConfig's
     model: ModelConfig = field(default_factory=ModelConfig)
+    alternative: str = setting(
+        "auto", "a second model trained after the configured one on the same split; the run "
+        "keeps whichever reaches the lower validation NLL (docs/guide.md#model-selection). "
+        "recurrent: these settings with layers autoregressive,conv,mlp, conditioner gru and lr "
+        "0.001; none: the configured model only; auto: recurrent when layers is left at its "
+        "default, else none", ("auto", "recurrent", "none"),
+    )
     # optimisation
     optimizer: str = setting("adam", "optimiser", ("adam", "adamw"))
     lr: float = setting(5e-3, "learning rate")

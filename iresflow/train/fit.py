@@ -12,6 +12,7 @@ of the best validation epoch.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from iresflow.train.distributed import World, current_world
 from iresflow.train.epoch import TrainingSession
 from iresflow.train.factories import build_model, resolve_device
 from iresflow.train.metrics import epoch_summary
+from iresflow.train.selection import CandidateResult, candidates, train_candidates
 
 __all__ = ["FitResult", "fit", "run_epochs", "seeded_training"]
 
@@ -48,6 +50,9 @@ class FitResult:
         best_val_nll: That NLL, in the dataset's unit.
         stopped: Why training ended: ``"epochs"``, ``"patience"`` or ``"time"``.
         history: One metrics dict per epoch (as in ``metrics.jsonl``).
+        config: The settings the model was trained with (the kept candidate's, with an
+            ``alternative``).
+        selection: With an ``alternative``, how every candidate ended; else empty.
     """
 
     model: nn.Module
@@ -55,6 +60,8 @@ class FitResult:
     best_val_nll: float
     stopped: str
     history: list[dict[str, float]]
+    config: TrainConfig
+    selection: tuple[CandidateResult, ...] = ()
 
     @property
     def train_seconds(self) -> float:
@@ -121,15 +128,18 @@ def fit(
 
     The same steps as :func:`iresflow.train.loop.train` with one process: torch's generators
     seeded with ``seed`` (and restored afterwards), the model built from the settings
-    (:func:`~iresflow.train.factories.build_model`) unless given, then :func:`run_epochs`. So
-    for the same settings and data it trains the same weights as ``iresflow train``, whose
-    ``best`` checkpoint holds what :attr:`FitResult.model` holds.
+    (:func:`~iresflow.train.factories.build_model`) unless given, then :func:`run_epochs`; with
+    an ``alternative`` (and no ``model`` given) each candidate in turn, keeping the one of the
+    lower validation NLL (:mod:`iresflow.train.selection`). So for the same settings and data
+    it trains the same weights as ``iresflow train``, whose ``best`` checkpoint holds what
+    :attr:`FitResult.model` holds.
 
     Args:
         config: All settings (the model settings build the flow when ``model`` is ``None``).
         dataset: The data (its train and validation splits are used).
         model: Any :class:`~iresflow.train.likelihood.DensityModel` to train instead, e.g. a
-            baseline; moved to ``config.device`` and trained in its own dtype.
+            baseline; moved to ``config.device`` and trained in its own dtype (``alternative``
+            does not apply: the model is trained as given).
         on_epoch: Called after every epoch as ``on_epoch(session, row)``, with the model in
             ``eval()`` mode, e.g. to record a learning curve. It cannot change the course of
             training: torch's generators and the session's estimator generator are restored
@@ -149,11 +159,25 @@ def fit(
         >>> config = TrainConfig(model=ModelConfig(n_blocks=1, hidden=8), max_train=8,
         ...                      max_eval=4, epochs=1, device="cpu")
         >>> result = fit(config, load_data(config))
-        >>> result.best_epoch, result.stopped, result.model.training
-        (1, 'epochs', False)
+        >>> result.best_epoch, result.stopped, result.model.training, len(result.selection)
+        (1, 'epochs', False, 2)
     """
     if current_world().size > 1:
         raise RuntimeError("fit trains in one process; in a process group use train()")
+    if model is not None:
+        return _fit_one(config.replace(alternative="none"), dataset, model, on_epoch, progress)
+    choices = candidates(config)
+    if len(choices) == 1:
+        return _fit_one(choices[0][1], dataset, None, on_epoch, progress)
+    kept, result, results = train_candidates(
+        choices, lambda name, candidate: _fit_one(candidate, dataset, None, on_epoch, progress),
+        lambda result: (result.best_val_nll, result.best_epoch, len(result.history)))
+    return dataclasses.replace(result, selection=results)
+
+
+def _fit_one(config: TrainConfig, dataset: SequenceDataset, model: nn.Module | None,
+             on_epoch: EpochHook | None, progress: bool) -> FitResult:
+    """:func:`fit` of one model (settings with ``alternative = "none"``)."""
     device = resolve_device(config.device)
     devices = [device] if device.type == "cuda" else []
     with seeded_training(config.seed, device):
@@ -177,7 +201,8 @@ def fit(
     if "state" in best:
         model.load_state_dict(best["state"])
     model.eval()
-    return FitResult(model, session.best_epoch, session.best_metric, stopped, session.history)
+    return FitResult(model, session.best_epoch, session.best_metric, stopped, session.history,
+                     config)
 
 
 @contextmanager

@@ -15,13 +15,17 @@ test NLL and figures of ``iresflow train``, :func:`iresflow.runs.finish.train_an
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from tqdm.auto import tqdm
 
 from iresflow.data.datasets import SequenceDataset
 from iresflow.models.flow import SequenceFlow
@@ -33,6 +37,14 @@ from iresflow.train.factories import build_model, load_data, resolve_device, res
 from iresflow.train.fit import run_epochs, seeded_training
 from iresflow.train.metrics import tensorboard_writer, write_metrics
 from iresflow.train.paths import RunPaths, check_run_folder, prepare_run_folder
+from iresflow.train.selection import (
+    CandidateResult,
+    adopt_candidate,
+    candidate_paths,
+    candidates,
+    train_candidates,
+    write_selection,
+)
 
 __all__ = ["FittedRun", "TrainResult", "train", "train_and_finish"]
 
@@ -50,6 +62,8 @@ class TrainResult:
         best_val_nll: That NLL, in the dataset's unit.
         stopped_early: Whether early stopping ended the run (not ``epochs`` or ``max_seconds``).
         history: One metrics dict per completed epoch.
+        selection: With an ``alternative``, how every candidate ended (the kept one's
+            summary is the rest of this record); empty for a run of one model.
     """
 
     paths: RunPaths
@@ -58,6 +72,7 @@ class TrainResult:
     best_val_nll: float
     stopped_early: bool
     history: list[dict[str, float]]
+    selection: tuple[CandidateResult, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -162,13 +177,71 @@ def _fit_and_finish(
     finish: Callable[[FittedRun], T], config: TrainConfig, paths: RunPaths, resume: bool,
     overwrite: bool, progress: bool,
 ) -> T:
-    return finish(_fit(config, paths, resume=resume, overwrite=overwrite, progress=progress))
+    choices = candidates(config)
+    if len(choices) == 1:
+        fitted = _fit(choices[0][1], paths, resume=resume, overwrite=overwrite, progress=progress)
+    else:
+        fitted = _select(config, choices, paths, resume=resume, overwrite=overwrite,
+                         progress=progress)
+    return finish(fitted)
+
+
+def _select(
+    config: TrainConfig, choices: list[tuple[str, TrainConfig]], paths: RunPaths, *,
+    resume: bool, overwrite: bool, progress: bool,
+) -> FittedRun:
+    """Train every candidate in its own folder; keep the one of the lowest validation NLL.
+
+    The run folder holds the given settings while the candidates train (so ``--resume``
+    continues each candidate where it stopped); afterwards it holds the kept candidate's run
+    and ``selection.json`` (:mod:`iresflow.train.selection`).
+    """
+    world = current_world()
+    dataset = load_data(config)  # data and settings are checked before the folder changes
+    for _, candidate in choices:
+        resolve_model_config(candidate, dataset)
+    outcome: Any = None
+    if world.main and resume and not paths.config.is_file():
+        outcome = CheckpointError(f"checkpoint not found: {paths.last} (nor the settings of a "
+                                  f"run in {paths.root})")
+    elif world.main:
+        try:
+            if not resume and paths.root.exists() and any(paths.root.iterdir()):
+                shutil.rmtree(paths.root)  # check_run_folder: overwrite is set, a run is there
+            paths.root.mkdir(parents=True, exist_ok=True)
+            config.save(paths.config)
+        except OSError as error:
+            outcome = ConfigError(f"cannot prepare run folder {paths.root}: {error}")
+    outcome = broadcast_object(outcome)
+    if outcome is not None:
+        raise outcome
+    names = [name for name, _ in choices]
+
+    def train_one(name: str, candidate: TrainConfig) -> FittedRun:
+        folder = candidate_paths(paths, name)
+        if progress and world.main:
+            tqdm.write(f"candidate {names.index(name) + 1} of {len(names)}: {name} ({folder.root})",
+                       file=sys.stderr)
+        again = resume and folder.is_run()  # a candidate not started yet starts afresh
+        return _fit(candidate, folder, resume=again, overwrite=False, progress=progress,
+                    dataset=dataset)
+
+    kept, run, results = train_candidates(
+        choices, train_one,
+        lambda run: (run.result.best_val_nll, run.result.best_epoch, run.result.epochs))
+    if world.main:
+        adopt_candidate(paths, kept)
+        write_selection(paths, results, kept)
+    broadcast_object(None)  # no rank reads the run folder before rank 0 has filled it
+    result = dataclasses.replace(run.result, paths=paths, selection=results)
+    return FittedRun(run.config, result, run.model, run.dataset)
 
 
 def _fit(
-    config: TrainConfig, paths: RunPaths, *, resume: bool, overwrite: bool, progress: bool
+    config: TrainConfig, paths: RunPaths, *, resume: bool, overwrite: bool, progress: bool,
+    dataset: SequenceDataset | None = None,
 ) -> FittedRun:
-    """One process's part of the run: its data, its model and the epochs."""
+    """One process's part of the run: its data (unless given), its model and the epochs."""
     world = current_world()
     if world.size != config.nproc:
         raise ConfigError(
@@ -176,7 +249,8 @@ def _fit(
             "nproc must equal WORLD_SIZE)"
         )
     device = resolve_device(config.device)
-    dataset = load_data(config)
+    if dataset is None:
+        dataset = load_data(config)
     if config.val_fraction is None:  # the run records the automatic fraction its split used
         config = config.replace(val_fraction=dataset.val_fraction)
     if config.model.position_norm == "auto":  # and what the data decided
