@@ -19,6 +19,7 @@ from tests.oracles import assert_close_runs
 TINY = TrainConfig(
     model=ModelConfig(n_blocks=1, hidden=8, logdet="exact"), max_train=13, max_eval=6,
     batch_size=6, epochs=2, device="cpu", eval_method="exact", scheduler="plateau",
+    alternative="none",
 )
 
 
@@ -60,6 +61,19 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     assert_close_runs(tmp_path / "single", tmp_path / "ddp", 1e-5)
     state = load_checkpoint(RunPaths(tmp_path / "ddp").last)
     assert state["nproc"] == 2 and len(state["rng_ranks"]) == 2
+
+
+@pytest.mark.slow
+def test_both_candidates_of_a_run_train_in_two_processes(tmp_path: Path) -> None:
+    config = TINY.replace(epochs=1, alternative="recurrent")
+    single = train(config, tmp_path / "single", progress=False)
+    ddp = train(config.replace(nproc=2), tmp_path / "ddp", progress=False)
+    assert [r.name for r in ddp.selection] == ["configured", "recurrent"]
+    for ours, theirs in zip(ddp.selection, single.selection, strict=True):
+        assert ours.best_val_nll == pytest.approx(theirs.best_val_nll, rel=1e-5)
+    for name in ("", "candidates/configured", "candidates/recurrent"):
+        assert_close_runs(tmp_path / "single" / name, tmp_path / "ddp" / name, 1e-5)
+    assert (tmp_path / "ddp" / "selection.json").is_file()
 
 
 @pytest.mark.slow

@@ -81,8 +81,11 @@ def candidates(config: TrainConfig) -> list[tuple[str, TrainConfig]]:
         One or two ``(name, settings)`` pairs.
 
     Example:
-        >>> [(name, c.model.conditioner, c.lr) for name, c in candidates(TrainConfig())]
-        [('configured', 'transformer', 0.005), ('recurrent', 'gru', 0.001)]
+        >>> (configured, first), (recurrent, second) = candidates(TrainConfig())
+        >>> configured, first.model.layers, first.lr
+        ('configured', ('conv', 'mlp'), 0.005)
+        >>> recurrent, second.model.layers, second.model.conditioner, second.lr
+        ('recurrent', ('autoregressive', 'conv', 'mlp'), 'gru', 0.001)
     """
     name = resolved_alternative(config)
     plain = config.replace(alternative="none")
