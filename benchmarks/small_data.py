@@ -368,6 +368,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli.add_threads(parser)
     parser.add_argument("--no-flow", action="store_true",
                         help="skip the flow: only the references and the peers")
+    parser.add_argument("--runs", type=Path, default=None,
+                        help="keep the flow's run folders here, as NAME-seedSEED (default: a "
+                        "temporary folder, removed at the end)")
     cli.add_records(parser, "small_data", ("small-data",))
     parser.add_argument("--block", dest="blocks", type=lambda name: (name,),
                         default=("small-data",),
@@ -382,10 +385,11 @@ def run(args: argparse.Namespace) -> int:
         rows = cli.table_from(args, KEY)["records"]
     else:
         earlier, rows = cli.stored(args, {}), []
-        with tempfile.TemporaryDirectory() as work:
+        with tempfile.TemporaryDirectory() as temporary:
+            work = Path(temporary) if args.runs is None else args.runs
             for name in args.datasets:
                 for seed in cli.seeds(args):
-                    record = run_dataset(name, seed, args.budget, cli.settings(args), Path(work),
+                    record = run_dataset(name, seed, args.budget, cli.settings(args), work,
                                          flow=not args.no_flow, peers=args.peers)
                     rows.append(record)
                     scores = {model: f"{record[model]['test_nll']:.3f}" for model in

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import shutil
 from pathlib import Path
 
@@ -164,6 +165,17 @@ def test_small_data_references_then_their_table(tmp_path) -> None:
     assert record["dataset"] == "co2_windows" and "flow" not in record and "gru_maf" not in record
     assert cli.main(["small_data", "--table-from", str(out), "--doc", str(page)]) == 0
     assert "| co2_windows | 416/45/73 | 1 | 52 | nats/frame | — |" in page.read_text()
+
+
+def test_small_data_keeps_the_run_folders_when_asked(tmp_path) -> None:
+    out, runs = tmp_path / "flow.json", tmp_path / "runs"
+    assert cli.main(["small_data", "--datasets", "japanese_vowels", "--budget", "0", "--set",
+                     "n_blocks=1", "hidden=8", "max_train=12", "max_eval=6", "batch_size=6",
+                     "epochs=1", "min_steps=1", "--runs", str(runs), "--out", str(out)]) == 0
+    (record,) = records.load(out)["records"]
+    run = runs / "japanese_vowels-seed0"
+    assert json.loads((run / "selection.json").read_text())["kept"] == record["flow"]["kept"]
+    assert (run / "candidates" / "recurrent" / "checkpoints" / "best.pt").is_file()
 
 
 def test_long_range_references_only(tmp_path) -> None:
