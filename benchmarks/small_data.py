@@ -343,6 +343,39 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     return records.markdown_table(header, table)
 
 
+def candidates_table(rows: Sequence[dict[str, Any]]) -> str:
+    """One row per dataset of runs that chose between candidates: each candidate's test NLL,
+    the one kept on each seed, the kept model's NLL and the better of the two on test.
+
+    Args:
+        rows: :func:`run_dataset` records whose flow has ``candidates`` (others are skipped).
+
+    Returns:
+        A markdown table (means over seeds); the last column counts the seeds on which the
+        validation split kept the candidate that was better on test.
+    """
+    order = DATASETS + HELD_OUT
+    chose = [r for r in rows if "candidates" in r.get("flow", {})]
+    names = sorted(dict.fromkeys(r["dataset"] for r in chose),
+                   key=lambda name: order.index(name) if name in order else len(order))
+    table = []
+    for name in names:
+        runs = [r for r in chose if r["dataset"] == name]
+        tests = [{c["name"]: c["test_nll"] for c in r["flow"]["candidates"]} for r in runs]
+        kinds = list(tests[0])
+        best = [min(test.values()) for test in tests]
+        right = sum(test[r["flow"]["kept"]] == low
+                    for test, r, low in zip(tests, runs, best, strict=True))
+        table.append([name, *(_mean([test[k] for test in tests if k in test]) for k in kinds),
+                      "/".join(r["flow"]["kept"][0] for r in runs),
+                      _mean([r["flow"]["test_nll"] for r in runs]), _mean(best),
+                      f"{right} of {len(runs)}"])
+    kinds = [c["name"] for c in chose[0]["flow"]["candidates"]] if chose else []
+    header = ["dataset", *kinds, "kept (c/r)", "kept model", "better on test",
+              "validation chose the better"]
+    return records.markdown_table(header, table)
+
+
 def _budget(text: str) -> float | str:
     """A ``--budget``: seconds ``>= 0`` or ``flow``."""
     if text == "flow":
@@ -372,6 +405,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep the flow's run folders here, as NAME-seedSEED (default: a "
                         "temporary folder, removed at the end)")
     cli.add_records(parser, "small_data", ("small-data",))
+    parser.add_argument("--table", choices=("suite", "candidates"), default="suite",
+                        help="suite: every model per dataset; candidates: the test NLL of each "
+                        "candidate of runs that chose between two, and which was kept "
+                        "(default: suite)")
     parser.add_argument("--block", dest="blocks", type=lambda name: (name,),
                         default=("small-data",),
                         help="the name of the block of the --doc pages the table goes into "
@@ -399,7 +436,7 @@ def run(args: argparse.Namespace) -> int:
                           flush=True)
                     written = cli.save(args, rows, KEY, {}, earlier)[0]
         rows = written
-    table = markdown_table(rows)
+    table = markdown_table(rows) if args.table == "suite" else candidates_table(rows)
     print(table)
     cli.publish(args, {args.blocks[0]: table})
     return 0 if all(math.isfinite(r["flow"]["test_nll"]) for r in rows if "flow" in r) else 1

@@ -259,3 +259,17 @@ def test_the_flow_record_gives_every_candidate_of_the_default(tmp_path: Path) ->
     alone = small_data.run_flow("japanese_vowels", 0, tmp_path / "alone",
                                 {**settings, "alternative": "none"})
     assert "kept" not in alone and "candidates" not in alone
+
+
+def test_the_candidates_table_says_when_validation_kept_the_better() -> None:
+    rows = [_record("a", seed, kept, 2.0, None) for seed, kept in ((0, 1.0), (1, 0.5))]
+    for row, (kept, configured, recurrent) in zip(
+            rows, (("configured", 1.0, 1.5), ("configured", 0.5, 0.25)), strict=True):
+        row["flow"].update(kept=kept, candidates=[
+            {"name": "configured", "test_nll": configured},
+            {"name": "recurrent", "test_nll": recurrent}])
+    lines = small_data.candidates_table([*rows, _record("b", 0, 1.0, 2.0, None)]).splitlines()
+    assert len(lines) == 3  # the run of one model has no row
+    cells = [cell.strip() for cell in lines[2].split("|")[1:-1]]
+    assert cells == ["a", "0.750 ± 0.354", "0.875 ± 0.884", "c/c", "0.750 ± 0.354",
+                     "0.625 ± 0.530", "1 of 2"]
