@@ -6,7 +6,9 @@ the data and the model once per process (:mod:`iresflow.train.factories`) and ru
 :class:`~iresflow.train.epoch.TrainingSession` (the objective, numerical health checks and the
 state of exact resume are described there) until ``epochs``, early stopping or ``max_seconds``
 (:func:`~iresflow.train.fit.run_epochs`, which :func:`~iresflow.train.fit.fit` also runs to train
-in memory from Python, without a run folder). After every epoch
+in memory from Python, without a run folder). With an ``alternative`` (the default's) it trains
+each candidate so, in a run folder of its own, and keeps the one of the lower validation NLL
+(:mod:`iresflow.train.selection`). After every epoch
 the ``last`` (and, on improvement, ``best``) checkpoint is written atomically
 (:mod:`iresflow.train.checkpoint`) and the metrics are rewritten (:mod:`iresflow.train.metrics`).
 :func:`train_and_finish` hands every process its trained model and data for more work (the
@@ -117,8 +119,11 @@ def train(
     process group as its rank instead; ``nproc`` must then be 1 (it becomes ``WORLD_SIZE``) or
     equal ``WORLD_SIZE`` (:func:`~iresflow.train.distributed.launch`).
 
+    With an ``alternative`` (:mod:`iresflow.train.selection`) the candidates train one after
+    the other in ``run_dir/candidates/NAME`` and ``run_dir`` ends as a run of the one kept.
+
     Returns:
-        A :class:`TrainResult`.
+        A :class:`TrainResult` (the kept candidate's, with every candidate's in ``selection``).
 
     Raises:
         ConfigError: ``run_dir`` already holds a run (without ``resume``/``overwrite``), is not
