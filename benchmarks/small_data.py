@@ -376,6 +376,22 @@ def candidates_table(rows: Sequence[dict[str, Any]]) -> str:
     return records.markdown_table(header, table)
 
 
+def with_peers(rows: Sequence[dict[str, Any]], others: Sequence[dict[str, Any]]
+               ) -> list[dict[str, Any]]:
+    """``rows`` with the peers' entries of the ``others`` of the same dataset and seed added
+    where a row has none; a row without such an other stays as it is (no flow or reference
+    entry is taken from ``others``).
+
+    Example:
+        >>> rows = [{"dataset": "a", "seed": 0, "flow": 1.0}, {"dataset": "a", "seed": 1}]
+        >>> with_peers(rows, [{"dataset": "a", "seed": 0, "flow": 9.0, "gru_maf": 2.0}])
+        [{'gru_maf': 2.0, 'dataset': 'a', 'seed': 0, 'flow': 1.0}, {'dataset': 'a', 'seed': 1}]
+    """
+    peers = {tuple(other[k] for k in KEY): {key: other[key] for key, _ in PEERS.values()
+                                            if key in other} for other in others}
+    return [{**peers.get(tuple(row[k] for k in KEY), {}), **row} for row in rows]
+
+
 def _budget(text: str) -> float | str:
     """A ``--budget``: seconds ``>= 0`` or ``flow``."""
     if text == "flow":
@@ -405,6 +421,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep the flow's run folders here, as NAME-seedSEED (default: a "
                         "temporary folder, removed at the end)")
     cli.add_records(parser, "small_data", ("small-data",))
+    parser.add_argument("--peers-from", type=Path, default=None, metavar="JSON",
+                        help="with --table-from: the peers' entries of the records of the same "
+                        "dataset and seed in this file, where the tables' own have none")
     parser.add_argument("--table", choices=("suite", "candidates"), default="suite",
                         help="suite: every model per dataset; candidates: the test NLL of each "
                         "candidate of runs that chose between two, and which was kept "
@@ -420,6 +439,8 @@ def run(args: argparse.Namespace) -> int:
     is not finite."""
     if args.table_from is not None:
         rows = cli.table_from(args, KEY)["records"]
+        if args.peers_from is not None:
+            rows = with_peers(rows, records.load(args.peers_from)["records"])
     else:
         earlier, rows = cli.stored(args, {}), []
         with tempfile.TemporaryDirectory() as temporary:
