@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -290,6 +290,13 @@ def flow_label(rows: Sequence[dict[str, Any]]) -> str:
         for key, value in shared.items())
 
 
+def _in_suite_order(names: Iterable[str]) -> list[str]:
+    """The distinct ``names``, those of the suite and the held-out sets in that order first."""
+    order = DATASETS + HELD_OUT
+    return sorted(dict.fromkeys(names),
+                  key=lambda name: order.index(name) if name in order else len(order))
+
+
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """One row per dataset: mean test NLL over seeds per model, then per-sequence worst cases.
 
@@ -303,9 +310,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         that chose between candidates, the initials of the one kept on each seed (c:
         configured, r: recurrent).
     """
-    order = DATASETS + HELD_OUT
-    names = sorted(dict.fromkeys(r["dataset"] for r in rows),  # the suite's order first
-                   key=lambda name: order.index(name) if name in order else len(order))
+    names = _in_suite_order(r["dataset"] for r in rows)
     peers = [key for key, _ in PEERS.values() if key == "gru_maf" or any(key in r for r in rows)]
     table = []
     for name in names:
@@ -354,10 +359,8 @@ def candidates_table(rows: Sequence[dict[str, Any]]) -> str:
         A markdown table (means over seeds); the last column counts the seeds on which the
         validation split kept the candidate that was better on test.
     """
-    order = DATASETS + HELD_OUT
     chose = [r for r in rows if "candidates" in r.get("flow", {})]
-    names = sorted(dict.fromkeys(r["dataset"] for r in chose),
-                   key=lambda name: order.index(name) if name in order else len(order))
+    names = _in_suite_order(r["dataset"] for r in chose)
     table = []
     for name in names:
         runs = [r for r in chose if r["dataset"] == name]

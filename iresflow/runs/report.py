@@ -20,13 +20,7 @@ from iresflow.runs.sample import Samples
 from iresflow.runs.settings import InfoSettings
 from iresflow.train.config import ConfigError
 from iresflow.train.loop import TrainResult
-from iresflow.train.selection import (
-    CONFIGURED,
-    CandidateResult,
-    candidate_paths,
-    choose,
-    read_selection,
-)
+from iresflow.train.selection import CandidateResult, choose, read_selection
 
 __all__ = [
     "describe_classification",
@@ -81,7 +75,7 @@ def describe_run(run: LoadedRun, settings: InfoSettings | None = None, **changes
     selection = read_selection(run.paths)
     if selection is not None:
         lines.append(f"{describe_selection(selection)} (candidate runs in "
-                     f"{candidate_paths(run.paths, CONFIGURED).root.parent})")
+                     f"{run.paths.candidates})")
     lines += [
         f"parameters: {sum(p.numel() for p in run.model.parameters()):,}",
         "\nsettings:",

@@ -169,7 +169,7 @@ def fit(
     choices = candidates(config)
     if len(choices) == 1:
         return _fit_one(choices[0][1], dataset, None, on_epoch, progress)
-    kept, result, results = train_candidates(
+    _, result, results = train_candidates(
         choices, lambda name, candidate: _fit_one(candidate, dataset, None, on_epoch, progress),
         lambda result: (result.best_val_nll, result.best_epoch, len(result.history)))
     return dataclasses.replace(result, selection=results)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +37,12 @@ from iresflow.train.epoch import TrainingSession
 from iresflow.train.factories import build_model, load_data, resolve_device, resolve_model_config
 from iresflow.train.fit import run_epochs, seeded_training
 from iresflow.train.metrics import tensorboard_writer, write_metrics
-from iresflow.train.paths import RunPaths, check_run_folder, prepare_run_folder
+from iresflow.train.paths import (
+    RunPaths,
+    check_run_folder,
+    empty_run_folder,
+    prepare_run_folder,
+)
 from iresflow.train.selection import (
     CandidateResult,
     adopt_candidate,
@@ -211,9 +215,8 @@ def _select(
                                   f"run in {paths.root})")
     elif world.main:
         try:
-            if not resume and paths.root.exists() and any(paths.root.iterdir()):
-                shutil.rmtree(paths.root)  # check_run_folder: overwrite is set, a run is there
-            paths.root.mkdir(parents=True, exist_ok=True)
+            if not resume:  # a folder to resume holds the settings (checked above)
+                empty_run_folder(paths)
             config.save(paths.config)
         except OSError as error:
             outcome = ConfigError(f"cannot prepare run folder {paths.root}: {error}")
@@ -236,7 +239,7 @@ def _select(
         lambda run: (run.result.best_val_nll, run.result.best_epoch, run.result.epochs))
     if world.main:
         adopt_candidate(paths, kept)
-        write_selection(paths, results, kept)
+        write_selection(paths, results)
     broadcast_object(None)  # no rank reads the run folder before rank 0 has filled it
     result = dataclasses.replace(run.result, paths=paths, selection=results)
     return FittedRun(run.config, result, run.model, run.dataset)

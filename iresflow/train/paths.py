@@ -11,7 +11,7 @@ from typing import Any
 from iresflow.train.checkpoint import load_checkpoint
 from iresflow.train.config import ConfigError, TrainConfig
 
-__all__ = ["RunPaths", "check_run_folder", "prepare_run_folder"]
+__all__ = ["RunPaths", "check_run_folder", "empty_run_folder", "prepare_run_folder"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,16 @@ class RunPaths:
     def tensorboard(self) -> Path:
         """``tensorboard/``: event files, when enabled."""
         return self.root / "tensorboard"
+
+    @property
+    def candidates(self) -> Path:
+        """``candidates/``: the run folder of every candidate, with an ``alternative``."""
+        return self.root / "candidates"
+
+    @property
+    def selection(self) -> Path:
+        """``selection.json``: how every candidate ended, with an ``alternative``."""
+        return self.root / "selection.json"
 
     def is_run(self) -> bool:
         """Whether the folder holds a run (a config or checkpoint)."""
@@ -178,7 +188,13 @@ def prepare_run_folder(
                 "change)"
             )
         return state
-    if paths.root.exists() and any(paths.root.iterdir()):
-        shutil.rmtree(paths.root)  # check_run_folder: overwrite is set and it holds a run
-    paths.root.mkdir(parents=True, exist_ok=True)
+    empty_run_folder(paths)
     return None
+
+
+def empty_run_folder(paths: RunPaths) -> None:
+    """Create the run folder, or empty it: call after :func:`check_run_folder` allowed it
+    (``overwrite`` is set and the folder holds a run)."""
+    if paths.root.exists() and any(paths.root.iterdir()):
+        shutil.rmtree(paths.root)
+    paths.root.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,6 @@ import math
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 from iresflow.models.config import ModelConfig
@@ -167,7 +166,7 @@ def train_candidates(
 
 def candidate_paths(paths: RunPaths, name: str) -> RunPaths:
     """The run folder of the candidate ``name`` of a run: ``RUN/candidates/NAME``."""
-    return RunPaths(paths.root / "candidates" / name)
+    return RunPaths(paths.candidates / name)
 
 
 def adopt_candidate(paths: RunPaths, name: str) -> None:
@@ -183,21 +182,17 @@ def adopt_candidate(paths: RunPaths, name: str) -> None:
             shutil.copy2(item, target)
 
 
-def _selection_file(paths: RunPaths) -> Path:
-    return paths.root / "selection.json"
-
-
-def write_selection(paths: RunPaths, results: Sequence[CandidateResult], kept: str) -> None:
-    """Write ``selection.json``: every candidate's result and the name of the one kept."""
-    record = {"kept": kept, "candidates": [asdict(result) for result in results]}
-    _selection_file(paths).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+def write_selection(paths: RunPaths, results: Sequence[CandidateResult]) -> None:
+    """Write ``selection.json``: every candidate's result and the name of the one kept
+    (:func:`choose`'s)."""
+    record = {"kept": choose(results).name, "candidates": [asdict(result) for result in results]}
+    paths.selection.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
 def read_selection(paths: RunPaths) -> tuple[CandidateResult, ...] | None:
     """The candidates of a run (the kept one is :func:`choose`'s), or ``None`` for a run of
     one model."""
-    path = _selection_file(paths)
-    if not path.is_file():
+    if not paths.selection.is_file():
         return None
-    record = json.loads(path.read_text(encoding="utf-8"))
+    record = json.loads(paths.selection.read_text(encoding="utf-8"))
     return tuple(CandidateResult(**result) for result in record["candidates"])
