@@ -155,13 +155,15 @@ def test_an_unregistered_name_is_refused_again():
 
 
 def test_the_built_in_kinds_are_registered_entries():
-    assert tuple(LAYER_KINDS) == ("attention", "relative", "conv", "mlp", "mix", "autoregressive")
+    assert tuple(LAYER_KINDS) == ("attention", "relative", "conv", "mlp", "mix", "autoregressive",
+                                  "maf")
     assert tuple(BASES.choices) == ("normal", "student-t", "multivariate-t", "sequence-t")
     assert all(LAYERS[kind].help for kind in LAYERS)
     assert all(BASES[name].help for name in BASES)
     assert [kind for kind in LAYERS if LAYERS[kind].positional] == ["attention"]
-    assert [kind for kind in LAYERS if not LAYERS[kind].residual] == ["mix", "autoregressive"]
-    assert [kind for kind in LAYERS if LAYERS[kind].per_block] == ["conv"]
+    assert [kind for kind in LAYERS if not LAYERS[kind].residual] == ["mix", "autoregressive",
+                                                                        "maf"]
+    assert [kind for kind in LAYERS if LAYERS[kind].per_block] == ["conv", "maf"]
     assert BASES["normal"].build is StandardNormalSequence
     assert [make_base(name, 2).group for name in ("student-t", "multivariate-t", "sequence-t")
             ] == ["feature", "frame", "sequence"]
@@ -178,7 +180,7 @@ def test_the_built_in_kinds_are_there_whichever_module_is_imported_first():
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": str(root)})
-    assert out.stdout.strip() == "attention,relative,conv,mlp,mix,autoregressive"
+    assert out.stdout.strip() == "attention,relative,conv,mlp,mix,autoregressive,maf"
 
 
 @pytest.mark.parametrize(

@@ -456,19 +456,26 @@ def test_positional_branch_rejects_non_branches():
 
 @pytest.mark.parametrize("conditioner", ["transformer", "gru"])
 @pytest.mark.parametrize("conditional", [False, True])
-def test_autoregressive_layers_mix_with_residual_steps(device, dtype, conditional, conditioner):
-    # The autoregressive step kind in a block recipe: exact log-density against the dense
+@pytest.mark.parametrize("step_kind", ["autoregressive", "maf"])
+def test_autoregressive_layers_mix_with_residual_steps(device, dtype, conditional, conditioner,
+                                                       step_kind):
+    # The autoregressive step kinds in a block recipe: exact log-density against the dense
     # Jacobian of the whole flow, an exact inverse by Jacobi sweeps, gradients everywhere.
     model = ResidualSequenceFlow(
         features=2, hidden=8, max_len=5, n_blocks=2, ar_order=1, base="normal",
-        layers=("autoregressive", "conv"), num_classes=2 if conditional else 0,
+        layers=(step_kind, "conv"), num_classes=2 if conditional else 0,
         conditioner=conditioner,
     ).to(device=device, dtype=dtype)
     steps = dict(model.transform.named_steps())
-    assert {"block0.autoregressive", "block1.autoregressive"} <= set(steps)
+    steps["block0.autoregressive"], steps["block1.autoregressive"] = (
+        steps[f"block0.{step_kind}"], steps[f"block1.{step_kind}"])
     assert "block0.autoregressive.actnorm" not in steps  # a step kind, not a residual one
     kind = CausalGRU if conditioner == "gru" else CausalTransformer
     assert isinstance(steps["block0.autoregressive"].conditioner, kind)
+    # a maf layer conditions within frames, the order of the features reversed in block 1
+    nets = [steps[f"block{i}.autoregressive"].frame_net for i in (0, 1)]
+    assert ([net.reverse for net in nets] == [False, True] if step_kind == "maf"
+            else nets == [None, None])
     x = torch.randn(3, 5, 2, device=device, dtype=dtype) * 1.5 + 0.2
     mask = torch.tensor([[True] * 5, [True, True, False, True, True], [True] * 2 + [False] * 3],
                         device=device)
@@ -476,7 +483,7 @@ def test_autoregressive_layers_mix_with_residual_steps(device, dtype, conditiona
     model.initialize(x, mask, **context)
     with torch.no_grad():  # away from the identity the steps start as, and the context's zeros
         for name, p in model.named_parameters():
-            if "conditioner" in name or "context" in name or "embedding" in name:
+            if any(part in name for part in ("conditioner", "frame_net", "context", "embedding")):
                 p.add_(0.2 * torch.randn_like(p))
     model.log_prob(x, mask, method="exact", **context).mean().neg().backward()
     for name, p in model.named_parameters():
@@ -499,8 +506,8 @@ def test_autoregressive_layers_mix_with_residual_steps(device, dtype, conditiona
     sweeps = steps["block1.autoregressive"].last_inverse_stats.iterations
     assert int(sweeps.max()) <= 6  # at most N + 1 sweeps
     reported = {block["name"]: block for block in model.inverse_diagnostics()["blocks"]}
-    assert reported["block1.autoregressive"]["max_iterations"] == int(sweeps.max())
-    assert {"block0.autoregressive", "block0.conv", "block1.conv"} <= set(reported)
+    assert reported[f"block1.{step_kind}"]["max_iterations"] == int(sweeps.max())
+    assert {f"block0.{step_kind}", "block0.conv", "block1.conv"} <= set(reported)
 
 
 def test_the_former_name_still_builds_the_model_with_a_warning():

@@ -1,4 +1,4 @@
-"""Runs that choose between the configured model and an alternative on the validation split."""
+"""Runs that choose among the configured model and alternatives on the validation split."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from iresflow.train.selection import (
     candidates,
     choose,
     read_selection,
-    resolved_alternative,
+    resolved_alternatives,
     train_candidates,
 )
 from tests.tiny_runs import TINY, forget_setting
@@ -41,24 +41,29 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def test_the_default_tries_the_recurrent_alternative_unless_layers_are_chosen() -> None:
+def test_the_default_tries_the_alternatives_unless_layers_are_chosen() -> None:
     assert TrainConfig().alternative == "auto"
-    assert resolved_alternative(TrainConfig()) == "recurrent"
+    assert resolved_alternatives(TrainConfig(), 1) == ("recurrent",)
+    assert resolved_alternatives(TrainConfig(), 2) == ("recurrent", "maf")  # several features
     chosen = TrainConfig.from_dict({"layers": ["attention", "mlp"]})
-    assert resolved_alternative(chosen) == "none"
-    assert [name for name, _ in candidates(chosen)] == ["configured"]
-    assert [name for name, _ in candidates(TrainConfig(alternative="none"))] == ["configured"]
-    forced = chosen.replace(alternative="recurrent")
-    (_, configured), (name, recurrent) = candidates(forced)
-    assert configured == forced.replace(alternative="none")
-    assert name == "recurrent" and recurrent.alternative == "none"
-    changes = ALTERNATIVES["recurrent"]
-    assert recurrent.model.layers == changes["layers"]
-    assert recurrent.model.conditioner == changes["conditioner"] and recurrent.lr == changes["lr"]
-    # every other setting is the configured one's
-    differ = {key for key, value in recurrent.to_dict().items()
-              if configured.to_dict()[key] != value}
-    assert differ == set(changes)
+    assert resolved_alternatives(chosen, 6) == ()
+    assert [name for name, _ in candidates(chosen, 6)] == ["configured"]
+    assert [name for name, _ in candidates(TrainConfig(alternative="none"), 6)] == ["configured"]
+    for name in ALTERNATIVES:  # one named alternative, whatever the layers and the frame size
+        forced = chosen.replace(alternative=name)
+        assert resolved_alternatives(forced, 1) == (name,)
+        (_, configured), (got, alternative) = candidates(forced, 1)
+        assert configured == forced.replace(alternative="none")
+        assert got == name and alternative.alternative == "none"
+        changes = ALTERNATIVES[name]
+        flat = alternative.to_dict()
+        assert all(flat[key] == value for key, value in changes.items())
+        # every other setting is the configured one's
+        differ = {key for key, value in flat.items() if configured.to_dict()[key] != value}
+        assert differ == set(changes)
+    maf = dict(candidates(TrainConfig(), 6))["maf"]
+    assert (maf.model.layers, maf.model.conditioner, maf.model.ar_order, maf.optimizer) == (
+        ("maf", "maf"), "gru", 0, "adamw")
     with pytest.raises(ConfigError, match="alternative"):
         TrainConfig(alternative="gru")
 
@@ -75,7 +80,7 @@ def test_choose_keeps_the_lowest_finite_validation_nll_and_the_first_on_a_tie() 
 
 
 def test_a_candidate_that_diverges_is_recorded_and_the_other_kept() -> None:
-    choices = candidates(TrainConfig())
+    choices = candidates(TrainConfig(), 1)
 
     def train_one(name: str, config: TrainConfig) -> float:
         if name == "recurrent":
@@ -94,9 +99,10 @@ def test_a_candidate_that_diverges_is_recorded_and_the_other_kept() -> None:
         train_candidates(choices, diverge, lambda v: (v, 0, 0))
 
 
-def test_the_run_folder_holds_the_kept_candidate_and_both_runs(run: Path) -> None:
-    results = read_selection(RunPaths(run))
-    assert results is not None and [r.name for r in results] == ["configured", "recurrent"]
+def test_the_run_folder_holds_the_kept_candidate_and_every_run(run: Path) -> None:
+    results = read_selection(RunPaths(run))  # japanese_vowels: 12 features, three candidates
+    assert results is not None and [r.name for r in results] == ["configured", "recurrent",
+                                                                 "maf"]
     kept = choose(results)
     assert json.loads((run / "selection.json").read_text())["kept"] == kept.name
     assert kept.best_val_nll == min(r.best_val_nll for r in results)
@@ -105,7 +111,7 @@ def test_the_run_folder_holds_the_kept_candidate_and_both_runs(run: Path) -> Non
         assert (run / name).read_bytes() == (source.root / name).read_bytes(), name
     stored = TrainConfig.from_toml(RunPaths(run).config)
     assert stored.alternative == "none"  # a plain run of the kept model
-    expected = dict(candidates(SELECTING))[kept.name]
+    expected = dict(candidates(SELECTING, 12))[kept.name]
     assert (stored.model.layers, stored.model.conditioner, stored.lr) == (
         expected.model.layers, expected.model.conditioner, expected.lr)
     for result in results:  # each candidate is the run its settings give on their own
@@ -116,7 +122,7 @@ def test_the_run_folder_holds_the_kept_candidate_and_both_runs(run: Path) -> Non
 
 
 def test_each_candidate_trains_as_a_run_of_its_settings_alone(run: Path, tmp_path: Path) -> None:
-    settings = dict(candidates(SELECTING))["recurrent"]
+    settings = dict(candidates(SELECTING, 12))["recurrent"]
     alone = train(settings, tmp_path / "alone", progress=False)
     inside = load_checkpoint(candidate_paths(RunPaths(run), "recurrent").best)
     mine = load_checkpoint(alone.paths.best)
@@ -130,7 +136,7 @@ def test_fit_chooses_as_train_does(run: Path) -> None:
     result = fit(SELECTING, load_data(SELECTING))
     assert result.selection == read_selection(RunPaths(run))
     kept = choose(result.selection).name
-    assert result.config == dict(candidates(SELECTING))[kept]
+    assert result.config == dict(candidates(SELECTING, 12))[kept]
     best = load_checkpoint(RunPaths(run).best)["model"]
     for key, value in result.model.state_dict().items():
         assert torch.equal(value, best[key]), key
@@ -144,7 +150,7 @@ def test_a_selection_cut_short_resumes_each_candidate(run: Path, tmp_path: Path)
     resumed = train(SELECTING, cut, resume=True, progress=False)
     assert resumed.selection == read_selection(RunPaths(run))
     assert (cut / "checkpoints" / "best.pt").is_file()
-    for name in ("configured", "recurrent"):
+    for name in ("configured", "recurrent", "maf"):
         ours = load_checkpoint(candidate_paths(RunPaths(cut), name).last)["history"]
         theirs = load_checkpoint(candidate_paths(RunPaths(run), name).last)["history"]
         assert [r["val_nll"] for r in ours] == [r["val_nll"] for r in theirs], name
@@ -158,7 +164,7 @@ def test_a_finished_selection_resumes_its_kept_model(run: Path, tmp_path: Path) 
     result = train(config, copy, resume=True, progress=False)
     assert result.epochs == 3 and result.selection == ()
     assert load_checkpoint(RunPaths(copy).last)["config"]["lr"] == (
-        dict(candidates(SELECTING))[kept].lr)
+        dict(candidates(SELECTING, 12))[kept].lr)
 
 
 def test_bad_settings_of_a_candidate_leave_the_folder_untouched(tmp_path: Path) -> None:
@@ -177,7 +183,7 @@ def test_runs_written_before_the_setting_train_one_model(run: Path, tmp_path: Pa
     assert TrainConfig.from_toml(paths.config, stored=True).alternative == "none"
 
 
-def test_the_cli_reports_both_candidates(
+def test_the_cli_reports_every_candidate(
     run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "cli"
@@ -187,7 +193,8 @@ def test_the_cli_reports_both_candidates(
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("candidates: configured ")
-    assert "recurrent" in printed.splitlines()[0] and "kept: trained 2 epochs" in printed
+    assert "recurrent" in printed.splitlines()[0] and "maf" in printed.splitlines()[0]
+    assert "kept: trained 2 epochs" in printed
     assert main(["info", str(out)]) == 0
     assert "candidates: configured" in capsys.readouterr().out
     assert main(argv[:-1] + ["--alternative", "none", "--overwrite", "--quiet"]) == 0

@@ -140,8 +140,22 @@ def _autoregressive(config: ModelConfig, encoding: nn.Module | None) -> Autoregr
     )
 
 
+def _maf(config: ModelConfig, encoding: nn.Module | None, *, block: int) -> AutoregressiveAffine:
+    return AutoregressiveAffine(
+        config.features, width=config.hidden, depth=AUTOREGRESSIVE_DEPTH[config.conditioner],
+        heads=default_heads(config.hidden), max_len=config.max_len, positional=config.positional,
+        conditioner=config.conditioner,  # type: ignore[arg-type]  # a checked choice
+        context_features=config.resolved_context_features, within_frame=True,
+        reverse_features=block % 2 == 1,
+    )
+
+
 register_step("mix", _mix, "an LU feature mixing")
 register_step("autoregressive", _autoregressive,
               "an affine step whose shift and scale come from a causal Transformer or a GRU over "
               "the past frames (conditioner; width hidden, inverted by sweeps that settle the "
               "frames in order)")
+register_step("maf", _maf,
+              "an autoregressive step whose shift and scale of feature d also read the frame's "
+              "features before d (a masked MLP after the conditioner: a MAF over the features "
+              "given the past; the order reversed in every other block)", per_block=True)

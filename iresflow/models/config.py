@@ -96,15 +96,18 @@ class ModelConfig(SettingsRecord):
         "layers of every block, in order: attention, relative (an MLP of a learned average "
         "over relative offsets), conv (temporal convolution) and mlp are residual steps after "
         "an ActNorm; mix is an LU feature mixing; autoregressive an affine step conditioned on "
-        "the past frames by a causal Transformer or a GRU (conditioner)",
+        "the past frames by a causal Transformer or a GRU (conditioner); maf an autoregressive "
+        "step whose feature d also reads the frame's features before d (a MAF over the "
+        "features given the past)",
         LAYER_KINDS,
     )
     conditioner: str = setting(
-        "transformer", "network that computes the shift and scale of the autoregressive layers "
-        "from the past frames: transformer (causal attention over all of them) or gru (a "
-        "recurrent state, one cheap update per frame when sampling)", ("transformer", "gru"),
+        "transformer", "network that computes the shift and scale of the autoregressive (and "
+        "maf) layers from the past frames: transformer (causal attention over all of them) or "
+        "gru (a recurrent state, one cheap update per frame when sampling)", ("transformer", "gru"),
     )
-    hidden: int = setting(64, "hidden width of the feed-forward and convolution branches")
+    hidden: int = setting(64, "hidden width of the feed-forward and convolution branches, and of "
+                          "the conditioners of autoregressive and maf layers")
     kernel_size: int = setting(3, "odd kernel size of the temporal convolutions")
     dilation: int = setting(
         1, "growth of the dilation of the conv layers from block to block: block i reads frames "
@@ -113,8 +116,8 @@ class ModelConfig(SettingsRecord):
     )
     causal: bool = setting(
         False, "make every layer causal over frames, so noise frame t depends on data frames "
-        "<= t only: conv layers read the current and past frames, mlp, mix and autoregressive "
-        "layers are kept as they are; attention and relative have no causal variant yet"
+        "<= t only: conv layers read the current and past frames, mlp, mix, autoregressive "
+        "and maf layers are kept as they are; attention and relative have no causal variant yet"
     )
     heads: int | None = setting(
         None, "attention heads, dividing the number of features",

@@ -214,7 +214,8 @@ def register_branch(
 
 
 def register_step(
-    name: str, build: LayerBuilder, help: str, *, positional: bool = False
+    name: str, build: LayerBuilder, help: str, *, positional: bool = False,
+    per_block: bool = False,
 ) -> None:
     """Register a step layer kind: an invertible step used in the chain as it is.
 
@@ -226,6 +227,7 @@ def register_step(
             config.resolved_context_features``.
         help: One line saying what the kind is.
         positional: Whether ``build`` takes the model's positional encoding (else ``None``).
+        per_block: Whether ``build`` takes the index of its block as the keyword ``block``.
 
     Raises:
         TypeError: ``name`` or ``help`` is not a string, or ``build`` is not callable.
@@ -239,7 +241,7 @@ def register_step(
         False
         >>> LAYERS.unregister("scale")
     """
-    _register_layer(name, LayerKind(build, help, False, bool(positional)))
+    _register_layer(name, LayerKind(build, help, False, bool(positional), bool(per_block)))
 
 
 def _register_layer(name: str, kind: LayerKind) -> None:

@@ -142,13 +142,13 @@ def describe_selection(results: Sequence[CandidateResult]) -> str:
         >>> print(describe_selection([CandidateResult("configured", -1.25, 9, 19),
         ...     CandidateResult("recurrent", -1.5, 4, 14)]))  # doctest: +NORMALIZE_WHITESPACE
         candidates: configured -1.2500 (best epoch 9 of 19), recurrent -1.5000 (best epoch 4
-        of 14); kept recurrent, the lower validation NLL
+        of 14); kept recurrent, the lowest validation NLL
     """
     parts = [f"{result.name} failed ({result.error})" if result.error is not None
              else f"{result.name} {result.best_val_nll:.4f} (best epoch {result.best_epoch} of "
                   f"{result.epochs})" for result in results]
-    return (f"candidates: {', '.join(parts)}; kept {choose(results).name}, the lower validation "
-            "NLL")
+    return (f"candidates: {', '.join(parts)}; kept {choose(results).name}, the lowest "
+            "validation NLL")
 
 
 def describe_evaluation(result: dict[str, Any]) -> str:

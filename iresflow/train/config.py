@@ -147,11 +147,13 @@ class TrainConfig(SettingsRecord):
     # model: the defaults, help texts and checks are ModelConfig's
     model: ModelConfig = field(default_factory=ModelConfig)
     alternative: str = setting(
-        "auto", "a second model trained after the configured one on the same split; the run "
-        "keeps whichever reaches the lower validation NLL (docs/guide.md#model-selection). "
+        "auto", "models trained after the configured one on the same split; the run keeps "
+        "whichever reaches the lowest validation NLL (docs/guide.md#model-selection). "
         "recurrent: these settings with layers autoregressive,conv,mlp, conditioner gru and lr "
-        "0.001; none: the configured model only; auto: recurrent when layers is left at its "
-        "default, else none", ("auto", "recurrent", "none"),
+        "0.001; maf: layers maf,maf, conditioner gru, ar_order 0, optimizer adamw, lr 0.003, "
+        "weight_decay 0.05; none: the configured model only; auto: when layers is left at its "
+        "default, recurrent, and maf too for frames of more than one feature, else none",
+        ("auto", "recurrent", "maf", "none"),
     )
     # optimisation
     optimizer: str = setting("adam", "optimiser", ("adam", "adamw"))

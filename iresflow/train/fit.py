@@ -166,7 +166,7 @@ def fit(
         raise RuntimeError("fit trains in one process; in a process group use train()")
     if model is not None:
         return _fit_one(config.replace(alternative="none"), dataset, model, on_epoch, progress)
-    choices = candidates(config)
+    choices = candidates(config, dataset.features)
     if len(choices) == 1:
         return _fit_one(choices[0][1], dataset, None, on_epoch, progress)
     _, result, results = train_candidates(

@@ -186,27 +186,29 @@ def _fit_and_finish(
     finish: Callable[[FittedRun], T], config: TrainConfig, paths: RunPaths, resume: bool,
     overwrite: bool, progress: bool,
 ) -> T:
-    choices = candidates(config)
-    if len(choices) == 1:
-        fitted = _fit(choices[0][1], paths, resume=resume, overwrite=overwrite, progress=progress)
+    if config.alternative == "none":
+        fitted = _fit(config, paths, resume=resume, overwrite=overwrite, progress=progress)
     else:
-        fitted = _select(config, choices, paths, resume=resume, overwrite=overwrite,
-                         progress=progress)
+        fitted = _select(config, paths, resume=resume, overwrite=overwrite, progress=progress)
     return finish(fitted)
 
 
 def _select(
-    config: TrainConfig, choices: list[tuple[str, TrainConfig]], paths: RunPaths, *,
-    resume: bool, overwrite: bool, progress: bool,
+    config: TrainConfig, paths: RunPaths, *, resume: bool, overwrite: bool, progress: bool,
 ) -> FittedRun:
     """Train every candidate in its own folder; keep the one of the lowest validation NLL.
 
     The run folder holds the given settings while the candidates train (so ``--resume``
     continues each candidate where it stopped); afterwards it holds the kept candidate's run
-    and ``selection.json`` (:mod:`iresflow.train.selection`).
+    and ``selection.json`` (:mod:`iresflow.train.selection`). With one candidate (``auto`` and
+    layers of the user's choice) the run is that candidate's plain run.
     """
     world = current_world()
     dataset = load_data(config)  # data and settings are checked before the folder changes
+    choices = candidates(config, dataset.features)
+    if len(choices) == 1:
+        return _fit(choices[0][1], paths, resume=resume, overwrite=overwrite, progress=progress,
+                    dataset=dataset)
     for _, candidate in choices:
         resolve_model_config(candidate, dataset)
     outcome: Any = None

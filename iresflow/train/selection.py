@@ -1,17 +1,19 @@
-"""Choosing between two models on the validation split: the configured one and an alternative.
+"""Choosing among models on the validation split: the configured one and alternatives.
 
 A run whose ``alternative`` setting names one (``auto`` does when ``layers`` is left at its
-default) trains two candidates one after the other on the same split and seed: the model as
-configured, and the same settings with the alternative's changes (:data:`ALTERNATIVES`). Each
-candidate is an ordinary run in ``RUN/candidates/NAME``; the one with the lower best validation
-NLL is kept (the configured one on a tie, or when the other failed): its settings, checkpoints and
-metrics are copied into ``RUN``, which then is a plain run of the kept model, and
-``RUN/selection.json`` records both candidates (docs/guide.md#model-selection).
+default) trains its candidates one after the other on the same split and seed: the model as
+configured, then the same settings with each alternative's changes (:data:`ALTERNATIVES`). Each
+candidate is an ordinary run in ``RUN/candidates/NAME``; the one with the lowest best validation
+NLL is kept (the earlier one on a tie, the configured one first; a failed one never): its
+settings, checkpoints and metrics are copied into ``RUN``, which then is a plain run of the kept
+model, and ``RUN/selection.json`` records every candidate (docs/guide.md#model-selection).
 
 The residual blocks of the default read a few frames on either side and fit many small
 multivariate sets best; autoregressive steps conditioned by a GRU on every past frame fit one-
-feature series with long memory best (docs/small_data.md#recurrent-conditioner). Neither wins
-everywhere and the validation split tells them apart, so the default run tries both.
+feature series with long memory best (docs/small_data.md#recurrent-conditioner); frames of
+several features whose joint law given the past is far from Gaussian want a MAF over the features
+given the past (docs/small_data.md#maf). None wins everywhere and the validation split tells them
+apart, so the default run tries them all.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ __all__ = [
     "candidates",
     "choose",
     "read_selection",
-    "resolved_alternative",
+    "resolved_alternatives",
     "train_candidates",
     "write_selection",
 ]
@@ -47,51 +49,60 @@ T = TypeVar("T")
 #: Name of the candidate trained with the settings as given.
 CONFIGURED = "configured"
 
-#: The alternatives a run can try beside its configured model, as changes of its settings.
+#: The alternatives a run can try beside its configured model, as changes of its settings:
+#: ``recurrent``, autoregressive steps conditioned by a GRU before the residual blocks; ``maf``,
+#: steps that are a MAF over the features of each frame given the past, without the
+#: autoregressive input layer, trained by AdamW (docs/small_data.md#maf).
 ALTERNATIVES: dict[str, dict[str, Any]] = {
     "recurrent": {"layers": ("autoregressive", "conv", "mlp"), "conditioner": "gru",
                   "lr": 1e-3},
+    "maf": {"layers": ("maf", "maf"), "conditioner": "gru", "ar_order": 0,
+            "optimizer": "adamw", "lr": 3e-3, "weight_decay": 0.05},
 }
 
 
-def resolved_alternative(config: TrainConfig) -> str:
-    """The alternative a run trains: ``config.alternative``, with ``auto`` resolved (the
-    recurrent one when ``layers`` is the default, else ``none``).
+def resolved_alternatives(config: TrainConfig, features: int) -> tuple[str, ...]:
+    """The alternatives a run trains on frames of ``features`` features: ``config.alternative``,
+    with ``auto`` resolved (when ``layers`` is the default: the recurrent one, and the maf one
+    for frames of more than one feature; else none).
 
     Example:
-        >>> resolved_alternative(TrainConfig())
-        'recurrent'
-        >>> resolved_alternative(TrainConfig.from_dict({"layers": ["attention", "mlp"]}))
-        'none'
+        >>> resolved_alternatives(TrainConfig(), 1), resolved_alternatives(TrainConfig(), 6)
+        (('recurrent',), ('recurrent', 'maf'))
+        >>> resolved_alternatives(TrainConfig.from_dict({"layers": ["attention", "mlp"]}), 6)
+        ()
     """
     if config.alternative != "auto":
-        return config.alternative
-    return "recurrent" if config.model.layers == ModelConfig().layers else "none"
+        return () if config.alternative == "none" else (config.alternative,)
+    if config.model.layers != ModelConfig().layers:
+        return ()
+    return ("recurrent", "maf") if features > 1 else ("recurrent",)
 
 
-def candidates(config: TrainConfig) -> list[tuple[str, TrainConfig]]:
+def candidates(config: TrainConfig, features: int) -> list[tuple[str, TrainConfig]]:
     """The models a run trains, by name, each with settings of a plain run (``alternative =
-    "none"``): the configured one first, then the alternative, if any.
+    "none"``): the configured one first, then the alternatives, if any.
 
     Args:
         config: The settings of the run.
+        features: Frame size ``D`` of its data.
 
     Returns:
-        One or two ``(name, settings)`` pairs.
+        ``(name, settings)`` pairs, one to three.
 
     Example:
-        >>> (configured, first), (recurrent, second) = candidates(TrainConfig())
+        >>> (configured, first), (recurrent, second) = candidates(TrainConfig(), features=1)
         >>> configured, first.model.layers, first.lr
         ('configured', ('conv', 'mlp'), 0.005)
         >>> recurrent, second.model.layers, second.model.conditioner, second.lr
         ('recurrent', ('autoregressive', 'conv', 'mlp'), 'gru', 0.001)
+        >>> [name for name, _ in candidates(TrainConfig(), features=6)]
+        ['configured', 'recurrent', 'maf']
     """
-    name = resolved_alternative(config)
     plain = config.replace(alternative="none")
-    if name == "none":
-        return [(CONFIGURED, plain)]
-    return [(CONFIGURED, plain),
-            (name, TrainConfig.from_dict({**plain.to_dict(), **ALTERNATIVES[name]}))]
+    return [(CONFIGURED, plain)] + [
+        (name, TrainConfig.from_dict({**plain.to_dict(), **ALTERNATIVES[name]}))
+        for name in resolved_alternatives(config, features)]
 
 
 @dataclass(frozen=True)

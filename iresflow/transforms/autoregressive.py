@@ -12,6 +12,7 @@ from torch import Tensor
 from iresflow._validation import check_float, check_int
 from iresflow.nn.causal import CausalTransformer
 from iresflow.nn.conditional import check_context
+from iresflow.nn.made import MaskedFrameNet
 from iresflow.nn.recurrent import CausalGRU
 from iresflow.transforms.base import FRAMES, LogDetRequest
 from iresflow.transforms.settling import SettlingStep
@@ -40,6 +41,14 @@ class AutoregressiveAffine(SettlingStep):
     real frames before it only). A ``(B, D)`` batch of vectors is a batch of one-frame sequences:
     an affine map whose shift and scale depend on the context only.
 
+    With ``within_frame``, feature :math:`d` of frame :math:`t` is also conditioned on the
+    frame's features before it: the conditioner's output at frame :math:`t` is a summary
+    :math:`h_t` of the past (width ``width``) and a masked MLP
+    (:class:`~iresflow.nn.made.MaskedFrameNet`) computes :math:`(\mu_{t,d}, a_{t,d})` from
+    :math:`h_t` and :math:`x_{t,<d}`: a masked autoregressive flow over the features of every
+    frame given the past. The diagonal blocks are then triangular with diagonal
+    :math:`e^{-s_t}`, so the log-determinant is the same sum.
+
     The inverse solves the fixed point of the Jacobi map
     :math:`T_y(x)_t = \mu_t(x_{<t}) + y_t \odot e^{s_t(x_{<t})}` from :math:`x^0 = y` with
     :func:`~iresflow.inverse.causal.causal_fixed_point_inverse` (its tolerance, its residual
@@ -48,10 +57,12 @@ class AutoregressiveAffine(SettlingStep):
     Transformer attends to the keys and values it kept for the settled ones
     (:class:`~iresflow.nn.causal.WindowEvaluator`), the GRU continues from the state it kept
     (:class:`~iresflow.nn.recurrent.RecurrentWindows`); and :math:`N` sweeps always suffice, for any
-    network. With the default window of one frame, each sweep solves one frame exactly from the
-    frames before it; a wider window (``inverse_window``) moves more frames per sweep at once,
-    Jacobi style. The diagnostics of the last inverse are kept in :attr:`last_inverse_stats`
-    (``iterations`` are the sweeps per sample). ``inverse`` runs without gradient tracking.
+    network. With ``within_frame``, :math:`T_y(x)_t` is frame :math:`t` solved from
+    :math:`x_{<t}` by :math:`D` passes of the masked MLP, each fixing one more feature. With the
+    default window of one frame, each sweep solves one frame exactly from the frames before it;
+    a wider window (``inverse_window``) moves more frames per sweep at once, Jacobi style. The
+    diagnostics of the last inverse are kept in :attr:`last_inverse_stats` (``iterations`` are
+    the sweeps per sample). ``inverse`` runs without gradient tracking.
 
     Args:
         features: Frame size ``D``.
@@ -75,6 +86,9 @@ class AutoregressiveAffine(SettlingStep):
             at once (Jacobi sweeps, fewer when later frames converge early, each over all
             tokens).
         on_failure: ``"raise"`` or ``"warn"`` when the inverse does not reach its tolerance.
+        within_frame: Condition every feature on the frame's features before it too (a
+            masked MLP of hidden width ``width`` after the conditioner).
+        reverse_features: With ``within_frame``, order the features ``D, ..., 1``.
 
     Example:
         >>> step = AutoregressiveAffine(3, width=8, depth=1, heads=2).double()
@@ -105,25 +119,36 @@ class AutoregressiveAffine(SettlingStep):
         inverse_max_iter: int | None = None,
         inverse_window: int | None = 1,
         on_failure: Literal["raise", "warn"] = "raise",
+        within_frame: bool = False,
+        reverse_features: bool = False,
     ) -> None:
         super().__init__(inverse_tol=inverse_tol, inverse_max_iter=inverse_max_iter,
                          inverse_window=inverse_window, on_failure=on_failure)
         self.features = check_int(features, "features", 1)
         self.context_features = check_int(context_features, "context_features", 0)
         self.max_log_scale = check_float(max_log_scale, "max_log_scale", 0.0)
+        if reverse_features and not within_frame:
+            raise ValueError("reverse_features needs within_frame=True")
+        # the past's summary h_t for the masked MLP, else the shift and raw log-scale
+        outputs = width if within_frame else 2 * features
         self.conditioner: CausalTransformer | CausalGRU
         if conditioner == "transformer":
             self.conditioner = CausalTransformer(
-                features, 2 * features, width=width, depth=depth, heads=heads,
+                features, outputs, width=width, depth=depth, heads=heads,
                 positional=positional, max_len=max_len, context_features=context_features,
             )
         elif conditioner == "gru":
             self.conditioner = CausalGRU(
-                features, 2 * features, width=width, depth=depth, positional=positional,
+                features, outputs, width=width, depth=depth, positional=positional,
                 max_len=max_len, context_features=context_features,
             )
         else:
             raise ValueError(f"conditioner must be 'transformer' or 'gru', got {conditioner!r}")
+        self.frame_net = None
+        if within_frame:  # h_t starts as a random summary: the masked MLP's output starts at 0
+            self.conditioner.head.reset_parameters()
+            self.frame_net = MaskedFrameNet(features, width, hidden=width,
+                                            reverse=reverse_features)
 
     def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
         length = 1 if inputs.dim() == 2 else inputs.shape[1]
@@ -157,7 +182,10 @@ class AutoregressiveAffine(SettlingStep):
             ``(shift, log_scale)``, each ``(B, N, D)``; row ``t`` depends on the real frames
             before ``t`` only, and ``|log_scale| <= max_log_scale``.
         """
-        shift, log_scale = self._split(self.conditioner(x, mask, context))
+        outputs = self.conditioner(x, mask, context)
+        if self.frame_net is not None:
+            outputs = self.frame_net(x, outputs)
+        shift, log_scale = self._split(outputs)
         if mask is not None:
             real = mask.unsqueeze(-1)
             shift, log_scale = torch.where(real, shift, 0.0), torch.where(real, log_scale, 0.0)
@@ -198,12 +226,20 @@ class AutoregressiveAffine(SettlingStep):
         windows = self.conditioner.windows(target, mask, context)
 
         def image(x: Tensor, start: int, stop: int) -> Tensor:  # T_y(x) on the window
-            shift, log_scale = self._split(windows(x, start, stop))
-            value = shift + target[:, start:stop] * torch.exp(log_scale)
+            outputs, y = windows(x, start, stop), target[:, start:stop]
+            if self.frame_net is None:
+                shift, log_scale = self._split(outputs)
+                value = shift + y * torch.exp(log_scale)
+            else:  # pass k fixes the k-th feature of the order, from those before it
+                value = y
+                for _ in range(self.features):
+                    shift, log_scale = self._split(self.frame_net(value, outputs))
+                    value = shift + y * torch.exp(log_scale)
             return value if mask is None else torch.where(mask[:, start:stop, None], value, 0.0)
 
         return image
 
     def extra_repr(self) -> str:
         return (f"features={self.features}, context_features={self.context_features}, "
+                f"within_frame={self.frame_net is not None}, "
                 f"max_log_scale={self.max_log_scale}, {super().extra_repr()}")
