@@ -307,8 +307,8 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         A markdown table; the best NLL of every row is in bold, and † marks a peer that
         reached its time budget (rather than early stopping) on at least one seed. The
         Transformer + MAF has a column where a record has it. After the flow's NLL of a run
-        that chose between candidates, the initials of the one kept on each seed (c:
-        configured, r: recurrent).
+        that chose among candidates, the initials of the one kept on each seed (c:
+        configured, r: recurrent, m: maf).
     """
     names = _in_suite_order(r["dataset"] for r in rows)
     peers = [key for key, _ in PEERS.values() if key == "gru_maf" or any(key in r for r in rows)]
@@ -349,23 +349,24 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def candidates_table(rows: Sequence[dict[str, Any]]) -> str:
-    """One row per dataset of runs that chose between candidates: each candidate's test NLL,
-    the one kept on each seed, the kept model's NLL and the better of the two on test.
+    """One row per dataset of runs that chose among candidates: each candidate's test NLL, the
+    one kept on each seed, the kept model's NLL and the best candidate's on test.
 
     Args:
         rows: :func:`run_dataset` records whose flow has ``candidates`` (others are skipped).
 
     Returns:
-        A markdown table (means over seeds); the last column counts the seeds on which the
-        validation split kept the candidate that was better on test.
+        A markdown table (means over seeds; a dash where a dataset had no such candidate); the
+        last column counts the seeds on which the validation split kept the candidate that was
+        best on test.
     """
     chose = [r for r in rows if "candidates" in r.get("flow", {})]
     names = _in_suite_order(r["dataset"] for r in chose)
+    kinds = list(dict.fromkeys(c["name"] for r in chose for c in r["flow"]["candidates"]))
     table = []
     for name in names:
         runs = [r for r in chose if r["dataset"] == name]
         tests = [{c["name"]: c["test_nll"] for c in r["flow"]["candidates"]} for r in runs]
-        kinds = list(tests[0])
         best = [min(test.values()) for test in tests]
         right = sum(test[r["flow"]["kept"]] == low
                     for test, r, low in zip(tests, runs, best, strict=True))
@@ -373,9 +374,8 @@ def candidates_table(rows: Sequence[dict[str, Any]]) -> str:
                       "/".join(r["flow"]["kept"][0] for r in runs),
                       _mean([r["flow"]["test_nll"] for r in runs]), _mean(best),
                       f"{right} of {len(runs)}"])
-    kinds = [c["name"] for c in chose[0]["flow"]["candidates"]] if chose else []
-    header = ["dataset", *kinds, "kept (c/r)", "kept model", "better on test",
-              "validation chose the better"]
+    header = ["dataset", *kinds, "kept (c/r/m)", "kept model", "best on test",
+              "validation chose the best"]
     return records.markdown_table(header, table)
 
 
@@ -429,7 +429,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "dataset and seed in this file, where the tables' own have none")
     parser.add_argument("--table", choices=("suite", "candidates"), default="suite",
                         help="suite: every model per dataset; candidates: the test NLL of each "
-                        "candidate of runs that chose between two, and which was kept "
+                        "candidate of runs that chose among several, and which was kept "
                         "(default: suite)")
     parser.add_argument("--block", dest="blocks", type=lambda name: (name,),
                         default=("small-data",),

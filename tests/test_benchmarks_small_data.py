@@ -247,12 +247,13 @@ def test_the_flow_record_gives_every_candidate_of_the_default(tmp_path: Path) ->
                 "epochs": 1, "min_steps": 1, "device": "cpu"}
     record = small_data.run_flow("japanese_vowels", 0, tmp_path / "run", settings)
     names = [candidate["name"] for candidate in record["candidates"]]
-    assert names == ["configured", "recurrent"] and record["kept"] in names
+    assert names == ["configured", "recurrent", "maf"] and record["kept"] in names  # D = 12
     kept = next(c for c in record["candidates"] if c["name"] == record["kept"])
     assert kept["test_nll"] == record["test_nll"]
     assert kept["best_val_nll"] == min(c["best_val_nll"] for c in record["candidates"])
-    other = next(c for c in record["candidates"] if c["name"] != record["kept"])
-    assert math.isfinite(other["test_nll"]) and other["test_nll"] != kept["test_nll"]
+    for other in record["candidates"]:
+        if other["name"] != record["kept"]:
+            assert math.isfinite(other["test_nll"]) and other["test_nll"] != kept["test_nll"]
     rows = [_record("a", seed, 1.0, 2.0, None) for seed in (0, 1)]
     rows[0]["flow"]["kept"], rows[1]["flow"]["kept"] = "recurrent", "configured"
     assert "**1.000 ± 0.000** (r/c)" in markdown_table(rows)
@@ -261,15 +262,24 @@ def test_the_flow_record_gives_every_candidate_of_the_default(tmp_path: Path) ->
     assert "kept" not in alone and "candidates" not in alone
 
 
-def test_the_candidates_table_says_when_validation_kept_the_better() -> None:
+def test_the_candidates_table_says_when_validation_kept_the_best() -> None:
     rows = [_record("a", seed, kept, 2.0, None) for seed, kept in ((0, 1.0), (1, 0.5))]
     for row, (kept, configured, recurrent) in zip(
             rows, (("configured", 1.0, 1.5), ("configured", 0.5, 0.25)), strict=True):
         row["flow"].update(kept=kept, candidates=[
             {"name": "configured", "test_nll": configured},
             {"name": "recurrent", "test_nll": recurrent}])
-    lines = small_data.candidates_table([*rows, _record("b", 0, 1.0, 2.0, None)]).splitlines()
-    assert len(lines) == 3  # the run of one model has no row
+    three = _record("c", 0, 0.5, 2.0, None)  # a dataset with a third candidate, kept
+    three["flow"].update(kept="maf", candidates=[
+        {"name": "configured", "test_nll": 1.0}, {"name": "recurrent", "test_nll": 2.0},
+        {"name": "maf", "test_nll": 0.5}])
+    lines = small_data.candidates_table(
+        [*rows, _record("b", 0, 1.0, 2.0, None), three]).splitlines()
+    assert len(lines) == 4  # the run of one model has no row
+    assert [cell.strip() for cell in lines[0].split("|")[1:-1]][1:4] == [
+        "configured", "recurrent", "maf"]
     cells = [cell.strip() for cell in lines[2].split("|")[1:-1]]
-    assert cells == ["a", "0.750 ± 0.354", "0.875 ± 0.884", "c/c", "0.750 ± 0.354",
+    assert cells == ["a", "0.750 ± 0.354", "0.875 ± 0.884", "—", "c/c", "0.750 ± 0.354",
                      "0.625 ± 0.530", "1 of 2"]
+    cells = [cell.strip() for cell in lines[3].split("|")[1:-1]]
+    assert cells == ["c", "1.000", "2.000", "0.500", "m", "0.500", "0.500", "1 of 1"]

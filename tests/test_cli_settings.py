@@ -169,7 +169,7 @@ def test_one_model_build_and_one_data_load_per_command(
     monkeypatch.setattr(factories, "load_dataset", counted_load)
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), *TINY]) == 0
-    assert counts == {"builds": 2, "loads": 1}  # one per candidate (configured, recurrent)
+    assert counts == {"builds": 3, "loads": 1}  # one per candidate (configured, recurrent, maf)
     trained = json.loads((out / "evaluation.json").read_text())["test"]["exact"]["nll"]
     for argv in (["evaluate", str(out), "--method", "auto"],
                  ["sample", str(out), "--num", "2", "--out", str(tmp_path / "s.npz")],

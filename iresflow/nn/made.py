@@ -11,6 +11,8 @@ context and of the features of degree below :math:`m_d`, whatever the weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional
@@ -89,13 +91,28 @@ class MaskedFrameNet(nn.Module):
             ``(..., outputs * D)``: value ``k`` of feature ``d`` at ``k * D + d``, a function of
             ``context`` and of the features before ``d`` only.
         """
-        dtype = x.dtype
-        u = functional.gelu(functional.linear(x, self.input.weight * self.mask_in.to(dtype),
-                                              self.input.bias) + self.context(context))
-        u = functional.gelu(functional.linear(u, self.middle.weight * self.mask_hidden.to(dtype),
-                                              self.middle.bias))
-        return functional.linear(u, self.output.weight * self.mask_out.to(dtype),
-                                 self.output.bias)
+        return self.given(context)(x)
+
+    def given(self, context: Tensor) -> Callable[[Tensor], Tensor]:
+        """The network as a function of the frames for a fixed ``context`` ``(..., H)``, with
+        the context's term and the masked weights computed once: what an inverse that passes
+        over the same frames ``D`` times calls.
+
+        Returns:
+            ``net(x)``: :meth:`forward` of frames ``x`` ``(..., D)`` and ``context``.
+        """
+        dtype = context.dtype
+        term = self.context(context)
+        w_in, w_mid, w_out = (self.input.weight * self.mask_in.to(dtype),
+                              self.middle.weight * self.mask_hidden.to(dtype),
+                              self.output.weight * self.mask_out.to(dtype))
+
+        def net(x: Tensor) -> Tensor:
+            u = functional.gelu(functional.linear(x, w_in, self.input.bias) + term)
+            u = functional.gelu(functional.linear(u, w_mid, self.middle.bias))
+            return functional.linear(u, w_out, self.output.bias)
+
+        return net
 
     def extra_repr(self) -> str:
         return (f"features={self.features}, context_features={self.context_features}, "

@@ -130,7 +130,7 @@ def fit(
     seeded with ``seed`` (and restored afterwards), the model built from the settings
     (:func:`~iresflow.train.factories.build_model`) unless given, then :func:`run_epochs`; with
     an ``alternative`` (and no ``model`` given) each candidate in turn, keeping the one of the
-    lower validation NLL (:mod:`iresflow.train.selection`). So for the same settings and data
+    lowest validation NLL (:mod:`iresflow.train.selection`). So for the same settings and data
     it trains the same weights as ``iresflow train``, whose ``best`` checkpoint holds what
     :attr:`FitResult.model` holds.
 
@@ -160,7 +160,7 @@ def fit(
         ...                      max_eval=4, epochs=1, device="cpu")
         >>> result = fit(config, load_data(config))
         >>> result.best_epoch, result.stopped, result.model.training, len(result.selection)
-        (1, 'epochs', False, 2)
+        (1, 'epochs', False, 3)
     """
     if current_world().size > 1:
         raise RuntimeError("fit trains in one process; in a process group use train()")

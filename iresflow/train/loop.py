@@ -7,7 +7,7 @@ the data and the model once per process (:mod:`iresflow.train.factories`) and ru
 state of exact resume are described there) until ``epochs``, early stopping or ``max_seconds``
 (:func:`~iresflow.train.fit.run_epochs`, which :func:`~iresflow.train.fit.fit` also runs to train
 in memory from Python, without a run folder). With an ``alternative`` (the default's) it trains
-each candidate so, in a run folder of its own, and keeps the one of the lower validation NLL
+each candidate so, in a run folder of its own, and keeps the one of the lowest validation NLL
 (:mod:`iresflow.train.selection`). After every epoch
 the ``last`` (and, on improvement, ``best``) checkpoint is written atomically
 (:mod:`iresflow.train.checkpoint`) and the metrics are rewritten (:mod:`iresflow.train.metrics`).

@@ -231,9 +231,9 @@ class AutoregressiveAffine(SettlingStep):
                 shift, log_scale = self._split(outputs)
                 value = shift + y * torch.exp(log_scale)
             else:  # pass k fixes the k-th feature of the order, from those before it
-                value = y
+                value, net = y, self.frame_net.given(outputs)
                 for _ in range(self.features):
-                    shift, log_scale = self._split(self.frame_net(value, outputs))
+                    shift, log_scale = self._split(net(value))
                     value = shift + y * torch.exp(log_scale)
             return value if mask is None else torch.where(mask[:, start:stop, None], value, 0.0)
 
