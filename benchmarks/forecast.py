@@ -65,6 +65,7 @@ from iresflow.runs.load import load_run
 from iresflow.runs.scoring import forecast_scores
 from iresflow.train.config import TrainConfig
 from iresflow.train.loop import train
+from iresflow.train.selection import choose
 
 #: Longest horizon forecast.
 MAX_HORIZON = 24
@@ -91,7 +92,8 @@ def run_flow(name: str, ds: SequenceDataset, seed: int, horizon: int, num: int,
              run_dir: Path, held: HeldOut, settings: dict[str, Any] | None = None
              ) -> dict[str, Any]:
     """The causal flow through the product path: train, evaluate the test split, forecast the
-    test sequences of ``ds`` (the first ones of the same split)."""
+    test sequences of ``ds`` (the first ones of the same split). ``kept`` names the candidate
+    the run kept (``None``: a run of one model)."""
     config = TrainConfig.from_dict({**data_settings(name), "seed": seed, "causal": True,
                                     **(settings or {})})
     begin = time.perf_counter()
@@ -113,6 +115,7 @@ def run_flow(name: str, ds: SequenceDataset, seed: int, horizon: int, num: int,
     return forecast.scores | {
         "seconds": seconds, "latency": one, "test_nll": evaluation["nll"],
         "epochs": result.epochs,
+        "kept": choose(result.selection).name if result.selection else None,
         "best_epoch": result.best_epoch, "train_seconds": trained,
         "converged": forecast.diagnostics["converged"]}
 

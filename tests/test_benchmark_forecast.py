@@ -136,3 +136,14 @@ def test_the_causal_flow_takes_the_settings_of_an_ablation(monkeypatch: pytest.M
         forecast.run_flow("co2_windows", None, 0, 4, 2, tmp_path, None, cli.settings(args))
     (config,) = trained
     assert config.model.causal and config.model.layers == ("autoregressive", "mlp")
+
+
+def test_the_flow_record_names_the_candidate_kept(tmp_path) -> None:
+    tiny = {"n_blocks": 1, "hidden": 8, "max_train": 12, "max_eval": 6, "batch_size": 6,
+            "epochs": 1, "min_steps": 1, "device": "cpu"}
+    record = forecast.run_dataset("co2_windows", 0, 2, 0, tmp_path, True, limit=2,
+                                  settings=tiny)
+    assert record["flow"]["kept"] in ("configured", "recurrent")  # one feature: two candidates
+    alone = forecast.run_dataset("co2_windows", 0, 2, 0, tmp_path, True, limit=2,
+                                 settings={**tiny, "alternative": "none"})
+    assert alone["flow"]["kept"] is None
