@@ -131,23 +131,19 @@ def _mix(config: ModelConfig, encoding: nn.Module | None) -> FeatureMixing:
     return FeatureMixing(config.features)
 
 
-def _autoregressive(config: ModelConfig, encoding: nn.Module | None) -> AutoregressiveAffine:
+def _autoregressive(config: ModelConfig, encoding: nn.Module | None, *,
+                    within_frame: bool = False, block: int = 0) -> AutoregressiveAffine:
     return AutoregressiveAffine(
         config.features, width=config.hidden, depth=AUTOREGRESSIVE_DEPTH[config.conditioner],
         heads=default_heads(config.hidden), max_len=config.max_len, positional=config.positional,
         conditioner=config.conditioner,  # type: ignore[arg-type]  # a checked choice
-        context_features=config.resolved_context_features,
+        context_features=config.resolved_context_features, within_frame=within_frame,
+        reverse_features=within_frame and block % 2 == 1,
     )
 
 
 def _maf(config: ModelConfig, encoding: nn.Module | None, *, block: int) -> AutoregressiveAffine:
-    return AutoregressiveAffine(
-        config.features, width=config.hidden, depth=AUTOREGRESSIVE_DEPTH[config.conditioner],
-        heads=default_heads(config.hidden), max_len=config.max_len, positional=config.positional,
-        conditioner=config.conditioner,  # type: ignore[arg-type]  # a checked choice
-        context_features=config.resolved_context_features, within_frame=True,
-        reverse_features=block % 2 == 1,
-    )
+    return _autoregressive(config, encoding, within_frame=True, block=block)
 
 
 register_step("mix", _mix, "an LU feature mixing")
