@@ -3,6 +3,7 @@ conditional, seasonal naive, the GRU + MAF's frame-by-frame forecast, ETS, the t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -17,6 +18,7 @@ from benchmarks.baselines.forecasters import (
 )
 from benchmarks.baselines.recurrent import ENCODERS, RecurrentFlow
 from iresflow.models.reference import AutoregressiveGaussian
+from iresflow.runs.forecast import hold_out
 
 
 def test_ar_draws_follow_the_closed_form_conditional() -> None:
@@ -141,9 +143,11 @@ def test_the_causal_flow_takes_the_settings_of_an_ablation(monkeypatch: pytest.M
 def test_the_flow_record_names_the_candidate_kept(tmp_path) -> None:
     tiny = {"n_blocks": 1, "hidden": 8, "max_train": 12, "max_eval": 6, "batch_size": 6,
             "epochs": 1, "min_steps": 1, "device": "cpu"}
-    record = forecast.run_dataset("co2_windows", 0, 2, 0, tmp_path, True, limit=2,
-                                  settings=tiny)
-    assert record["flow"]["kept"] in ("configured", "recurrent")  # one feature: two candidates
-    alone = forecast.run_dataset("co2_windows", 0, 2, 0, tmp_path, True, limit=2,
-                                 settings={**tiny, "alternative": "none"})
-    assert alone["flow"]["kept"] is None
+    ds = forecast.load("co2_windows", 0)
+    ds = dataclasses.replace(ds, test=ds.test.subset(torch.arange(2)))
+    held = hold_out(ds.test, 4)
+    record = forecast.run_flow("co2_windows", ds, 0, 4, 2, tmp_path / "a", held, tiny)
+    assert record["kept"] in ("configured", "recurrent")  # one feature: two candidates
+    alone = forecast.run_flow("co2_windows", ds, 0, 4, 2, tmp_path / "b", held,
+                              {**tiny, "alternative": "none"})
+    assert alone["kept"] is None
