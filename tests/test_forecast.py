@@ -57,6 +57,7 @@ RECIPES = {
     "recurrent": {"num_classes": 2, "layers": ("autoregressive", "conv", "mlp"),
                   "conditioner": "gru"},
     "dilated": {"dilation": 2},
+    "maf": {"layers": ("maf", "conv"), "conditioner": "gru", "ar_order": 0},
 }
 BASES = ("sequence-t", "normal", "student-t", "multivariate-t")
 
@@ -362,7 +363,7 @@ def test_the_autoregressive_step_recovers_new_frames_from_the_first_one_on(recip
                        pinned[:, first:])
 
 
-@pytest.mark.parametrize("recipe", ["every kind", "conditional", "recurrent"])
+@pytest.mark.parametrize("recipe", ["every kind", "conditional", "recurrent", "maf"])
 def test_the_autoregressive_affine_step_solves_the_new_frames_only(recipe):
     """The Transformer- or GRU-conditioned step's pinned inverse equals inverting it whole and
     putting the known frames back; the known frames are settled from the start, so with its
