@@ -101,11 +101,10 @@ class MaskedFrameNet(nn.Module):
         Returns:
             ``net(x)``: :meth:`forward` of frames ``x`` ``(..., D)`` and ``context``.
         """
-        dtype = context.dtype
-        term = self.context(context)
-        w_in, w_mid, w_out = (self.input.weight * self.mask_in.to(dtype),
-                              self.middle.weight * self.mask_hidden.to(dtype),
-                              self.output.weight * self.mask_out.to(dtype))
+        term = self.context(context)  # the masks follow the module's dtype, as buffers
+        w_in, w_mid, w_out = (self.input.weight * self.mask_in,
+                              self.middle.weight * self.mask_hidden,
+                              self.output.weight * self.mask_out)
 
         def net(x: Tensor) -> Tensor:
             u = functional.gelu(functional.linear(x, w_in, self.input.bias) + term)

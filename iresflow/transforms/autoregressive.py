@@ -225,16 +225,17 @@ class AutoregressiveAffine(SettlingStep):
                mask: Tensor | None) -> Callable[[Tensor, int, int], Tensor]:
         windows = self.conditioner.windows(target, mask, context)
 
+        # one pass from the conditioner's outputs; with a frame net, D passes, pass k fixing
+        # the k-th feature of the order from those before it
+        passes = 1 if self.frame_net is None else self.features
+
         def image(x: Tensor, start: int, stop: int) -> Tensor:  # T_y(x) on the window
             outputs, y = windows(x, start, stop), target[:, start:stop]
-            if self.frame_net is None:
-                shift, log_scale = self._split(outputs)
+            net = (lambda _: outputs) if self.frame_net is None else self.frame_net.given(outputs)
+            value = y
+            for _ in range(passes):
+                shift, log_scale = self._split(net(value))
                 value = shift + y * torch.exp(log_scale)
-            else:  # pass k fixes the k-th feature of the order, from those before it
-                value, net = y, self.frame_net.given(outputs)
-                for _ in range(self.features):
-                    shift, log_scale = self._split(net(value))
-                    value = shift + y * torch.exp(log_scale)
             return value if mask is None else torch.where(mask[:, start:stop, None], value, 0.0)
 
         return image
