@@ -99,12 +99,12 @@ def test_max_seconds_ends_the_epoch_after_a_step_and_resumes(tmp_path: Path) -> 
 
 
 def test_max_seconds_is_a_checked_setting() -> None:
-    assert TrainConfig().max_seconds == 0.0
+    assert TrainConfig().max_seconds == 3600.0  # the time budget of one model
     assert TrainConfig(max_seconds=30).max_seconds == 30
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ConfigError, match="max_seconds"):
             TrainConfig(max_seconds=bad)
-    assert "max_seconds = 0.0" in TrainConfig().to_toml()
+    assert "max_seconds = 3600.0" in TrainConfig().to_toml()
     assert parse_train_config(["--max-seconds", "2.5"]).max_seconds == 2.5  # a flag too
 
 

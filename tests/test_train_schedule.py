@@ -29,19 +29,23 @@ def _record_step_lrs(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return seen
 
 
-def test_warmup_is_linear_per_step_then_cosine(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("epochs", "anneal"), [(5, 60), (5, 0), (5, 5), (9, 5)])
+def test_warmup_is_linear_per_step_then_cosine_until_anneal_then_the_floor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, epochs: int, anneal: int
 ) -> None:
+    """The cosine reaches its floor by epoch ``min(anneal, epochs)`` (``epochs`` with
+    ``anneal = 0``); the epochs after it train at the floor."""
     seen = _record_step_lrs(monkeypatch)
     lr = 0.01
     # 12 sequences in batches of 6: 2 steps per epoch, so 2 warm-up epochs are 4 steps
     config = TINY.replace(
-        epochs=5, warmup=2, lr=lr, scheduler="cosine", patience=0
+        epochs=epochs, anneal=anneal, warmup=2, lr=lr, scheduler="cosine", patience=0
     )
     result = train(config, tmp_path / "run", progress=False)
     warm = [lr * k / 5 for k in range(1, 5)]  # step k of W = 4 runs at lr k / (W + 1)
     floor = lr * COSINE_FLOOR
     cosine = [floor + (lr - floor) * (1 + math.cos(math.pi * t / 3)) / 2 for t in range(3)]
+    cosine += [floor] * (epochs - 5)
     expected = warm + [value for value in cosine for _ in range(2)]
     assert seen == pytest.approx(expected, rel=1e-12)
     # the recorded lr of an epoch is the lr after its last step (before the epoch schedule)
@@ -92,6 +96,30 @@ def test_a_run_written_before_min_steps_resumes_one_pass_per_epoch(tmp_path: Pat
     assert [row["steps"] for row in resumed.history] == [2.0, 2.0]
 
 
+def test_a_run_written_before_anneal_resumes_annealing_over_all_epochs(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    train(TINY.replace(scheduler="cosine", warmup=1, patience=0, epochs=2), folder,
+          progress=False)
+    saved = TrainConfig.from_toml(forget_setting(folder, "anneal").config, stored=True)
+    assert saved.anneal == 0 and TrainConfig().anneal > 0
+    for anneal, horizon in ((0, 99), (TrainConfig().anneal, TrainConfig().anneal - 1)):
+        config = saved.replace(epochs=100, anneal=anneal)
+        session = TrainingSession(config, load_data(config), torch.nn.Linear(1, 1),
+                                  torch.device("cpu"), World(0, 1))
+        assert session.cosine_epochs == horizon and session.scheduler.T_max == horizon
+    with pytest.raises(ConfigError, match="anneal"):
+        TINY.replace(anneal=-1)
+
+
+def test_a_run_extended_past_its_annealing_resumes_exactly(tmp_path: Path) -> None:
+    config = TINY.replace(scheduler="cosine", anneal=3, warmup=1, patience=0, epochs=4)
+    train(config, tmp_path / "a", progress=False)
+    resumed = train(config.replace(epochs=6), tmp_path / "a", resume=True, progress=False)
+    whole = train(config.replace(epochs=6), tmp_path / "b", progress=False)
+    for key in ("lr", "train_nll"):
+        assert [row[key] for row in resumed.history] == [row[key] for row in whole.history]
+
+
 def test_warmup_resumes_exactly(tmp_path: Path) -> None:
     config = TINY.replace(warmup=3, scheduler="cosine", patience=0, epochs=1)
     train(config, tmp_path / "a", progress=False)  # stops in the middle of the warm-up
@@ -111,6 +139,25 @@ def _worsening_validation(monkeypatch: pytest.MonkeyPatch) -> None:
                 "inverse_residual": 0.0, "reconstruction_error": 0.0}
 
     monkeypatch.setattr(TrainingSession, "validate", validate)
+
+
+def test_a_run_trains_on_at_the_floor_while_validation_improves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Validation improves until epoch 9, past the annealing (epoch 4): the run goes on at the
+    floor rate and stops ``patience`` epochs after its best, far below ``epochs``."""
+
+    def validate(self: TrainingSession) -> dict[str, float]:
+        return {"val_nll": float(abs(self.epoch - 9)), "inverse_iterations": 1.0,
+                "inverse_residual": 0.0, "reconstruction_error": 0.0}
+
+    monkeypatch.setattr(TrainingSession, "validate", validate)
+    config = TINY.replace(epochs=1000, anneal=4, warmup=1, patience=3, lr=0.01,
+                          scheduler="cosine")
+    result = train(config, tmp_path / "run", progress=False)
+    assert result.best_epoch == 9 and result.stopped_early and result.epochs == 12
+    assert [row["lr"] for row in result.history][4:] == pytest.approx(
+        [config.lr * COSINE_FLOOR] * 8, rel=1e-12)
 
 
 @pytest.mark.parametrize(

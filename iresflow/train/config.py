@@ -80,10 +80,12 @@ NESTED: dict[str, tuple[type[SettingsRecord], tuple[str, ...]]] = {
 #: noise density was standard normal before ``base`` existed, no layer was per position before
 #: ``position_norm``, an epoch was one pass over the training split before ``min_steps``,
 #: overlapping table windows were split at random before ``window_split``, data were read as
-#: they are before ``dequantize``, and a run trained one model before ``alternative``.
+#: they are before ``dequantize``, a run trained one model before ``alternative``, and the cosine
+#: schedule annealed over all epochs before ``anneal``.
 SETTINGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"base": "normal", "position_norm": "off",
                                                 "min_steps": 1, "window_split": "random",
-                                                "dequantize": "off", "alternative": "none"}
+                                                "dequantize": "off", "alternative": "none",
+                                                "anneal": 0}
 
 
 @dataclass(frozen=True)
@@ -160,20 +162,28 @@ class TrainConfig(SettingsRecord):
     lr: float = setting(5e-3, "learning rate")
     weight_decay: float = setting(0.0, "weight decay")
     batch_size: int = setting(32, "sequences per minibatch")
-    epochs: int = setting(60, "maximum number of epochs")
+    epochs: int = setting(
+        1000, "most epochs: a cap for runs whose validation NLL keeps improving; training ends "
+        "earlier by patience or max_seconds (docs/cli.md#epochs)"
+    )
     min_steps: int = setting(
         16, "fewest optimiser steps of an epoch: a training split of fewer batches is passed over "
         "as many times as that takes, each pass a fresh shuffle, so small data get enough steps "
         "between two validations (1: one pass per epoch; docs/cli.md#epochs)"
     )
     max_seconds: float = setting(
-        0.0, "stop after this many seconds of optimisation in total (validation excluded), "
-        "checked after every step; the epoch cut short is validated as usual (0: no limit)"
+        3600.0, "time budget: stop after this many seconds of optimisation in total (validation "
+        "excluded), checked after every step; the epoch cut short is validated as usual (0: no limit)"
     )
     scheduler: str = setting(
         "cosine", "learning-rate schedule after the warm-up (plateau: halve lr on a stalled val "
-        "NLL; cosine: anneal it to a floor over the remaining epochs; none: keep it)",
+        "NLL; cosine: anneal it to a floor by epoch anneal, then keep the floor; none: keep it)",
         ("plateau", "cosine", "none"),
+    )
+    anneal: int = setting(
+        60, "with scheduler cosine: the epoch (warm-up included) by which lr has annealed to "
+        "0.01 lr; training goes on at that floor while the validation NLL improves (0: over all "
+        "epochs)"
     )
     warmup: int = setting(
         2,
@@ -247,6 +257,8 @@ class TrainConfig(SettingsRecord):
         )
         if self.warmup < 0:
             raise ConfigError(f"warmup must be >= 0 epochs (0: off), got {self.warmup}")
+        if self.anneal < 0:
+            raise ConfigError(f"anneal must be >= 0 epochs (0: over all epochs), got {self.anneal}")
         if self.patience < 0:
             raise ConfigError(f"patience must be >= 0 (0: never stop early), got {self.patience}")
         check_device(self.device)

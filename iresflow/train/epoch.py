@@ -16,8 +16,10 @@ is checked on a few validation sequences, and the learning-rate schedule advance
 
 Learning rate: a linear warm-up over the optimiser steps of the first ``warmup`` epochs
 (:class:`torch.optim.lr_scheduler.LinearLR`, from ``lr / (W + 1)`` to ``lr``), then the epoch
-schedule (cosine annealing over the remaining epochs, halving on a plateau, or constant). Early
-stopping counts an epoch without improvement only when :meth:`TrainingSession.patience_counts`.
+schedule (cosine annealing to a floor by epoch ``anneal``, then the floor; halving on a plateau;
+or constant). Early stopping counts an epoch without improvement only when
+:meth:`TrainingSession.patience_counts`: a run trains on while validation improves, up to
+``epochs`` or the time budget ``max_seconds``.
 
 Numerical health: a step whose loss or gradient norm is not finite never reaches the optimiser;
 a non-finite validation NLL or an inverse that stops converging is detected after the epoch.
@@ -66,11 +68,8 @@ __all__ = ["CHECKPOINT_FORMAT", "TrainingDivergedError", "TrainingSession"]
 #: the ``state_dict`` of a :class:`torch.optim.swa_utils.AveragedModel`; 3: the model settings
 #: are stored once, in ``config``).
 CHECKPOINT_FORMAT = 3
-#: ReduceLROnPlateau settings of ``scheduler = "plateau"``.
-PLATEAU_FACTOR = 0.5
-PLATEAU_PATIENCE = 2
-#: Final learning rate of ``scheduler = "cosine"``, relative to ``lr``.
-COSINE_FLOOR = 0.01
+#: ReduceLROnPlateau settings of ``scheduler = "plateau"``; the floor of ``"cosine"``, in ``lr``.
+PLATEAU_FACTOR, PLATEAU_PATIENCE, COSINE_FLOOR = 0.5, 2, 0.01
 #: Leading training sequences the data-dependent layers are initialised from.
 INIT_SEQUENCES = 512
 #: With ``scheduler = "cosine"``, epochs count towards ``patience`` only once the learning rate
@@ -165,8 +164,10 @@ class TrainingSession:
 
     @property
     def cosine_epochs(self) -> int:
-        """Epochs of the cosine annealing: those after the warm-up (at least one)."""
-        return max(1, self.config.epochs - self.config.warmup)
+        """Epochs of the cosine annealing: after the warm-up, to ``min(anneal, epochs)`` or
+        ``epochs`` (``anneal = 0``); at least one."""
+        end = min(self.config.anneal or self.config.epochs, self.config.epochs)
+        return max(1, end - self.config.warmup)
 
     @property
     def train_seconds(self) -> float:
@@ -418,8 +419,8 @@ class TrainingSession:
             return  # the plateau rule and the cosine start once the warm-up is over
         if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             self.scheduler.step(metric if math.isfinite(metric) else math.inf)
-        elif self.scheduler is not None:
-            self.scheduler.step()
+        elif self.scheduler is not None and self.epoch - self.config.warmup <= self.cosine_epochs:
+            self.scheduler.step()  # past the annealing the rate stays at its floor
 
     def patience_counts(self) -> bool:
         """Whether an epoch without a better validation NLL now counts towards ``patience``.
