@@ -172,8 +172,9 @@ class TrainConfig(SettingsRecord):
         "between two validations (1: one pass per epoch; docs/cli.md#epochs)"
     )
     max_seconds: float = setting(
-        3600.0, "time budget: stop after this many seconds of optimisation in total (validation "
-        "excluded), checked after every step; the epoch cut short is validated as usual (0: no limit)"
+        3600.0, "time budget: stop after this many seconds of optimisation in total "
+        "(validation excluded), checked after every step; the epoch cut short is validated as "
+        "usual (0: no limit)"
     )
     scheduler: str = setting(
         "cosine", "learning-rate schedule after the warm-up (plateau: halve lr on a stalled val "
