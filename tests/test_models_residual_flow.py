@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from iresflow.models.branches import MAF_MAX_LOG_SCALE
 from iresflow.models.config import ConfigError, ModelConfig, default_heads
 from iresflow.models.distributions import StandardNormalSequence, StudentTSequence
 from iresflow.models.residual_flow import ResidualSequenceFlow
@@ -476,6 +477,8 @@ def test_autoregressive_layers_mix_with_residual_steps(device, dtype, conditiona
     nets = [steps[f"block{i}.autoregressive"].frame_net for i in (0, 1)]
     assert ([net.reverse for net in nets] == [False, True] if step_kind == "maf"
             else nets == [None, None])
+    bound = MAF_MAX_LOG_SCALE if step_kind == "maf" else 3.0  # a maf step's scales are tighter
+    assert [steps[f"block{i}.autoregressive"].max_log_scale for i in (0, 1)] == [bound] * 2
     x = torch.randn(3, 5, 2, device=device, dtype=dtype) * 1.5 + 0.2
     mask = torch.tensor([[True] * 5, [True, True, False, True, True], [True] * 2 + [False] * 3],
                         device=device)

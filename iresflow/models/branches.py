@@ -35,7 +35,7 @@ from iresflow.transforms.autoregressive import AutoregressiveAffine
 from iresflow.transforms.mixing import FeatureMixing
 from iresflow.transforms.residual import ResidualTransform
 
-__all__ = ["AUTOREGRESSIVE_DEPTH", "MLP_LAYERS", "layer_steps", "needs_positional_encoding"]
+__all__ = ["AUTOREGRESSIVE_DEPTH", "MAF_MAX_LOG_SCALE", "MLP_LAYERS", "layer_steps", "needs_positional_encoding"]
 
 #: Linear layers of the position-wise MLP branch (dims ``(D, hidden, hidden, D)``).
 MLP_LAYERS = 3
@@ -43,6 +43,12 @@ MLP_LAYERS = 3
 #: Layers of the conditioner of an ``autoregressive`` step: Transformer layers, GRU layers (one,
 #: as in the GRU + MAF a user would otherwise build).
 AUTOREGRESSIVE_DEPTH = {"transformer": 2, "gru": 1}
+
+#: Bound on the log-scales of a ``maf`` step, tighter than an ``autoregressive`` step's 3: a
+#: stack of steps that each scale a feature by up to e^3 given the frame's other features
+#: turned the wider noise of a surprising past into forecasts thousands of times the data's
+#: range (docs/small_data.md#maf-scale).
+MAF_MAX_LOG_SCALE = 1.5
 
 
 def layer_steps(
@@ -133,12 +139,13 @@ def _mix(config: ModelConfig, encoding: nn.Module | None) -> FeatureMixing:
 
 def _autoregressive(config: ModelConfig, encoding: nn.Module | None, *,
                     within_frame: bool = False, block: int = 0) -> AutoregressiveAffine:
+    bound = {"max_log_scale": MAF_MAX_LOG_SCALE} if within_frame else {}
     return AutoregressiveAffine(
         config.features, width=config.hidden, depth=AUTOREGRESSIVE_DEPTH[config.conditioner],
         heads=default_heads(config.hidden), max_len=config.max_len, positional=config.positional,
         conditioner=config.conditioner,  # type: ignore[arg-type]  # a checked choice
         context_features=config.resolved_context_features, within_frame=within_frame,
-        reverse_features=within_frame and block % 2 == 1,
+        reverse_features=within_frame and block % 2 == 1, **bound,
     )
 
 
