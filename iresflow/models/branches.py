@@ -35,7 +35,8 @@ from iresflow.transforms.autoregressive import AutoregressiveAffine
 from iresflow.transforms.mixing import FeatureMixing
 from iresflow.transforms.residual import ResidualTransform
 
-__all__ = ["AUTOREGRESSIVE_DEPTH", "MAF_MAX_LOG_SCALE", "MLP_LAYERS", "layer_steps", "needs_positional_encoding"]
+__all__ = ["AUTOREGRESSIVE_DEPTH", "MAF_MAX_LOG_SCALE", "MLP_LAYERS", "layer_steps",
+           "needs_positional_encoding"]
 
 #: Linear layers of the position-wise MLP branch (dims ``(D, hidden, hidden, D)``).
 MLP_LAYERS = 3
