@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -131,11 +132,11 @@ def test_warmup_resumes_exactly(tmp_path: Path) -> None:
     ]
 
 
-def _worsening_validation(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every epoch's validation NLL is worse than the one before: epoch 1 stays the best."""
+def _scripted_validation(monkeypatch: pytest.MonkeyPatch, nll: Callable[[int], float]) -> None:
+    """Every epoch's validation NLL is ``nll(epoch)``, with an inverse that reconstructs."""
 
     def validate(self: TrainingSession) -> dict[str, float]:
-        return {"val_nll": float(self.epoch), "inverse_iterations": 1.0,
+        return {"val_nll": nll(self.epoch), "inverse_iterations": 1.0,
                 "inverse_residual": 0.0, "reconstruction_error": 0.0}
 
     monkeypatch.setattr(TrainingSession, "validate", validate)
@@ -146,12 +147,7 @@ def test_a_run_trains_on_at_the_floor_while_validation_improves(
 ) -> None:
     """Validation improves until epoch 9, past the annealing (epoch 4): the run goes on at the
     floor rate and stops ``patience`` epochs after its best, far below ``epochs``."""
-
-    def validate(self: TrainingSession) -> dict[str, float]:
-        return {"val_nll": float(abs(self.epoch - 9)), "inverse_iterations": 1.0,
-                "inverse_residual": 0.0, "reconstruction_error": 0.0}
-
-    monkeypatch.setattr(TrainingSession, "validate", validate)
+    _scripted_validation(monkeypatch, lambda epoch: float(abs(epoch - 9)))
     config = TINY.replace(epochs=1000, anneal=4, warmup=1, patience=3, lr=0.01,
                           scheduler="cosine")
     result = train(config, tmp_path / "run", progress=False)
@@ -168,7 +164,7 @@ def test_patience_counts_after_warmup_and_once_cosine_lr_is_half(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scheduler: str, warmup: int, epochs: int,
     patience: int,
 ) -> None:
-    _worsening_validation(monkeypatch)
+    _scripted_validation(monkeypatch, float)  # each epoch worse: epoch 1 stays the best
     config = TINY.replace(
         scheduler=scheduler, warmup=warmup, epochs=epochs, patience=patience, lr=0.01
     )
