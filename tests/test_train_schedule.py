@@ -143,17 +143,21 @@ def _scripted_validation(monkeypatch: pytest.MonkeyPatch, nll: Callable[[int], f
 
 
 def test_a_run_trains_on_at_the_floor_while_validation_improves(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Validation improves until epoch 9, past the annealing (epoch 4): the run goes on at the
-    floor rate and stops ``patience`` epochs after its best, far below ``epochs``."""
+    floor rate and stops ``patience`` epochs after its best, far below ``epochs``; its progress
+    lines name the best epoch so far, not the cap."""
     _scripted_validation(monkeypatch, lambda epoch: float(abs(epoch - 9)))
     config = TINY.replace(epochs=1000, anneal=4, warmup=1, patience=3, lr=0.01,
                           scheduler="cosine")
-    result = train(config, tmp_path / "run", progress=False)
+    result = train(config, tmp_path / "run", progress=True)
     assert result.best_epoch == 9 and result.stopped_early and result.epochs == 12
     assert [row["lr"] for row in result.history][4:] == pytest.approx(
         [config.lr * COSINE_FLOOR] * 8, rel=1e-12)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("epoch")]
+    assert [line.split("  ")[0] for line in lines] == [
+        f"epoch {epoch} (best {min(epoch, 9)})" for epoch in range(1, 13)]
 
 
 @pytest.mark.parametrize(

@@ -93,7 +93,7 @@ def run_epochs(session: TrainingSession, *, progress: bool, after_epoch: EpochHo
         session.epoch += 1
         bar = tqdm(
             total=session.steps_per_epoch,
-            desc=f"epoch {session.epoch}/{config.epochs}",
+            desc=f"epoch {session.epoch}",
             disable=None if progress else True,
             leave=False,
         )
@@ -105,7 +105,7 @@ def run_epochs(session: TrainingSession, *, progress: bool, after_epoch: EpochHo
         session.history.append(row)
         after_epoch(session, row)
         if progress:  # stderr: unbuffered, so logs of background runs stay current
-            tqdm.write(epoch_summary(row, config.epochs), file=sys.stderr)
+            tqdm.write(epoch_summary(row, session.best_epoch), file=sys.stderr)
     if progress and reason == "patience":
         tqdm.write(
             f"early stop: no better validation NLL for {config.patience} counted epochs",

@@ -55,17 +55,24 @@ def tensorboard_writer(paths: RunPaths, epoch: int) -> Any:
     return SummaryWriter(log_dir=str(paths.tensorboard), purge_step=epoch + 1)
 
 
-def epoch_summary(row: dict[str, float], epochs: int) -> str:
+def epoch_summary(row: dict[str, float], best_epoch: int) -> str:
     """The one-line progress report of an epoch's metrics.
+
+    Args:
+        row: The epoch's metrics (``epoch``, ``train_nll``, ``val_nll``, ``lr``,
+            ``train_seconds``; ``val_nll_stderr`` and the inverse check where present).
+        best_epoch: The epoch of the lowest validation NLL so far (training runs until it
+            stops improving, so the report names it instead of the cap ``epochs``).
 
     Example:
         >>> row = {"epoch": 1, "train_nll": 2.0, "val_nll": 1.5, "lr": 1e-3,
         ...        "inverse_iterations": 7, "inverse_residual": 1e-9,
         ...        "reconstruction_error": 1e-8, "train_seconds": 0.5}
-        >>> epoch_summary(row, 10)
-        'epoch 1/10  train 2.0000  val 1.5000  lr 1.00e-03  inverse 7 it, residual 1.0e-09, error 1.0e-08  (0.5 s)'
+        >>> epoch_summary(row, 1)
+        'epoch 1 (best 1)  train 2.0000  val 1.5000  lr 1.00e-03  inverse 7 it, residual 1.0e-09, error 1.0e-08  (0.5 s)'
     """  # noqa: E501
-    text = f"epoch {row['epoch']}/{epochs}  train {row['train_nll']:.4f}  val {row['val_nll']:.4f}"
+    text = (f"epoch {row['epoch']} (best {best_epoch})  train {row['train_nll']:.4f}  "
+            f"val {row['val_nll']:.4f}")
     if "val_nll_stderr" in row:
         text += f" ± {row['val_nll_stderr']:.4f}"
     text += f"  lr {row['lr']:.2e}"
