@@ -25,7 +25,7 @@ COMMANDS = (
     "results", "small_data", "held_out", "forecast", "sampling", "recipes", "long_range",
     "order", "conditional", "robustness", "gaussian_baseline", "scaling", "length_scaling",
     "compiled", "larger_than_memory", "attention", "inverse", "residual_mlp", "train_epoch",
-    "quantised",
+    "quantised", "initial",
 )
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out"

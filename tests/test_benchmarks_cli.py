@@ -42,6 +42,7 @@ TABLES = [
     (["recipes", "--table-from", "docs/recipes.json"], ["docs/recipes.md"]),
     (["forecast", "--table-from", "docs/forecast.json", "docs/forecast_one_pass.json"],
      ["docs/forecasting.md"]),
+    (["initial", "--table-from", "docs/initial_models.json"], ["docs/small_data.md"]),
 ]
 
 

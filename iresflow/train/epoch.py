@@ -262,7 +262,7 @@ class TrainingSession:
         grad_norms = []
         self.model.train()
         if self.epoch == 1 and self.flow is not None:
-            self._initialize(self.flow)
+            self.initialize_flow(self.flow)
         steps = 0
         for steps, index in enumerate(batches, start=1):
             part, weight = shard(index, world)
@@ -307,7 +307,7 @@ class TrainingSession:
             "train_seconds": time.perf_counter() - start,
         }
 
-    def _initialize(self, flow: SequenceFlow) -> None:
+    def initialize_flow(self, flow: SequenceFlow) -> None:
         """Data-dependent layers of a flow (ActNorm, the autoregressive fit) from the same
         leading training sequences on every rank, before the first step."""
         train = self.dataset.train
