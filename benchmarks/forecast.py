@@ -10,7 +10,9 @@ averaged over features, energy score, coverage of the central 50% and 90% interv
 * **flow (causal)**: ``iresflow train`` with every default but ``causal = true`` (and the
   settings of ``--set``, an ablation, recorded with it) (:func:`iresflow.train.loop.train`),
   then :func:`iresflow.runs.forecast.forecast_run`, the
-  path of ``iresflow forecast``; its test NLL (``evaluate_run(method="auto")``) is recorded
+  path of ``iresflow forecast``; the scores of its forecasts with ``noise = "prior"`` (the
+  new frames' noise not widened by the observed noise) are recorded too, as
+  ``prior_noise`` (not in the tables); its test NLL (``evaluate_run(method="auto")``) is recorded
   beside the default flow's of ``--default-from`` (the small-data records);
 * **seasonal naive**: the last season repeated, the period chosen on the validation split;
 * **AR(p) Gaussian**: the closed-form reference (order chosen on validation) drawn forward;
@@ -108,13 +110,14 @@ def run_flow(name: str, ds: SequenceDataset, seed: int, horizon: int, num: int,
     run = dataclasses.replace(run, dataset=dataclasses.replace(run.dataset, test=ds.test))
     forecast = forecast_run(run, horizon=horizon, num=num, seed=seed)
     seconds = time.perf_counter() - begin
-    assert forecast.scores is not None
+    prior = forecast_run(run, horizon=horizon, num=num, seed=seed, noise="prior").scores
+    assert forecast.scores is not None and prior is not None
     past, observed = held.x[:1], held.observed[:1]
     one = median_seconds(lambda: run.model.forecast(torch.where(observed[..., None], past, 0.0),
                                              observed, horizon=horizon, num_samples=num))
     return forecast.scores | {
         "seconds": seconds, "latency": one, "test_nll": evaluation["nll"],
-        "epochs": result.epochs,
+        "epochs": result.epochs, "prior_noise": prior,
         "kept": choose(result.selection).name if result.selection else None,
         "best_epoch": result.best_epoch, "train_seconds": trained,
         "converged": forecast.diagnostics["converged"]}

@@ -81,6 +81,21 @@ def test_forecast_is_reproducible_by_its_seed(causal_run: Path) -> None:
     assert first.scores is not None and first.scores["frames"] == 2 * len(first.index)
 
 
+def test_forecast_with_prior_noise_is_the_flow_solved_for_new_noise_that_ignores_the_past(
+    causal_run: Path, tmp_path: Path
+) -> None:
+    """``--noise prior`` writes the draws of ``forecast_run(noise="prior")``: the flow's
+    forecast with the new frames' noise from ``sample_new``, not the conditional t."""
+    out = tmp_path / "prior.npz"
+    assert main(["forecast", str(causal_run), "--horizon", "2", "--num", "4", "--seed", "3",
+                 "--noise", "prior", "--out", str(out)]) == 0
+    run = load_run(causal_run)
+    prior = forecast_run(run, horizon=2, num=4, seed=3, noise="prior")
+    given = forecast_run(run, horizon=2, num=4, seed=3)
+    np.testing.assert_array_equal(np.load(out)["samples"], prior.samples.numpy())
+    assert not torch.equal(prior.samples, given.samples)
+
+
 def test_forecast_reports_the_scale_the_observed_noise_gives_the_new_noise(
     causal_run: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -169,20 +169,49 @@ def test_sequence_t_draw_given_observed_frames_is_the_conditional_t(device):
     assert stats.kstest(statistic, stats.f(2, nu).cdf).pvalue > 1e-3
 
 
+def test_prior_noise_of_new_frames_ignores_the_observed_noise(device):
+    """``sample_new`` of a sequence-level t: the same new frames, from the same generator,
+    after quiet and loud observed noise (those of an unconditional draw); ``sample_given``
+    scales them by the ratio of the conditional scales."""
+    base = StudentTSequence(2, group="sequence", nu_init=5.0).to(device, torch.float64)
+    quiet = 0.5 * torch.randn(3, 6, 2, device=device, dtype=torch.float64)
+    loud = 10.0 * quiet
+    observed = torch.zeros(3, 6, dtype=torch.bool, device=device)
+    observed[:, :4] = True
+    mask = torch.ones_like(observed)
+    new = mask & ~observed
+
+    def draw(method, z):
+        return method(z, observed, mask, torch.Generator(device).manual_seed(7))
+
+    prior = draw(base.sample_new, quiet)
+    torch.testing.assert_close(prior[new], draw(base.sample_new, loud)[new], rtol=0, atol=0)
+    fresh = base.sample(new, torch.Generator(device).manual_seed(7), dtype=torch.float64)
+    torch.testing.assert_close(prior[new], fresh[new], rtol=0, atol=0)
+    assert torch.equal(prior[observed], quiet[observed]) and torch.equal(prior[~mask], fresh[~mask])
+    ratio = base.given_scale(loud, observed) / base.given_scale(quiet, observed)
+    given_loud, given_quiet = draw(base.sample_given, loud), draw(base.sample_given, quiet)
+    torch.testing.assert_close(given_loud[new].reshape(3, -1),
+                               given_quiet[new].reshape(3, -1) * ratio[:, None])
+    assert bool((ratio > 3).all())  # the loud past widens the given draw, not the prior one
+
+
+@pytest.mark.parametrize("noise", ["given", "prior"])
 @pytest.mark.parametrize("ragged", [True, False])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_forecast_solves_the_flow_on_the_new_frames_with_the_past_fixed(device, dtype, recipe,
-                                                                        ragged):
+                                                                        ragged, noise):
     """The flow maps the observed frames followed by the forecast to the observed frames' own
-    noise followed by the noise drawn for the new ones (reproduced from the same generator);
-    with sequences of different lengths (padded solving windows) and of one length (none)."""
+    noise followed by the noise drawn for the new ones (reproduced from the same generator,
+    given the observed noise or not); with sequences of different lengths (padded solving
+    windows) and of one length (none)."""
     model = _model(device, dtype, **RECIPES[recipe])
     x, mask = _batch(device, dtype)
     mask = mask if ragged else torch.ones_like(mask)
     context = _context(model, 3, device)
     horizon, num = 3, 2
     samples = model.forecast(x, mask, horizon=horizon, num_samples=num, **context,
-                             generator=torch.Generator(device).manual_seed(5))
+                             generator=torch.Generator(device).manual_seed(5), noise=noise)
     assert samples.shape == (num, 3, horizon, FEATURES)
     ends = torch.tensor([LENGTH, 5 if ragged else LENGTH, LENGTH], device=device)
     total = LENGTH + horizon
@@ -190,11 +219,11 @@ def test_forecast_solves_the_flow_on_the_new_frames_with_the_past_fixed(device, 
     new = (positions >= ends[:, None]) & (positions < ends[:, None] + horizon)
     known = torch.nn.functional.pad(mask, (0, horizon))
     data = torch.nn.functional.pad(x, (0, 0, 0, horizon))
-    noise = model.transform_to_noise(data, known, **context)
+    observed_noise = model.transform_to_noise(data, known, **context)
     c = None if not context else model.context_encoder(context["context"].repeat(num))
-    drawn = model.base.sample_given(noise.repeat(num, 1, 1), known.repeat(num, 1),
-                                    (known | new).repeat(num, 1),
-                                    torch.Generator(device).manual_seed(5), context=c)
+    draw = model.base.sample_given if noise == "given" else model.base.sample_new
+    drawn = draw(observed_noise.repeat(num, 1, 1), known.repeat(num, 1),
+                 (known | new).repeat(num, 1), torch.Generator(device).manual_seed(5), context=c)
     tol = 1e-8 if dtype == torch.float64 else 1e-3
     for s in range(num):
         full = data.clone()
@@ -280,6 +309,8 @@ def test_forecast_rejects_bad_options(device):
         model.forecast(x, mask, horizon=1, num_samples=0)
     with pytest.raises(ValueError, match="temperature"):
         model.forecast(x, mask, horizon=1, temperature=0.0)
+    with pytest.raises(ValueError, match="noise must be one of given, prior"):
+        model.forecast(x, mask, horizon=1, noise="fresh")
     bad = x.clone()
     bad[0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):

@@ -162,12 +162,36 @@ class SequenceBase(nn.Module, ABC):
             f"implement given_scale"
         )
 
-    def _sample_new_frames(
-        self, z: Tensor, observed: Tensor, mask: Tensor, generator: torch.Generator | None,
-        temperature: float, context: Tensor | None,
+    def sample_new(
+        self,
+        z: Tensor,
+        observed: Tensor,
+        mask: Tensor,
+        generator: torch.Generator | None = None,
+        temperature: float = 1.0,
+        *,
+        context: Tensor | None = None,
     ) -> Tensor:
-        """``sample_given`` of a base whose frames are independent: the new frames are a fresh
-        draw of :meth:`sample`, the observed ones kept."""
+        r"""Draw the noise of the new frames from the base's own density of them, whatever the
+        noise of the observed ones (docs/forecasting.md#conditional-noise).
+
+        A fresh draw of :meth:`sample` at the frames of ``mask`` that ``observed`` does not
+        hold; the observed frames are returned as they are and every other frame is zero. For a
+        base whose frames are independent this is :meth:`sample_given`; for one that ties them
+        (a sequence-level t) it leaves out what the observed noise says about the new frames'
+        scale (a forecast with ``noise = "prior"``).
+
+        Args:
+            z: Noise ``(B, N, D)``, read at the ``observed`` frames only.
+            observed: Boolean mask ``(B, N)`` of the frames whose noise is given.
+            mask: Boolean mask ``(B, N)`` of all real frames (observed and new).
+            generator: The only source of randomness (torch's global generator when ``None``).
+            temperature: Spread :math:`T > 0` of the draw, as in :meth:`sample`.
+            context: Context vector ``(B, C)`` of a conditional flow, or ``None``.
+
+        Returns:
+            Noise ``(B, N, D)``.
+        """
         new = self.sample(mask & ~observed, generator, temperature, context=context,
                           dtype=z.dtype)
         return torch.where(observed.unsqueeze(-1), z, new)

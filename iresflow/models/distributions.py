@@ -120,7 +120,7 @@ class StandardNormalSequence(SequenceBase):
     ) -> Tensor:
         """See :meth:`SequenceBase.sample_given`: the frames are independent, so the new ones
         are standard normal whatever the observed ones."""
-        return self._sample_new_frames(z, observed, mask, generator, temperature, context)
+        return self.sample_new(z, observed, mask, generator, temperature, context=context)
 
     def given_scale(self, z: Tensor, observed: Tensor) -> Tensor:
         """See :meth:`SequenceBase.given_scale`: 1, the frames are independent."""
@@ -278,7 +278,7 @@ class StudentTSequence(SequenceBase):
         :math:`w \sim \chi^2_{\nu + k_o}`, one per sequence.
         """
         if self.group != "sequence":
-            return self._sample_new_frames(z, observed, mask, generator, temperature, context)
+            return self.sample_new(z, observed, mask, generator, temperature, context=context)
         generator, temperature = _check_draw(mask, generator, temperature)
         nu, known, square = self._observed(z, observed)
         g = torch.randn(z.shape, generator=generator, device=z.device, dtype=z.dtype)

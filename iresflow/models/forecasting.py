@@ -11,6 +11,7 @@ frames given earlier ones (``log_prob(..., given=...)``); docs/forecasting.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +30,11 @@ if TYPE_CHECKING:
     from iresflow.models.distributions import SequenceBase
     from iresflow.transforms.composite import SequenceCompositeTransform
 
-__all__ = ["CausalMethods"]
+__all__ = ["FORECAST_NOISE", "CausalMethods"]
+
+#: Where a forecast draws the new frames' noise from: the base given the observed noise, or the
+#: base's own density of the new frames (:meth:`CausalMethods.forecast`).
+FORECAST_NOISE = ("given", "prior")
 
 
 class CausalMethods:
@@ -89,17 +94,16 @@ class CausalMethods:
         generator: torch.Generator | None = None,
         temperature: float = 1.0,
         context: Tensor | None = None,
+        noise: str = "given",
     ) -> Tensor:
         r"""Draw the next ``horizon`` frames of every sequence given its observed frames
         (docs/forecasting.md).
 
         For a :attr:`causal` flow, the noise of the observed frames is a function of them alone;
-        the noise of the new frames is drawn from the base given it
-        (:meth:`~iresflow.models.distributions.SequenceBase.sample_given`), and every step of
-        the chain is inverted with the observed frames held at their states
-        (:meth:`~iresflow.transforms.composite.SequenceCompositeTransform.inverse_given`): the
-        fixed-point engine solves for all new frames at once. The new frames of a sequence
-        follow its last real frame; missing frames before it stay missing.
+        the noise of the new frames is drawn from the base (``noise``), and every step of the
+        chain is inverted with the observed frames held at their states (the chain's
+        ``inverse_given``): the fixed-point engine solves for all new frames at once. The new
+        frames of a sequence follow its last real frame; missing frames before it stay missing.
         :meth:`inverse_diagnostics` reports the convergence. Only ``generator`` is drawn from.
 
         Args:
@@ -110,8 +114,10 @@ class CausalMethods:
             num_samples: Number ``S >= 1`` of draws per sequence.
             generator: Optional ``torch.Generator`` (on the model's device).
             temperature: Scale :math:`T > 0` of the new frames' noise (1 = the model).
-            context: Conditioning input of a conditional flow, one per sequence (see
-                :meth:`log_prob`).
+            context: Conditioning input of a conditional flow, one per sequence (:meth:`log_prob`).
+            noise: ``"given"``: the new noise from the base given the observed noise (its
+                ``sample_given``, the model's forecast); ``"prior"``: from the base alone (its
+                ``sample_new``: no widening by a surprising past; docs/forecasting.md).
 
         Returns:
             Samples ``(S, B, H, D)``.
@@ -132,6 +138,7 @@ class CausalMethods:
         horizon = check_int(horizon, "horizon", 1)
         num_samples = check_int(num_samples, "num_samples", 1)
         temperature = check_float(temperature, "temperature", 0.0)
+        draw = _noise_draw(self.base, noise)
         generator = check_generator(generator)
         x, mask, c = self._check(x, mask, "x", False, context)
         batch, length, features = x.shape
@@ -152,8 +159,7 @@ class CausalMethods:
             trace = [state.repeat(repeat) for state in trace]
             known, new = known.repeat(num_samples, 1), new.repeat(num_samples, 1)
             c = None if c is None else c.repeat(num_samples, 1)
-            z = self.base.sample_given(trace[-1], known, known | new, generator, temperature,
-                                       context=c)
+            z = draw(trace[-1], known, known | new, generator, temperature, context=c)
             out = self.transform.inverse_given(z, trace, known, c, mask=known | new)
         index = (ends[:, None] + torch.arange(horizon, device=x.device)).repeat(num_samples, 1)
         future = torch.gather(out, 1, index[..., None].expand(-1, -1, features))
@@ -199,3 +205,10 @@ class CausalMethods:
         per_frame = self.frame_log_prob(x, mask, context=context)
         value = torch.where(given, 0.0, per_frame).sum(-1)
         return (value, torch.zeros_like(value)) if return_stderr else value
+
+
+def _noise_draw(base: SequenceBase, noise: str) -> Callable[..., Tensor]:
+    """The base's draw of the new frames' noise for a forecast's ``noise`` setting."""
+    if noise not in FORECAST_NOISE:
+        raise ValueError(f"noise must be one of {', '.join(FORECAST_NOISE)}, got {noise!r}")
+    return base.sample_given if noise == "given" else base.sample_new

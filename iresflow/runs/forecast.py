@@ -123,7 +123,7 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
         seen = (past[batch].to(parameter), observed[batch].to(parameter.device))
         draws = run.model.forecast(
             *seen, horizon=settings.horizon, num_samples=settings.num, generator=generator,
-            temperature=settings.temperature, context=context,
+            temperature=settings.temperature, context=context, noise=settings.noise,
         )
         parts.append(draws.cpu())
         scales.append(_given_scale(run, *seen, context))

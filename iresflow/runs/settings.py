@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from iresflow._settings import ConfigError, SettingsRecord, check_device, check_minimum, setting
+from iresflow.models.forecasting import FORECAST_NOISE
 from iresflow.train.metrics import SCORE_SUFFIXES
 
 __all__ = [
@@ -180,6 +181,13 @@ class ForecastSettings(SettingsRecord):
     )
     seed: int = setting(0, "seed of the forecast noise")
     temperature: float = setting(1.0, "scale of the forecast noise (1: the model's)")
+    noise: str = setting(
+        "given",
+        "noise of the new frames: given, drawn from the base given the observed frames' noise "
+        "(the model's forecast); prior, from the base's own density of new frames, which a "
+        "surprising past does not widen (differs for the sequence-level t base only)",
+        FORECAST_NOISE,
+    )
     plot_sequence: int = setting(0, "index of the sequence whose fan chart is drawn")
 
     def check(self) -> None:
