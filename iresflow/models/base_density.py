@@ -179,15 +179,8 @@ class SequenceBase(nn.Module, ABC):
         hold; the observed frames are returned as they are and every other frame is zero. For a
         base whose frames are independent this is :meth:`sample_given`; for one that ties them
         (a sequence-level t) it leaves out what the observed noise says about the new frames'
-        scale (a forecast with ``noise = "prior"``).
-
-        Args:
-            z: Noise ``(B, N, D)``, read at the ``observed`` frames only.
-            observed: Boolean mask ``(B, N)`` of the frames whose noise is given.
-            mask: Boolean mask ``(B, N)`` of all real frames (observed and new).
-            generator: The only source of randomness (torch's global generator when ``None``).
-            temperature: Spread :math:`T > 0` of the draw, as in :meth:`sample`.
-            context: Context vector ``(B, C)`` of a conditional flow, or ``None``.
+        scale (a forecast with ``noise = "prior"``). The arguments are those of
+        :meth:`sample_given` (``z`` ``(B, N, D)``, the masks ``(B, N)``).
 
         Returns:
             Noise ``(B, N, D)``.
