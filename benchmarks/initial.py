@@ -70,16 +70,20 @@ def initial_models(name: str, seed: int) -> dict[str, Any]:
             "initial": initial}
 
 
+def _cells(row: dict[str, Any]) -> list[str]:
+    """The table's cells of one record: the reference's validation NLL and every candidate's
+    initial one with its difference to the reference (positive: above it)."""
+    ref = row["reference"]["val_nll"]
+    initial = [f"{row['initial'][c]:.4f} ({row['initial'][c] - ref:+.4f})"
+               if c in row["initial"] else "—" for c in CANDIDATES]
+    return [row["dataset"], str(row["seed"]), row["unit"],
+            f"{row['reference']['model']} {ref:.4f}", *initial]
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """One row per dataset and seed: the reference's validation NLL and every candidate's
-    initial one, with its difference to the reference (positive: above it)."""
-    body = []
-    for row in rows:
-        ref = row["reference"]["val_nll"]
-        cells = [f"{row['initial'][c]:.4f} ({row['initial'][c] - ref:+.4f})"
-                 if c in row["initial"] else "—" for c in CANDIDATES]
-        body.append([row["dataset"], str(row["seed"]), row["unit"],
-                     f"{row['reference']['model']} {ref:.4f}", *cells])
+    """One row per dataset and seed (:func:`_cells`), and how many initial models are above
+    the reference."""
+    body = [_cells(row) for row in rows]
     above = sum(value > row["reference"]["val_nll"]
                 for row in rows for value in row["initial"].values())
     count = sum(len(row["initial"]) for row in rows)
@@ -97,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         for name in args.datasets:
             for seed in cli.seeds(args):
                 rows.append(initial_models(name, seed))
-                print(markdown_table(rows[-1:]).split("\n\n")[0].splitlines()[-1], flush=True)
+                print(" | ".join(_cells(rows[-1])), flush=True)
         rows, _ = cli.save(args, rows, KEY, {}, earlier)
     table = markdown_table(rows)
     print(table)
