@@ -27,7 +27,9 @@ warm-up), are recorded with the scores; the tables leave them out, since records
 different runs may be merged into one table (``--table-from``), and ``python -m benchmarks
 sampling --run RUN --horizon H`` times the forecasters side by side. The second table gives
 the causal flow's test NLL beside the default flow's and counts the causal runs whose best
-epoch is their last (cut short). Run from the repository root::
+epoch is their last (cut short). The trained runs are removed afterwards unless
+``--keep-runs DIR`` keeps them (``DIR/DATASET-seedS``), to be forecast again without
+training. Run from the repository root::
 
     python -m benchmarks forecast --seeds 3 --budget 60 --out docs/forecast.json \\
         --doc docs/forecasting.md
@@ -240,6 +242,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-sequences", type=cli.optional_int, default=64,
                         help="test sequences forecast per dataset, the first ones ('none': "
                         "all; default: %(default)s)")
+    parser.add_argument("--keep-runs", type=Path, default=None, metavar="DIR",
+                        help="keep every trained run as DIR/DATASET-seedS, to forecast again "
+                        "without training (default: a temporary directory, removed)")
     parser.add_argument("--default-from", type=Path, default=cli.ROOT / "docs" / "small_data.json",
                         help="small-data records with the default flow's test NLL "
                         "(default: %(default)s)")
@@ -256,10 +261,11 @@ def run(args: argparse.Namespace) -> int:
         if args.num < 2 or args.budget < 0:
             raise SystemExit("--num must be >= 2 and --budget >= 0")
         earlier, rows = cli.stored(args, {}), []
-        with tempfile.TemporaryDirectory() as work:
+        with tempfile.TemporaryDirectory() as scratch:
+            work = args.keep_runs or Path(scratch)
             for name in args.datasets:
                 for seed in cli.seeds(args):
-                    record = run_dataset(name, seed, args.num, args.budget, Path(work),
+                    record = run_dataset(name, seed, args.num, args.budget, work,
                                          flow=not args.no_flow, limit=args.max_sequences,
                                          settings=cli.settings(args))
                     rows.append(record)

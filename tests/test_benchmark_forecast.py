@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from benchmarks import cli, forecast
+from benchmarks import cli, forecast, records
 from benchmarks.baselines.forecasters import (
     ar_forecast,
     choose_period,
@@ -18,7 +18,8 @@ from benchmarks.baselines.forecasters import (
 )
 from benchmarks.baselines.recurrent import ENCODERS, RecurrentFlow
 from iresflow.models.reference import AutoregressiveGaussian
-from iresflow.runs.forecast import hold_out
+from iresflow.runs.forecast import forecast_run, hold_out
+from iresflow.runs.load import load_run
 
 
 def test_ar_draws_follow_the_closed_form_conditional() -> None:
@@ -153,3 +154,18 @@ def test_the_flow_record_names_the_candidate_kept(tmp_path) -> None:
     alone = forecast.run_flow("co2_windows", ds, 0, 4, 2, tmp_path / "b", held,
                               {**tiny, "alternative": "none"})
     assert alone["kept"] is None
+
+
+def test_keep_runs_leaves_every_trained_run_to_forecast_again(tmp_path, capsys) -> None:
+    tiny = ["n_blocks=1", "hidden=8", "max_train=12", "max_eval=6", "batch_size=6", "epochs=1",
+            "min_steps=1", "device=cpu", "alternative=none"]
+    args = cli.parse(["forecast", "--datasets", "co2_windows", "--budget", "0",
+                      "--max-sequences", "2", "--num", "2", "--out", str(tmp_path / "r.json"),
+                      "--keep-runs", str(tmp_path / "runs"), "--set", *tiny])
+    assert forecast.run(args) == 0
+    (record,) = records.load(tmp_path / "r.json")["records"]
+    run = load_run(tmp_path / "runs" / "co2_windows-seed0")
+    test = forecast.load("co2_windows", 0).test.subset(torch.arange(2))
+    again = forecast_run(dataclasses.replace(run, dataset=dataclasses.replace(
+        run.dataset, test=test)), horizon=record["horizon"], num=2)
+    assert again.scores["crps_mean"] == record["flow"]["crps_mean"]
