@@ -10,10 +10,12 @@ averaged over features, energy score, coverage of the central 50% and 90% interv
 * **flow (causal)**: ``iresflow train`` with every default but ``causal = true`` (and the
   settings of ``--set``, an ablation, recorded with it) (:func:`iresflow.train.loop.train`),
   then :func:`iresflow.runs.forecast.forecast_run`, the
-  path of ``iresflow forecast``; the scores of its forecasts with ``noise = "prior"`` (the
-  new frames' noise not widened by the observed noise) are recorded too, as
-  ``prior_noise`` (not in the tables); its test NLL (``evaluate_run(method="auto")``) is recorded
-  beside the default flow's of ``--default-from`` (the small-data records);
+  path of ``iresflow forecast``, with its default ``noise = "auto"`` (the noise it chose,
+  ``noise``, and the validation CRPS that chose it, ``noise_validation``, are recorded); the
+  scores of the same run's forecasts with each noise, ``given`` and ``prior``, are recorded
+  too, as ``given_noise`` and ``prior_noise`` (not in the tables); its test NLL
+  (``evaluate_run(method="auto")``) is recorded beside the default flow's of
+  ``--default-from`` (the small-data records);
 * **seasonal naive**: the last season repeated, the period chosen on the validation split;
 * **AR(p) Gaussian**: the closed-form reference (order chosen on validation) drawn forward;
 * **ETS**: damped-trend exponential smoothing fitted to every univariate test sequence alone
@@ -62,6 +64,7 @@ from benchmarks.results_specs import gru_maf_config
 from benchmarks.small_data import DATASETS, MAX_AR_ORDER, data_settings, load
 from benchmarks.timing import median_seconds
 from iresflow.data.datasets import SequenceDataset
+from iresflow.models.forecasting import FORECAST_NOISE
 from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.runs.evaluate import evaluate_run
 from iresflow.runs.forecast import HeldOut, forecast_run, held_out_truth, hold_out, raw_frames
@@ -112,14 +115,16 @@ def run_flow(name: str, ds: SequenceDataset, seed: int, horizon: int, num: int,
     run = dataclasses.replace(run, dataset=dataclasses.replace(run.dataset, test=ds.test))
     forecast = forecast_run(run, horizon=horizon, num=num, seed=seed)
     seconds = time.perf_counter() - begin
-    prior = forecast_run(run, horizon=horizon, num=num, seed=seed, noise="prior").scores
-    assert forecast.scores is not None and prior is not None
+    fixed = {f"{noise}_noise": forecast_run(run, horizon=horizon, num=num, seed=seed,
+                                            noise=noise).scores for noise in FORECAST_NOISE}
+    assert forecast.scores is not None
     past, observed = held.x[:1], held.observed[:1]
     one = median_seconds(lambda: run.model.forecast(torch.where(observed[..., None], past, 0.0),
                                              observed, horizon=horizon, num_samples=num))
     return forecast.scores | {
         "seconds": seconds, "latency": one, "test_nll": evaluation["nll"],
-        "epochs": result.epochs, "prior_noise": prior,
+        "epochs": result.epochs, "noise": forecast.noise,
+        "noise_validation": forecast.noise_crps, **fixed,
         "kept": choose(result.selection).name if result.selection else None,
         "best_epoch": result.best_epoch, "train_seconds": trained,
         "converged": forecast.diagnostics["converged"]}

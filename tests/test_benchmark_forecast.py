@@ -149,8 +149,11 @@ def test_the_flow_record_names_the_candidate_kept(tmp_path) -> None:
     held = hold_out(ds.test, 4)
     record = forecast.run_flow("co2_windows", ds, 0, 4, 2, tmp_path / "a", held, tiny)
     assert record["kept"] in ("configured", "recurrent")  # one feature: two candidates
-    prior = record["prior_noise"]  # the same run's forecasts with noise = "prior", scored
-    assert prior["frames"] == record["frames"] and prior["crps_mean"] != record["crps_mean"]
+    given, prior = record["given_noise"], record["prior_noise"]  # the run's fixed noises
+    assert prior["frames"] == record["frames"] and prior["crps_mean"] != given["crps_mean"]
+    chosen = min(record["noise_validation"], key=record["noise_validation"].__getitem__)
+    assert record["noise"] == chosen and record[f"{chosen}_noise"]["crps_mean"] == record[
+        "crps_mean"]
     alone = forecast.run_flow("co2_windows", ds, 0, 4, 2, tmp_path / "b", held,
                               {**tiny, "alternative": "none"})
     assert alone["kept"] is None

@@ -4,6 +4,7 @@ the held-out frames and their scores, a file's future, reproducibility, the refu
 from __future__ import annotations
 
 import csv
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -91,9 +92,49 @@ def test_forecast_with_prior_noise_is_the_flow_solved_for_new_noise_that_ignores
                  "--noise", "prior", "--out", str(out)]) == 0
     run = load_run(causal_run)
     prior = forecast_run(run, horizon=2, num=4, seed=3, noise="prior")
-    given = forecast_run(run, horizon=2, num=4, seed=3)
+    given = forecast_run(run, horizon=2, num=4, seed=3, noise="given")
     np.testing.assert_array_equal(np.load(out)["samples"], prior.samples.numpy())
     assert not torch.equal(prior.samples, given.samples)
+
+
+def test_auto_noise_is_the_one_whose_validation_forecasts_score_the_lower_crps(
+    causal_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default ``noise = "auto"`` forecasts the validation split's last frames with each
+    noise and draws the forecast with the better one: bit-identical to asking for it."""
+    out = tmp_path / "auto.npz"
+    assert main(["forecast", str(causal_run), "--horizon", "2", "--num", "4", "--seed", "3",
+                 "--out", str(out)]) == 0
+    run = load_run(causal_run)
+    validation = {noise: forecast_run(run, horizon=2, num=4, seed=3, split="val",
+                                      noise=noise).scores["crps_mean"]
+                  for noise in ("given", "prior")}
+    assert validation["given"] != validation["prior"]
+    chosen = min(validation, key=validation.__getitem__)
+    auto = forecast_run(run, horizon=2, num=4, seed=3)
+    assert auto.noise == chosen and auto.noise_crps == validation
+    assert torch.equal(auto.samples, forecast_run(run, horizon=2, num=4, seed=3,
+                                                  noise=chosen).samples)
+    saved = np.load(out)
+    assert str(saved["noise"]) == chosen and np.array_equal(saved["samples"], auto.samples)
+    np.testing.assert_array_equal(saved["noise_crps"], [validation["given"], validation["prior"]])
+    assert f"noise of the new frames: {chosen} (chosen on the validation split" in (
+        capsys.readouterr().out)
+    explicit = forecast_run(run, horizon=2, num=4, seed=3, noise="prior")
+    assert explicit.noise == "prior" and explicit.noise_crps is None
+
+
+def test_auto_noise_without_a_validation_sequence_to_score_is_given(causal_run: Path) -> None:
+    run = load_run(causal_run)
+    val, test = run.dataset.val, run.dataset.test
+    shorter = val.subset((val.frames < test.frames.max()).nonzero().flatten())
+    horizon = int(shorter.frames.max())  # no validation frame before the last H
+    run = dataclasses.replace(run, dataset=dataclasses.replace(run.dataset, val=shorter))
+    forecast = forecast_run(run, horizon=horizon, num=4, seed=3)
+    assert forecast.noise == "given" and forecast.noise_crps is None
+    assert torch.equal(forecast.samples, forecast_run(run, horizon=horizon, num=4, seed=3,
+                                                      noise="given").samples)
+    assert forecast_run(run, horizon=horizon - 1, num=4, seed=3).noise_crps is not None
 
 
 def test_forecast_reports_the_scale_the_observed_noise_gives_the_new_noise(

@@ -25,6 +25,7 @@ from torch import Tensor
 from iresflow.data.splits import SequenceDataset, SequenceSplit
 from iresflow.data.store import StoredSplit
 from iresflow.data.user_files import read_user_file, user_file_kind
+from iresflow.models.forecasting import FORECAST_NOISE
 from iresflow.runs.load import LoadedRun
 from iresflow.runs.sample import worst_solve
 from iresflow.runs.scoring import QUANTILES, forecast_scores
@@ -33,8 +34,8 @@ from iresflow.train.config import ConfigError
 from iresflow.train.likelihood import batch_context, trimmed_batch
 
 __all__ = [
-    "Forecast", "HeldOut", "forecast_run", "held_out_truth", "hold_out", "raw_frames",
-    "save_forecast",
+    "Forecast", "HeldOut", "choose_noise", "forecast_run", "held_out_truth", "hold_out",
+    "raw_frames", "save_forecast",
 ]
 
 
@@ -62,6 +63,10 @@ class Forecast:
         scale: The base's scale of every sequence's new noise given its observed noise
             ``(B,)`` (:meth:`~iresflow.models.base_density.SequenceBase.given_scale`; 1 for a
             base whose frames are independent), or ``None`` for a base that does not report it.
+        noise: Where the new frames' noise was drawn from, ``"given"`` or ``"prior"``
+            (:data:`~iresflow.models.forecasting.FORECAST_NOISE`).
+        noise_crps: For ``noise = "auto"``, the mean CRPS of each noise's forecasts of the
+            validation split that chose it (:func:`choose_noise`), else ``None``.
     """
 
     samples: Tensor
@@ -75,6 +80,8 @@ class Forecast:
     diagnostics: dict[str, Any]
     source: str
     scale: Tensor | None = None
+    noise: str = FORECAST_NOISE[0]
+    noise_crps: dict[str, float] | None = None
 
 
 def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
@@ -86,8 +93,9 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
         settings: Horizon ``H``, draws ``S``, the data (a file's sequences, forecast after their
             ends, each conditioned on its latest ``max_len - H`` frames, a table read as whole
             series with the run's columns; default: the ``split``'s sequences, forecast in
-            place of their last ``H`` frames, which are scored), seed and temperature of the
-            noise; default: :class:`~iresflow.runs.settings.ForecastSettings`.
+            place of their last ``H`` frames, which are scored), seed, temperature and source
+            (``noise``, :func:`choose_noise` for ``"auto"``) of the noise; default:
+            :class:`~iresflow.runs.settings.ForecastSettings`.
         **changes: Fields of the settings to change (``horizon=6``).
 
     Returns:
@@ -105,6 +113,7 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
     if not run.model.causal:
         raise ConfigError(f"{run.paths.root} is not causal: only a run trained with causal = "
                           "true (--causal) forecasts")
+    noise, noise_crps = choose_noise(run, settings)
     parameter = next(run.model.parameters())
     held = None
     if settings.data is None:
@@ -123,7 +132,7 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
         seen = (past[batch].to(parameter), observed[batch].to(parameter.device))
         draws = run.model.forecast(
             *seen, horizon=settings.horizon, num_samples=settings.num, generator=generator,
-            temperature=settings.temperature, context=context, noise=settings.noise,
+            temperature=settings.temperature, context=context, noise=noise,
         )
         parts.append(draws.cpu())
         scales.append(_given_scale(run, *seen, context))
@@ -139,7 +148,30 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
     diagnostics = {**worst, "converged": worst["residual"] < worst["tolerance"]}
     scale = None if any(part is None for part in scales) else torch.cat(scales)
     return Forecast(samples, run.dataset.to_raw(past, observed), observed, start, index, truth,
-                    truth_mask, scores, diagnostics, source, scale)
+                    truth_mask, scores, diagnostics, source, scale, noise, noise_crps)
+
+
+def choose_noise(run: LoadedRun, settings: ForecastSettings) -> tuple[str, dict[str, float] | None]:
+    """The noise of a causal run's forecast: the setting's, or for ``"auto"`` the one of
+    :data:`~iresflow.models.forecasting.FORECAST_NOISE` whose forecasts of the last ``H`` frames
+    of the validation sequences (the forecast's settings otherwise) score the lowest mean CRPS,
+    the first on a tie (docs/forecasting.md#conditional-noise).
+
+    Returns:
+        The noise and, for ``"auto"``, the validation CRPS of each noise; ``("given", None)``
+        where the validation split has no sequence longer than ``H``.
+    """
+    if settings.noise != "auto":
+        return settings.noise, None
+    crps = {}
+    try:
+        for noise in FORECAST_NOISE:
+            scores = forecast_run(run, settings, data=None, split="val", noise=noise).scores
+            assert scores is not None  # a held-out forecast is scored
+            crps[noise] = scores["crps_mean"]
+    except ConfigError:  # no validation sequence longer than the horizon
+        return FORECAST_NOISE[0], None
+    return min(crps, key=crps.__getitem__), crps
 
 
 def _given_scale(
@@ -287,7 +319,9 @@ def save_forecast(forecast: Forecast, path: str | os.PathLike) -> Path:
 
     The arrays: ``samples (S, B, H, D)``, ``quantiles (Q, B, H, D)`` at the ``levels (Q,)`` of
     :data:`~iresflow.runs.scoring.QUANTILES`, ``observed (B, N, D)``, ``mask (B, N)``,
-    ``start (B,)``, ``index (B,)``, ``scale (B,)`` (where the base reports it);
+    ``start (B,)``, ``index (B,)``, ``noise`` (its name), ``scale (B,)`` (where the base
+    reports it), ``noise_crps`` (the validation CRPS of ``given`` and ``prior`` where ``auto``
+    chose);
     for a held-out forecast also ``truth (B, H, D)``, ``truth_mask (B, H)``, ``crps (D,)``,
     ``energy``, ``coverage_50`` and ``coverage_90``.
 
@@ -306,7 +340,10 @@ def save_forecast(forecast: Forecast, path: str | os.PathLike) -> Path:
         "levels": levels.numpy(),
         "observed": forecast.observed.numpy(), "mask": forecast.mask.numpy(),
         "start": forecast.start.numpy(), "index": forecast.index.numpy(),
+        "noise": np.array(forecast.noise),
     }
+    if forecast.noise_crps is not None:
+        arrays["noise_crps"] = np.array([forecast.noise_crps[k] for k in FORECAST_NOISE])
     if forecast.scale is not None:
         arrays["scale"] = forecast.scale.numpy()
     if forecast.truth is not None and forecast.truth_mask is not None and forecast.scores:

@@ -253,9 +253,9 @@ def _worst_solve(diagnostics: dict[str, Any]) -> str:
 
 
 def describe_forecast(run: LoadedRun, forecast: Forecast) -> str:
-    """What was forecast, its scores against the frames that followed (held-out forecasts), how
-    far the observed frames widened the base's draws (where it reports it), and whether every
-    fixed-point inverse converged."""
+    """What was forecast, its scores against the frames that followed (held-out forecasts), where
+    the new frames' noise came from, how far the observed frames widened the base's draws (where
+    it reports it), and whether every fixed-point inverse converged."""
     draws, sequences, horizon, _ = forecast.samples.shape
     what = ("in place of the last frames of" if forecast.truth is not None
             else "after the end of")
@@ -271,6 +271,9 @@ def describe_forecast(run: LoadedRun, forecast: Forecast) -> str:
             f"coverage of the 50% interval {scores['coverage']['50']:.1%}, of the 90% interval "
             f"{scores['coverage']['90']:.1%} ({scores['frames']} frames scored)",
         ]
+    chosen = ("" if forecast.noise_crps is None else " (chosen on the validation split, CRPS "
+              + ", ".join(f"{k} {v:.4g}" for k, v in forecast.noise_crps.items()) + ")")
+    lines.append(f"noise of the new frames: {forecast.noise}{chosen}")
     if forecast.scale is not None:
         widest = int(forecast.scale.argmax())
         lines.append(

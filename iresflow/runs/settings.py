@@ -182,11 +182,13 @@ class ForecastSettings(SettingsRecord):
     seed: int = setting(0, "seed of the forecast noise")
     temperature: float = setting(1.0, "scale of the forecast noise (1: the model's)")
     noise: str = setting(
-        "given",
+        "auto",
         "noise of the new frames: given, drawn from the base given the observed frames' noise "
-        "(the model's forecast); prior, from the base's own density of new frames, which a "
-        "surprising past does not widen (differs for the sequence-level t base only)",
-        FORECAST_NOISE,
+        "(the model's conditional); prior, from the base's own density of new frames, which a "
+        "surprising past does not widen (differs for the sequence-level t base only); auto, "
+        "the one of the two whose forecasts of the last horizon frames of the validation "
+        "sequences score the lower CRPS",
+        ("auto", *FORECAST_NOISE),
     )
     plot_sequence: int = setting(0, "index of the sequence whose fan chart is drawn")
 
