@@ -93,6 +93,15 @@ def setting(text: str) -> tuple[str, Any]:
         return key, value
 
 
+def add_runs(parser: argparse.ArgumentParser) -> None:
+    """``--runs DIR``: keep the flow's trained run folders (``args.runs``; ``None``: a temporary
+    folder, removed at the end)."""
+    parser.add_argument("--runs", type=Path, default=None, metavar="DIR",
+                        help="keep the flow's run folders here, as NAME-seedSEED, to be "
+                        "evaluated or forecast again without training (default: a temporary "
+                        "folder, removed at the end)")
+
+
 def add_threads(parser: argparse.ArgumentParser, default: int = 1) -> None:
     """``--threads N``: torch CPU threads, set by :func:`main` before the run."""
     parser.add_argument("--threads", type=int, default=default,

@@ -30,7 +30,7 @@ different runs may be merged into one table (``--table-from``), and ``python -m 
 sampling --run RUN --horizon H`` times the forecasters side by side. The second table gives
 the causal flow's test NLL beside the default flow's and counts the causal runs whose best
 epoch is their last (cut short). The trained runs are removed afterwards unless
-``--keep-runs DIR`` keeps them (``DIR/DATASET-seedS``), to be forecast again without
+``--runs DIR`` keeps them (``DIR/DATASET-seedS``), to be forecast again without
 training. Run from the repository root::
 
     python -m benchmarks forecast --seeds 3 --budget 60 --out docs/forecast.json \\
@@ -247,9 +247,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-sequences", type=cli.optional_int, default=64,
                         help="test sequences forecast per dataset, the first ones ('none': "
                         "all; default: %(default)s)")
-    parser.add_argument("--keep-runs", type=Path, default=None, metavar="DIR",
-                        help="keep every trained run as DIR/DATASET-seedS, to forecast again "
-                        "without training (default: a temporary directory, removed)")
+    cli.add_runs(parser)
     parser.add_argument("--default-from", type=Path, default=cli.ROOT / "docs" / "small_data.json",
                         help="small-data records with the default flow's test NLL "
                         "(default: %(default)s)")
@@ -267,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("--num must be >= 2 and --budget >= 0")
         earlier, rows = cli.stored(args, {}), []
         with tempfile.TemporaryDirectory() as scratch:
-            work = args.keep_runs or Path(scratch)
+            work = args.runs or Path(scratch)
             for name in args.datasets:
                 for seed in cli.seeds(args):
                     record = run_dataset(name, seed, args.num, args.budget, work,

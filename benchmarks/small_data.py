@@ -420,9 +420,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli.add_threads(parser)
     parser.add_argument("--no-flow", action="store_true",
                         help="skip the flow: only the references and the peers")
-    parser.add_argument("--runs", type=Path, default=None,
-                        help="keep the flow's run folders here, as NAME-seedSEED (default: a "
-                        "temporary folder, removed at the end)")
+    cli.add_runs(parser)
     cli.add_records(parser, "small_data", ("small-data",))
     parser.add_argument("--peers-from", type=Path, default=None, metavar="JSON",
                         help="with --table-from: the peers' entries of the records of the same "

@@ -159,12 +159,12 @@ def test_the_flow_record_names_the_candidate_kept(tmp_path) -> None:
     assert alone["kept"] is None
 
 
-def test_keep_runs_leaves_every_trained_run_to_forecast_again(tmp_path, capsys) -> None:
+def test_runs_keeps_every_trained_run_to_forecast_again(tmp_path, capsys) -> None:
     tiny = ["n_blocks=1", "hidden=8", "max_train=12", "max_eval=6", "batch_size=6", "epochs=1",
             "min_steps=1", "device=cpu", "alternative=none"]
     args = cli.parse(["forecast", "--datasets", "co2_windows", "--budget", "0",
                       "--max-sequences", "2", "--num", "2", "--out", str(tmp_path / "r.json"),
-                      "--keep-runs", str(tmp_path / "runs"), "--set", *tiny])
+                      "--runs", str(tmp_path / "runs"), "--set", *tiny])
     assert forecast.run(args) == 0
     (record,) = records.load(tmp_path / "r.json")["records"]
     run = load_run(tmp_path / "runs" / "co2_windows-seed0")
