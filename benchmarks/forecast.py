@@ -236,6 +236,29 @@ def markdown_tables(rows: list[dict[str, Any]], default: dict[str, Any] | None
             "forecast-nll": records.markdown_table(nll_header, nll_rows)}
 
 
+def noise_table(rows: list[dict[str, Any]]) -> str:
+    """Every flow forecast's CRPS with the new frames' noise given the observed noise and from
+    the base alone (the lower in bold), the noise ``auto`` chose and the validation CRPS that
+    chose it (records that have it), and the best baseline's CRPS."""
+    lines = []
+    for r in sorted((r for r in rows if "flow" in r and "prior_noise" in r["flow"]),
+                    key=lambda r: (DATASETS.index(r["dataset"]), r["seed"])):
+        flow = r["flow"]
+        crps = {noise: flow[f"{noise}_noise"]["crps_mean"] for noise in FORECAST_NOISE}
+        cells = [f"**{v:.4g}**" if v == min(crps.values()) else f"{v:.4g}"
+                 for v in crps.values()]
+        chosen = flow.get("noise_validation")
+        auto = ("—" if chosen is None
+                else f"{flow['noise']} ({chosen['given']:.4g} / {chosen['prior']:.4g})")
+        baselines = {m: r[m]["crps_mean"] for m in MODELS[1:] if m in r}
+        best = min(baselines, key=baselines.__getitem__)
+        lines.append([r["dataset"], str(r["seed"]), flow.get("kept") or "—", *cells, auto,
+                      f"{NAMES[best]} {baselines[best]:.4g}"])
+    header = ["dataset", "seed", "kept", "CRPS, noise given", "CRPS, noise prior",
+              "auto (validation CRPS given / prior)", "best baseline"]
+    return records.markdown_table(header, lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli.add_datasets(parser, DATASETS)
     cli.add_seeds(parser)
@@ -251,7 +274,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-from", type=Path, default=cli.ROOT / "docs" / "small_data.json",
                         help="small-data records with the default flow's test NLL "
                         "(default: %(default)s)")
-    cli.add_records(parser, "forecast", ("forecast-crps", "forecast-nll"))
+    parser.add_argument("--table", choices=("scores", "noise"), default="scores",
+                        help="scores: the CRPS and NLL tables; noise: every flow forecast with "
+                        "each noise (records that have both) (default: scores)")
+    cli.add_records(parser, "forecast", ("forecast-crps", "forecast-nll", "forecast-noise"))
     cli.add_threads(parser)
 
 
@@ -276,7 +302,8 @@ def run(args: argparse.Namespace) -> int:
                     print(f"{name} seed {seed}: CRPS {crps}", file=sys.stderr, flush=True)
                     written = cli.save(args, rows, KEY, {}, earlier)[0]
         rows = written
-    tables = markdown_tables(rows, default)
+    tables = (markdown_tables(rows, default) if args.table == "scores"
+              else {"forecast-noise": noise_table(rows)})
     for table in tables.values():
         print(table)
     cli.publish(args, tables)

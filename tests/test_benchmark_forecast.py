@@ -120,6 +120,20 @@ def test_tables_bold_the_best_and_compare_with_the_default_nll() -> None:
     assert "| GunPoint | 1.500 ± 0.000 | 1.400 | +0.100 | 1 of 2 |" in tables["forecast-nll"]
 
 
+def test_the_noise_table_lists_every_forecast_with_both_noises() -> None:
+    chose = _record("co2_windows", 1, 0.5)
+    chose["flow"] |= {"kept": "recurrent", "noise": "prior",
+                      "noise_validation": {"given": 0.61, "prior": 0.6},
+                      "given_noise": {"crps_mean": 0.55}, "prior_noise": {"crps_mean": 0.5}}
+    older = _record("GunPoint", 0, 0.7)
+    older["flow"] |= {"given_noise": {"crps_mean": 0.7}, "prior_noise": {"crps_mean": 0.9}}
+    table = forecast.noise_table([chose, _record("GunPoint", 2, 0.4), older]).splitlines()
+    assert len(table) == 4  # the record without both noises is left out
+    assert table[2] == "| GunPoint | 0 | — | **0.7** | 0.9 | — | AR(p) Gaussian 0.8 |"
+    assert table[3] == ("| co2_windows | 1 | recurrent | 0.55 | **0.5** | prior (0.61 / 0.6) | "
+                        "AR(p) Gaussian 0.8 |")
+
+
 def test_the_causal_flow_takes_the_settings_of_an_ablation(monkeypatch: pytest.MonkeyPatch,
                                                            tmp_path) -> None:
     args = cli.parse(["forecast", "--datasets", "co2_windows", "--set",
