@@ -113,7 +113,6 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
     if not run.model.causal:
         raise ConfigError(f"{run.paths.root} is not causal: only a run trained with causal = "
                           "true (--causal) forecasts")
-    noise, noise_crps = choose_noise(run, settings)
     parameter = next(run.model.parameters())
     held = None
     if settings.data is None:
@@ -123,6 +122,7 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
         source, (x, observed) = settings.data, _read_observed(run, Path(settings.data),
                                                               settings.horizon)
         index = torch.arange(len(x))
+    noise, noise_crps = choose_noise(run, settings)
     generator = torch.Generator(parameter.device).manual_seed(settings.seed)
     parts, scales, worst = [], [], {"residual": 0.0, "tolerance": math.inf}
     past = torch.where(observed[..., None], x, 0.0)
@@ -156,6 +156,10 @@ def choose_noise(run: LoadedRun, settings: ForecastSettings) -> tuple[str, dict[
     :data:`~iresflow.models.forecasting.FORECAST_NOISE` whose forecasts of the last ``H`` frames
     of the validation sequences (the forecast's settings otherwise) score the lowest mean CRPS,
     the first on a tie (docs/forecasting.md#conditional-noise).
+
+    Args:
+        run: A loaded causal run.
+        settings: The forecast's settings; ``noise`` is ``"auto"``, ``"given"`` or ``"prior"``.
 
     Returns:
         The noise and, for ``"auto"``, the validation CRPS of each noise; ``("given", None)``
