@@ -245,15 +245,15 @@ def noise_table(rows: list[dict[str, Any]]) -> str:
                     key=lambda r: (DATASETS.index(r["dataset"]), r["seed"])):
         flow = r["flow"]
         crps = {noise: flow[f"{noise}_noise"]["crps_mean"] for noise in FORECAST_NOISE}
-        cells = [f"**{v:.4g}**" if v == min(crps.values()) else f"{v:.4g}"
+        cells = [f"**{v:.5g}**" if v == min(crps.values()) else f"{v:.5g}"
                  for v in crps.values()]
         chosen = flow.get("noise_validation")
         auto = ("—" if chosen is None
-                else f"{flow['noise']} ({chosen['given']:.4g} / {chosen['prior']:.4g})")
+                else f"{flow['noise']} ({chosen['given']:.5g} / {chosen['prior']:.5g})")
         baselines = {m: r[m]["crps_mean"] for m in MODELS[1:] if m in r}
         best = min(baselines, key=baselines.__getitem__)
         lines.append([r["dataset"], str(r["seed"]), flow.get("kept") or "—", *cells, auto,
-                      f"{NAMES[best]} {baselines[best]:.4g}"])
+                      f"{NAMES[best]} {baselines[best]:.5g}"])
     header = ["dataset", "seed", "kept", "CRPS, noise given", "CRPS, noise prior",
               "auto (validation CRPS given / prior)", "best baseline"]
     return records.markdown_table(header, lines)

@@ -43,6 +43,8 @@ TABLES = [
     (["forecast", "--table-from", "docs/forecast.json", "docs/forecast_one_pass.json"],
      ["docs/forecasting.md"]),
     (["initial", "--table-from", "docs/initial_models.json"], ["docs/small_data.md"]),
+    (["forecast", "--table-from", "docs/forecast_noise.json", "--table", "noise"],
+     ["docs/forecasting.md"]),
 ]
 
 
