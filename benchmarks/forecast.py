@@ -23,13 +23,15 @@ averaged over features, energy score, coverage of the central 50% and 90% interv
 * **GRU + MAF**: :func:`benchmarks.baselines.recurrent.train_recurrent_flow` for ``--budget``
   seconds, sampled frame by frame.
 
-The seconds each forecaster takes to draw its forecasts of the held-out test sequences, and
+The seconds each forecaster takes to draw its forecasts of the held-out test sequences (the
+flow's with the validation forecasts that choose its noise), and
 to draw the ``S`` forecasts of one sequence (the first; the median of three calls after a
 warm-up), are recorded with the scores; the tables leave them out, since records of
 different runs may be merged into one table (``--table-from``), and ``python -m benchmarks
 sampling --run RUN --horizon H`` times the forecasters side by side. The second table gives
 the causal flow's test NLL beside the default flow's and counts the causal runs whose best
-epoch is their last (cut short). The trained runs are removed afterwards unless
+epoch is their last (cut short); ``--table noise`` prints instead every flow forecast with
+both noises and the noise ``auto`` chose. The trained runs are removed afterwards unless
 ``--runs DIR`` keeps them (``DIR/DATASET-seedS``), to be forecast again without
 training. Run from the repository root::
 
