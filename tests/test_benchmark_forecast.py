@@ -174,15 +174,16 @@ def test_the_flow_record_names_the_candidate_kept(tmp_path) -> None:
 
 
 def test_runs_keeps_every_trained_run_to_forecast_again(tmp_path, capsys) -> None:
+    """(Frames of several features: no ETS, which needs the benchmarks extra.)"""
     tiny = ["n_blocks=1", "hidden=8", "max_train=12", "max_eval=6", "batch_size=6", "epochs=1",
             "min_steps=1", "device=cpu", "alternative=none"]
-    args = cli.parse(["forecast", "--datasets", "co2_windows", "--budget", "0",
+    args = cli.parse(["forecast", "--datasets", "japanese_vowels", "--budget", "0",
                       "--max-sequences", "2", "--num", "2", "--out", str(tmp_path / "r.json"),
                       "--runs", str(tmp_path / "runs"), "--set", *tiny])
     assert forecast.run(args) == 0
     (record,) = records.load(tmp_path / "r.json")["records"]
-    run = load_run(tmp_path / "runs" / "co2_windows-seed0")
-    test = forecast.load("co2_windows", 0).test.subset(torch.arange(2))
+    run = load_run(tmp_path / "runs" / "japanese_vowels-seed0")
+    test = forecast.load("japanese_vowels", 0).test.subset(torch.arange(2))
     again = forecast_run(dataclasses.replace(run, dataset=dataclasses.replace(
         run.dataset, test=test)), horizon=record["horizon"], num=2)
     assert again.scores["crps_mean"] == record["flow"]["crps_mean"]
