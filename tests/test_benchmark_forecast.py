@@ -173,7 +173,7 @@ def test_the_flow_record_names_the_candidate_kept(tmp_path) -> None:
     assert alone["kept"] is None
 
 
-def test_runs_keeps_every_trained_run_to_forecast_again(tmp_path, capsys) -> None:
+def test_runs_keeps_every_trained_run_to_forecast_again(tmp_path) -> None:
     """(Frames of several features: no ETS, which needs the benchmarks extra.)"""
     tiny = ["n_blocks=1", "hidden=8", "max_train=12", "max_eval=6", "batch_size=6", "epochs=1",
             "min_steps=1", "device=cpu", "alternative=none"]
