@@ -10,10 +10,12 @@ averaged over features, energy score, coverage of the central 50% and 90% interv
 * **flow (causal)**: ``iresflow train`` with every default but ``causal = true`` (and the
   settings of ``--set``, an ablation, recorded with it) (:func:`iresflow.train.loop.train`),
   then :func:`iresflow.runs.forecast.forecast_run`, the
-  path of ``iresflow forecast``, with its default ``noise = "auto"`` (the noise it chose,
-  ``noise``, and the validation CRPS that chose it, ``noise_validation``, are recorded); the
-  scores of the same run's forecasts with each noise, ``given`` and ``prior``, are recorded
-  too, as ``given_noise`` and ``prior_noise`` (not in the tables); its test NLL
+  path of ``iresflow forecast``, with its defaults ``candidate = "auto"`` and ``noise =
+  "auto"`` (the model and the noise it chose, ``candidate`` and ``noise``, and the validation
+  CRPS of every option, ``validation``, are recorded; records made before the model was chosen
+  have ``noise_validation``, the run's own model's two); the scores of the run's own model's
+  forecasts with each noise, ``given`` and ``prior``, are recorded too, as ``given_noise`` and
+  ``prior_noise`` (tables ``noise`` and ``candidates``); its test NLL
   (``evaluate_run(method="auto")``) is recorded beside the default flow's of
   ``--default-from`` (the small-data records);
 * **seasonal naive**: the last season repeated, the period chosen on the validation split;
@@ -31,9 +33,10 @@ different runs may be merged into one table (``--table-from``), and ``python -m 
 sampling --run RUN --horizon H`` times the forecasters side by side. The second table gives
 the causal flow's test NLL beside the default flow's and counts the causal runs whose best
 epoch is their last (cut short); ``--table noise`` prints instead every flow forecast with
-both noises and the noise ``auto`` chose. The trained runs are removed afterwards unless
+both noises and the noise ``auto`` chose, ``--table candidates`` the run's own model's
+forecast beside the chosen model's. The trained runs are removed afterwards unless
 ``--runs DIR`` keeps them (``DIR/DATASET-seedS``), to be forecast again without
-training. Run from the repository root::
+training (``--reforecast``). Run from the repository root::
 
     python -m benchmarks forecast --seeds 3 --budget 60 --out docs/forecast.json \\
         --doc docs/forecasting.md
@@ -70,11 +73,12 @@ from iresflow.models.forecasting import FORECAST_NOISE
 from iresflow.models.reference import AutoregressiveGaussian
 from iresflow.runs.evaluate import evaluate_run
 from iresflow.runs.forecast import HeldOut, forecast_run, held_out_truth, hold_out, raw_frames
-from iresflow.runs.load import load_run
+from iresflow.runs.load import load_candidate, load_run
 from iresflow.runs.scoring import forecast_scores
+from iresflow.runs.settings import KEPT
 from iresflow.train.config import TrainConfig
 from iresflow.train.loop import train
-from iresflow.train.selection import choose
+from iresflow.train.selection import choose, read_selection
 
 #: Longest horizon forecast.
 MAX_HORIZON = 24
@@ -101,34 +105,50 @@ def run_flow(name: str, ds: SequenceDataset, seed: int, horizon: int, num: int,
              run_dir: Path, held: HeldOut, settings: dict[str, Any] | None = None
              ) -> dict[str, Any]:
     """The causal flow through the product path: train, evaluate the test split, forecast the
-    test sequences of ``ds`` (the first ones of the same split). ``kept`` names the candidate
-    the run kept (``None``: a run of one model)."""
+    test sequences of ``ds`` (:func:`forecast_flow`). ``kept`` names the candidate the run kept
+    (``None``: a run of one model)."""
     config = TrainConfig.from_dict({**data_settings(name), "seed": seed, "causal": True,
                                     **(settings or {})})
     begin = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         result = train(config, run_dir, overwrite=True, progress=False)
-        run = load_run(run_dir)
-        evaluation = evaluate_run(run, split="test", method="auto", seed=seed, save=False,
-                                  reference=False)
+        evaluation = evaluate_run(load_run(run_dir), split="test", method="auto", seed=seed,
+                                  save=False, reference=False)
     trained = time.perf_counter() - begin
-    begin = time.perf_counter()
+    return forecast_flow(run_dir, ds, seed, horizon, num, held) | {
+        "test_nll": evaluation["nll"], "epochs": result.epochs,
+        "kept": choose(result.selection).name if result.selection else None,
+        "best_epoch": result.best_epoch, "train_seconds": trained}
+
+
+def forecast_flow(run_dir: Path, ds: SequenceDataset, seed: int, horizon: int, num: int,
+                  held: HeldOut) -> dict[str, Any]:
+    """The forecasts of a trained causal run of the test sequences of ``ds``:
+    :func:`~iresflow.runs.forecast.forecast_run` with its defaults (model and noise chosen on
+    validation: ``candidate``, ``noise``, ``validation``), and the run's own model's with each
+    noise (``given_noise``, ``prior_noise``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        run = load_run(run_dir)
     run = dataclasses.replace(run, dataset=dataclasses.replace(run.dataset, test=ds.test))
+    begin = time.perf_counter()
     forecast = forecast_run(run, horizon=horizon, num=num, seed=seed)
     seconds = time.perf_counter() - begin
     fixed = {f"{noise}_noise": forecast_run(run, horizon=horizon, num=num, seed=seed,
-                                            noise=noise).scores for noise in FORECAST_NOISE}
+                                            noise=noise, candidate=KEPT).scores
+             for noise in FORECAST_NOISE}
     assert forecast.scores is not None
+    selection = read_selection(run.paths)
+    drew = (run if selection is None or forecast.candidate == choose(selection).name
+            else load_candidate(run, forecast.candidate))
     past, observed = held.x[:1], held.observed[:1]
-    one = median_seconds(lambda: run.model.forecast(torch.where(observed[..., None], past, 0.0),
-                                             observed, horizon=horizon, num_samples=num))
+    one = median_seconds(lambda: drew.model.forecast(
+        torch.where(observed[..., None], past, 0.0), observed, horizon=horizon,
+        num_samples=num))
     return forecast.scores | {
-        "seconds": seconds, "latency": one, "test_nll": evaluation["nll"],
-        "epochs": result.epochs, "noise": forecast.noise,
-        "noise_validation": forecast.noise_crps, **fixed,
-        "kept": choose(result.selection).name if result.selection else None,
-        "best_epoch": result.best_epoch, "train_seconds": trained,
+        "seconds": seconds, "latency": one, "candidate": forecast.candidate,
+        "noise": forecast.noise, "validation": forecast.validation_crps, **fixed,
         "converged": forecast.diagnostics["converged"]}
 
 
@@ -173,6 +193,13 @@ def run_gru_maf(name: str, ds: SequenceDataset, held: HeldOut, seed: int, horizo
                      "stopped": row["stopped"]}
 
 
+def first_test(ds: SequenceDataset, limit: int | None) -> SequenceDataset:
+    """The data with its first ``limit`` test sequences only (``None``: all)."""
+    if limit is None or limit >= len(ds.test):
+        return ds
+    return dataclasses.replace(ds, test=ds.test.subset(torch.arange(limit)))
+
+
 def run_dataset(name: str, seed: int, num: int, budget: float, work: Path, flow: bool,
                 limit: int | None = None, settings: dict[str, Any] | None = None
                 ) -> dict[str, Any]:
@@ -180,8 +207,7 @@ def run_dataset(name: str, seed: int, num: int, budget: float, work: Path, flow:
     flow's ``settings`` of ``iresflow train`` that differ from the defaults, an ablation)."""
     ds = load(name, seed)
     horizon = horizon_of(ds)
-    if limit is not None and limit < len(ds.test):
-        ds = dataclasses.replace(ds, test=ds.test.subset(torch.arange(limit)))
+    ds = first_test(ds, limit)
     held = hold_out(ds.test, horizon)
     record: dict[str, Any] = {"dataset": name, "seed": seed, "horizon": horizon, "draws": num,
                               "features": ds.features, "sequences": len(held.index)}
@@ -249,16 +275,51 @@ def noise_table(rows: list[dict[str, Any]]) -> str:
         crps = {noise: flow[f"{noise}_noise"]["crps_mean"] for noise in FORECAST_NOISE}
         cells = [f"**{v:.5g}**" if v == min(crps.values()) else f"{v:.5g}"
                  for v in crps.values()]
-        chosen = flow.get("noise_validation")
-        auto = ("—" if chosen is None
-                else f"{flow['noise']} ({chosen['given']:.5g} / {chosen['prior']:.5g})")
-        baselines = {m: r[m]["crps_mean"] for m in MODELS[1:] if m in r}
-        best = min(baselines, key=baselines.__getitem__)
+        chosen = _own_validation(flow)
+        auto = ("—" if chosen is None else f"{min(chosen, key=chosen.__getitem__)} "
+                f"({chosen['given']:.5g} / {chosen['prior']:.5g})")
         lines.append([r["dataset"], str(r["seed"]), flow.get("kept") or "—", *cells, auto,
-                      f"{NAMES[best]} {baselines[best]:.5g}"])
+                      _best_baseline(r)])
     header = ["dataset", "seed", "kept", "CRPS, noise given", "CRPS, noise prior",
               "auto (validation CRPS given / prior)", "best baseline"]
     return records.markdown_table(header, lines)
+
+
+def candidates_table(rows: list[dict[str, Any]]) -> str:
+    """Every flow forecast of the records that chose their model on validation: the forecast of
+    the run's own model with the noise it would choose alone, the model and noise chosen among
+    the run's candidates and its forecast (the lower CRPS in bold), and the best baseline."""
+    lines = []
+    for r in sorted((r for r in rows if "flow" in r and "validation" in r["flow"]),
+                    key=lambda r: (DATASETS.index(r["dataset"]), r["seed"])):
+        flow = r["flow"]
+        own = _own_validation(flow)
+        assert own is not None
+        noise = min(own, key=own.__getitem__)
+        crps = [flow[f"{noise}_noise"]["crps_mean"], flow["crps_mean"]]
+        cells = [f"**{v:.5g}**" if v == min(crps) and crps[0] != crps[1] else f"{v:.5g}"
+                 for v in crps]
+        lines.append([r["dataset"], str(r["seed"]), flow.get("kept") or "—", noise, cells[0],
+                      f"{flow['candidate']}, {flow['noise']}", cells[1], _best_baseline(r)])
+    header = ["dataset", "seed", "kept", "its noise", "CRPS, kept model",
+              "chosen model, noise", "CRPS, chosen", "best baseline"]
+    return records.markdown_table(header, lines)
+
+
+def _own_validation(flow: dict[str, Any]) -> dict[str, float] | None:
+    """The validation CRPS of each noise of the run's own model, where the record has them: the
+    noise choice of the records made before the model was chosen too (``noise_validation``)."""
+    if "validation" in flow and flow["validation"] is not None:
+        name = flow.get("kept") or KEPT
+        return {noise: flow["validation"][f"{name}/{noise}"] for noise in FORECAST_NOISE}
+    return flow.get("noise_validation")
+
+
+def _best_baseline(r: dict[str, Any]) -> str:
+    """The name and CRPS of a record's best baseline."""
+    baselines = {m: r[m]["crps_mean"] for m in MODELS[1:] if m in r}
+    best = min(baselines, key=baselines.__getitem__)
+    return f"{NAMES[best]} {baselines[best]:.5g}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -276,10 +337,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-from", type=Path, default=cli.ROOT / "docs" / "small_data.json",
                         help="small-data records with the default flow's test NLL "
                         "(default: %(default)s)")
-    parser.add_argument("--table", choices=("scores", "noise"), default="scores",
+    parser.add_argument("--reforecast", action="store_true",
+                        help="train nothing: forecast again the runs an earlier run kept in "
+                        "--runs DIR and replace their flow forecasts in the records of --out "
+                        "(the rest of every record stays)")
+    parser.add_argument("--table", choices=("scores", "noise", "candidates"), default="scores",
                         help="scores: the CRPS and NLL tables; noise: every flow forecast with "
-                        "each noise (records that have both) (default: scores)")
-    cli.add_records(parser, "forecast", ("forecast-crps", "forecast-nll", "forecast-noise"))
+                        "each noise (records that have both); candidates: the forecasts of the "
+                        "run's own model beside those of the model and noise chosen on "
+                        "validation (records that have it) (default: scores)")
+    cli.add_records(parser, "forecast", ("forecast-crps", "forecast-nll", "forecast-noise",
+                                         "forecast-candidates"))
     cli.add_threads(parser)
 
 
@@ -288,6 +356,8 @@ def run(args: argparse.Namespace) -> int:
     default = records.load(args.default_from) if args.default_from.is_file() else None
     if args.table_from is not None:
         rows = cli.table_from(args, KEY)["records"]
+    elif args.reforecast:
+        rows = reforecast(args)
     else:
         if args.num < 2 or args.budget < 0:
             raise SystemExit("--num must be >= 2 and --budget >= 0")
@@ -304,9 +374,42 @@ def run(args: argparse.Namespace) -> int:
                     print(f"{name} seed {seed}: CRPS {crps}", file=sys.stderr, flush=True)
                     written = cli.save(args, rows, KEY, {}, earlier)[0]
         rows = written
-    tables = (markdown_tables(rows, default) if args.table == "scores"
-              else {"forecast-noise": noise_table(rows)})
+    tables = {"scores": lambda: markdown_tables(rows, default),
+              "noise": lambda: {"forecast-noise": noise_table(rows)},
+              "candidates": lambda: {"forecast-candidates": candidates_table(rows)}}[args.table]()
     for table in tables.values():
         print(table)
     cli.publish(args, tables)
     return 0
+
+
+def reforecast(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--reforecast``: the records of ``--out`` of the requested datasets and seeds with the
+    flow's forecasts drawn again from the runs kept in ``--runs`` (:func:`forecast_flow`); the
+    file is rewritten with them.
+
+    Raises:
+        SystemExit: no ``--runs``, no records, or a requested record or run missing.
+    """
+    if args.runs is None or not args.out.is_file():
+        raise SystemExit("--reforecast needs --runs DIR and the records of an earlier run in "
+                         "--out")
+    content = records.load(args.out)
+    rows = {(r["dataset"], r["seed"]): r for r in content["records"]}
+    for name in args.datasets:
+        for seed in cli.seeds(args):
+            run_dir = args.runs / f"{name}-seed{seed}"
+            if (name, seed) not in rows or "flow" not in rows[name, seed] or not run_dir.is_dir():
+                raise SystemExit(f"no record with a flow or no run {run_dir} of {name} seed "
+                                 f"{seed}")
+            record = rows[name, seed]
+            ds = first_test(load(name, seed), args.max_sequences)
+            held = hold_out(ds.test, record["horizon"])
+            record["flow"] |= forecast_flow(run_dir, ds, seed, record["horizon"],
+                                            record["draws"], held)
+            print(f"{name} seed {seed}: flow CRPS {record['flow']['crps_mean']:.4g}",
+                  file=sys.stderr, flush=True)
+    written = list(rows.values())
+    records.save(args.out, written, [*content["commands"], args.command_line],
+                 content["settings"])
+    return written

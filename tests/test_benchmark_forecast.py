@@ -132,6 +132,28 @@ def test_the_noise_table_lists_every_forecast_with_both_noises() -> None:
     assert table[2] == "| GunPoint | 0 | — | **0.7** | 0.9 | — | AR(p) Gaussian 0.8 |"
     assert table[3] == ("| co2_windows | 1 | recurrent | 0.55 | **0.5** | prior (0.61 / 0.6) | "
                         "AR(p) Gaussian 0.8 |")
+    chose["flow"] |= {"candidate": "configured", "validation": {
+        "recurrent/given": 0.61, "recurrent/prior": 0.6, "configured/given": 0.58,
+        "configured/prior": 0.59}}
+    del chose["flow"]["noise_validation"]
+    assert forecast.noise_table([chose]).splitlines()[2] == table[3]  # the kept model's choice
+
+
+def test_the_candidates_table_sets_the_kept_models_forecast_beside_the_chosen_ones() -> None:
+    chose = _record("co2_windows", 1, 0.45)
+    chose["flow"] |= {"kept": "recurrent", "candidate": "configured", "noise": "given",
+                      "validation": {"recurrent/given": 0.61, "recurrent/prior": 0.6,
+                                     "configured/given": 0.58, "configured/prior": 0.59},
+                      "given_noise": {"crps_mean": 0.55}, "prior_noise": {"crps_mean": 0.5}}
+    alone = _record("GunPoint", 0, 0.7)
+    alone["flow"] |= {"kept": None, "candidate": "kept", "noise": "given",
+                      "validation": {"kept/given": 0.3, "kept/prior": 0.4},
+                      "given_noise": {"crps_mean": 0.7}, "prior_noise": {"crps_mean": 0.9}}
+    table = forecast.candidates_table([chose, alone, _record("GunPoint", 2, 0.4)]).splitlines()
+    assert len(table) == 4  # the record without a choice is left out
+    assert table[2] == "| GunPoint | 0 | — | given | 0.7 | kept, given | 0.7 | AR(p) Gaussian 0.8 |"
+    assert table[3] == ("| co2_windows | 1 | recurrent | prior | 0.5 | configured, given | "
+                        "**0.45** | AR(p) Gaussian 0.8 |")
 
 
 def test_the_causal_flow_takes_the_settings_of_an_ablation(monkeypatch: pytest.MonkeyPatch,
@@ -163,11 +185,15 @@ def test_the_flow_record_names_the_candidate_kept(tmp_path) -> None:
     held = hold_out(ds.test, 4)
     record = forecast.run_flow("co2_windows", ds, 0, 4, 2, tmp_path / "a", held, tiny)
     assert record["kept"] in ("configured", "recurrent")  # one feature: two candidates
-    given, prior = record["given_noise"], record["prior_noise"]  # the run's fixed noises
+    given, prior = record["given_noise"], record["prior_noise"]  # the kept model's noises
     assert prior["frames"] == record["frames"] and prior["crps_mean"] != given["crps_mean"]
-    chosen = min(record["noise_validation"], key=record["noise_validation"].__getitem__)
-    assert record["noise"] == chosen and record[f"{chosen}_noise"]["crps_mean"] == record[
-        "crps_mean"]
+    assert list(record["validation"]) == [f"{name}/{noise}" for name in (
+        record["kept"], ({"configured", "recurrent"} - {record["kept"]}).pop())
+        for noise in ("given", "prior")]
+    chosen = min(record["validation"], key=record["validation"].__getitem__)
+    assert f"{record['candidate']}/{record['noise']}" == chosen
+    if record["candidate"] == record["kept"]:
+        assert record[f"{record['noise']}_noise"]["crps_mean"] == record["crps_mean"]
     alone = forecast.run_flow("co2_windows", ds, 0, 4, 2, tmp_path / "b", held,
                               {**tiny, "alternative": "none"})
     assert alone["kept"] is None
@@ -187,3 +213,17 @@ def test_runs_keeps_every_trained_run_to_forecast_again(tmp_path) -> None:
     again = forecast_run(dataclasses.replace(run, dataset=dataclasses.replace(
         run.dataset, test=test)), horizon=record["horizon"], num=2)
     assert again.scores["crps_mean"] == record["flow"]["crps_mean"]
+    reforecast = cli.parse(["forecast", "--datasets", "japanese_vowels", "--max-sequences", "2",
+                            "--out", str(tmp_path / "r.json"), "--runs", str(tmp_path / "runs"),
+                            "--reforecast"])
+    assert forecast.run(reforecast) == 0
+    stored = records.load(tmp_path / "r.json")
+    (again,) = stored["records"]
+    timings = ("seconds", "latency")
+    assert {k: v for k, v in again["flow"].items() if k not in timings} == {
+        k: v for k, v in record["flow"].items() if k not in timings}
+    assert again | {"flow": None} == record | {"flow": None} and len(stored["commands"]) == 2
+    with pytest.raises(SystemExit, match="no record with a flow or no run"):
+        forecast.run(cli.parse(["forecast", "--datasets", "GunPoint", "--reforecast",
+                                "--out", str(tmp_path / "r.json"), "--runs",
+                                str(tmp_path / "runs")]))

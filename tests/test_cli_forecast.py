@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -97,44 +98,93 @@ def test_forecast_with_prior_noise_is_the_flow_solved_for_new_noise_that_ignores
     assert not torch.equal(prior.samples, given.samples)
 
 
-def test_auto_noise_is_the_one_whose_validation_forecasts_score_the_lower_crps(
+def _candidates(run_dir: Path) -> tuple[str, list[str]]:
+    """The kept candidate of a run and all of its candidates, the kept one first."""
+    selection = json.loads((run_dir / "selection.json").read_text())
+    names = [c["name"] for c in selection["candidates"]]
+    return selection["kept"], [selection["kept"]] + [n for n in names if n != selection["kept"]]
+
+
+def test_auto_forecast_draws_with_the_candidate_and_noise_of_the_lowest_validation_crps(
     causal_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The default ``noise = "auto"`` forecasts the validation split's last frames with each
-    noise and draws the forecast with the better one: bit-identical to asking for it."""
+    """By default (``candidate`` and ``noise`` ``auto``) every candidate the run trained
+    forecasts the validation split's last frames with each noise, and the forecast is drawn by
+    the option of the lowest CRPS: bit-identical to that candidate's own run asked for it."""
     out = tmp_path / "auto.npz"
     assert main(["forecast", str(causal_run), "--horizon", "2", "--num", "4", "--seed", "3",
                  "--out", str(out)]) == 0
-    run = load_run(causal_run)
-    validation = {noise: forecast_run(run, horizon=2, num=4, seed=3, split="val",
-                                      noise=noise).scores["crps_mean"]
-                  for noise in ("given", "prior")}
-    assert validation["given"] != validation["prior"]
-    chosen = min(validation, key=validation.__getitem__)
-    auto = forecast_run(run, horizon=2, num=4, seed=3)
-    assert auto.noise == chosen and auto.noise_crps == validation
-    assert torch.equal(auto.samples, forecast_run(run, horizon=2, num=4, seed=3,
-                                                  noise=chosen).samples)
+    kept, names = _candidates(causal_run)
+    assert len(names) == 3  # configured, recurrent, maf: twelve features
+    alone = {name: load_run(causal_run / "candidates" / name) for name in names}
+    validation = {f"{name}/{noise}": forecast_run(
+        alone[name], horizon=2, num=4, seed=3, split="val", noise=noise,
+        candidate="kept").scores["crps_mean"] for name in names for noise in ("given", "prior")}
+    assert len(set(validation.values())) == 6
+    name, noise = min(validation, key=validation.__getitem__).split("/")
+    auto = forecast_run(load_run(causal_run), horizon=2, num=4, seed=3)
+    assert (auto.candidate, auto.noise, auto.validation_crps) == (name, noise, validation)
+    assert torch.equal(auto.samples, forecast_run(alone[name], horizon=2, num=4, seed=3,
+                                                  noise=noise, candidate="kept").samples)
     saved = np.load(out)
-    assert str(saved["noise"]) == chosen and np.array_equal(saved["samples"], auto.samples)
-    np.testing.assert_array_equal(saved["noise_crps"], [validation["given"], validation["prior"]])
-    assert f"noise of the new frames: {chosen} (chosen on the validation split" in (
-        capsys.readouterr().out)
-    explicit = forecast_run(run, horizon=2, num=4, seed=3, noise="prior")
-    assert explicit.noise == "prior" and explicit.noise_crps is None
+    assert (str(saved["candidate"]), str(saved["noise"])) == (name, noise)
+    assert np.array_equal(saved["samples"], auto.samples)
+    assert saved["options"].tolist() == list(validation)
+    np.testing.assert_array_equal(saved["validation_crps"], list(validation.values()))
+    printed = capsys.readouterr().out
+    assert f"drawn by the {name} candidate (epoch {alone[name].epoch}), noise of the new " \
+           f"frames: {noise}\nchosen on the validation split, CRPS {names[0]}/given" in printed
 
 
-def test_auto_noise_without_a_validation_sequence_to_score_is_given(causal_run: Path) -> None:
+def test_a_forecast_of_a_named_candidate_or_noise_chooses_the_rest_only(
+    causal_run: Path,
+) -> None:
+    run = load_run(causal_run)
+    kept, names = _candidates(causal_run)
+    other = names[1]
+    fixed = forecast_run(run, horizon=2, num=4, seed=3, candidate=other, noise="prior")
+    assert (fixed.candidate, fixed.noise, fixed.validation_crps) == (other, "prior", None)
+    alone = load_run(causal_run / "candidates" / other)
+    assert torch.equal(fixed.samples, forecast_run(alone, horizon=2, num=4, seed=3,
+                                                   candidate="kept", noise="prior").samples)
+    own = forecast_run(run, horizon=2, num=4, seed=3, candidate="kept")
+    assert own.candidate == kept and list(own.validation_crps) == [f"{kept}/given",
+                                                                   f"{kept}/prior"]
+    assert torch.equal(own.samples, forecast_run(run, horizon=2, num=4, seed=3, candidate=kept)
+                       .samples)
+    noises = forecast_run(run, horizon=2, num=4, seed=3, noise="given")
+    assert list(noises.validation_crps) == [f"{name}/given" for name in names]
+
+
+def test_a_run_of_one_model_forecasts_with_it_and_names_no_other(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "alone"
+    assert main(["train", *TINY, "--causal", "--alternative", "none", "--out", str(out)]) == 0
+    forecast = forecast_run(load_run(out), horizon=2, num=4, seed=3)
+    assert forecast.candidate == "kept" and list(forecast.validation_crps) == [
+        "kept/given", "kept/prior"]
+    assert main(["forecast", str(out), "--horizon", "2", "--num", "4",
+                 "--out", str(tmp_path / "f.npz")]) == 0
+    assert "drawn by the run's model (epoch 1)" in capsys.readouterr().out
+    assert main(["forecast", str(out), "--candidate", "maf"]) == 1
+    assert "holds no trained candidate 'maf': its models are kept" in _error_line(capsys)
+
+
+def test_auto_without_a_validation_sequence_to_score_draws_with_the_kept_model_and_given_noise(
+    causal_run: Path,
+) -> None:
     run = load_run(causal_run)
     val, test = run.dataset.val, run.dataset.test
     shorter = val.subset((val.frames < test.frames.max()).nonzero().flatten())
     horizon = int(shorter.frames.max())  # no validation frame before the last H
     run = dataclasses.replace(run, dataset=dataclasses.replace(run.dataset, val=shorter))
     forecast = forecast_run(run, horizon=horizon, num=4, seed=3)
-    assert forecast.noise == "given" and forecast.noise_crps is None
+    kept, _ = _candidates(causal_run)
+    assert (forecast.candidate, forecast.noise, forecast.validation_crps) == (kept, "given", None)
     assert torch.equal(forecast.samples, forecast_run(run, horizon=horizon, num=4, seed=3,
-                                                      noise="given").samples)
-    assert forecast_run(run, horizon=horizon - 1, num=4, seed=3).noise_crps is not None
+                                                      candidate="kept", noise="given").samples)
+    assert forecast_run(run, horizon=horizon - 1, num=4, seed=3).validation_crps is not None
 
 
 def test_forecast_reports_the_scale_the_observed_noise_gives_the_new_noise(

@@ -26,15 +26,16 @@ from iresflow.data.splits import SequenceDataset, SequenceSplit
 from iresflow.data.store import StoredSplit
 from iresflow.data.user_files import read_user_file, user_file_kind
 from iresflow.models.forecasting import FORECAST_NOISE
-from iresflow.runs.load import LoadedRun
+from iresflow.runs.load import LoadedRun, load_candidate
 from iresflow.runs.sample import worst_solve
 from iresflow.runs.scoring import QUANTILES, forecast_scores
-from iresflow.runs.settings import ForecastSettings
+from iresflow.runs.settings import KEPT, ForecastSettings
 from iresflow.train.config import ConfigError
 from iresflow.train.likelihood import batch_context, trimmed_batch
+from iresflow.train.selection import candidate_paths, choose, read_selection
 
 __all__ = [
-    "Forecast", "HeldOut", "choose_noise", "forecast_run", "held_out_truth", "hold_out",
+    "Forecast", "HeldOut", "choose_forecaster", "forecast_run", "held_out_truth", "hold_out",
     "raw_frames", "save_forecast",
 ]
 
@@ -65,8 +66,13 @@ class Forecast:
             base whose frames are independent), or ``None`` for a base that does not report it.
         noise: Where the new frames' noise was drawn from, ``"given"`` or ``"prior"``
             (:data:`~iresflow.models.forecasting.FORECAST_NOISE`).
-        noise_crps: For ``noise = "auto"``, the mean CRPS of each noise's forecasts of the
-            validation split that chose it (:func:`choose_noise`), else ``None``.
+        candidate: The model that drew it: the name of a candidate of the run's model
+            selection, or ``"kept"`` (:data:`~iresflow.runs.settings.KEPT`) for a run of one
+            model.
+        epoch: The epoch of that model's checkpoint.
+        validation_crps: Where the validation split chose the model or the noise
+            (:func:`choose_forecaster`), the mean CRPS of the forecasts of every option,
+            keyed ``"CANDIDATE/NOISE"``; else ``None``.
     """
 
     samples: Tensor
@@ -81,7 +87,9 @@ class Forecast:
     source: str
     scale: Tensor | None = None
     noise: str = FORECAST_NOISE[0]
-    noise_crps: dict[str, float] | None = None
+    candidate: str = KEPT
+    epoch: int = 0
+    validation_crps: dict[str, float] | None = None
 
 
 def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
@@ -94,7 +102,8 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
             ends, each conditioned on its latest ``max_len - H`` frames, a table read as whole
             series with the run's columns; default: the ``split``'s sequences, forecast in
             place of their last ``H`` frames, which are scored), seed, temperature and source
-            (``noise``, :func:`choose_noise` for ``"auto"``) of the noise; default:
+            (``noise``) of the noise and the model that draws (``candidate``; for ``"auto"``
+            of either, :func:`choose_forecaster`); default:
             :class:`~iresflow.runs.settings.ForecastSettings`.
         **changes: Fields of the settings to change (``horizon=6``).
 
@@ -105,15 +114,14 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
     Raises:
         ConfigError: a run that is not causal, a file for a conditional run, a file whose
             features differ from the run's, ``H`` not below the model's ``max_len`` (its
-            longest training sequence) with a file, or a split with no sequence longer than
-            ``H``.
+            longest training sequence) with a file, a split with no sequence longer than
+            ``H``, or a candidate the run did not train.
         InversionError: a fixed-point inverse did not converge.
     """
     settings = (settings or ForecastSettings()).replace(**changes)
     if not run.model.causal:
         raise ConfigError(f"{run.paths.root} is not causal: only a run trained with causal = "
                           "true (--causal) forecasts")
-    parameter = next(run.model.parameters())
     held = None
     if settings.data is None:
         held = hold_out(getattr(run.dataset, settings.split), settings.horizon)
@@ -122,7 +130,8 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
         source, (x, observed) = settings.data, _read_observed(run, Path(settings.data),
                                                               settings.horizon)
         index = torch.arange(len(x))
-    noise, noise_crps = choose_noise(run, settings)
+    run, candidate, noise, validation_crps = choose_forecaster(run, settings)
+    parameter = next(run.model.parameters())
     generator = torch.Generator(parameter.device).manual_seed(settings.seed)
     parts, scales, worst = [], [], {"residual": 0.0, "tolerance": math.inf}
     past = torch.where(observed[..., None], x, 0.0)
@@ -148,34 +157,72 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
     diagnostics = {**worst, "converged": worst["residual"] < worst["tolerance"]}
     scale = None if any(part is None for part in scales) else torch.cat(scales)
     return Forecast(samples, run.dataset.to_raw(past, observed), observed, start, index, truth,
-                    truth_mask, scores, diagnostics, source, scale, noise, noise_crps)
+                    truth_mask, scores, diagnostics, source, scale, noise, candidate, run.epoch,
+                    validation_crps)
 
 
-def choose_noise(run: LoadedRun, settings: ForecastSettings) -> tuple[str, dict[str, float] | None]:
-    """The noise of a causal run's forecast: the setting's, or for ``"auto"`` the one of
-    :data:`~iresflow.models.forecasting.FORECAST_NOISE` whose forecasts of the last ``H`` frames
-    of the validation sequences (the forecast's settings otherwise) score the lowest mean CRPS,
-    the first on a tie (docs/forecasting.md#conditional-noise).
+def choose_forecaster(
+    run: LoadedRun, settings: ForecastSettings
+) -> tuple[LoadedRun, str, str, dict[str, float] | None]:
+    """The model and the noise of a causal run's forecast (docs/forecasting.md#choosing).
+
+    Where ``candidate`` or ``noise`` is ``"auto"``, every option (each candidate of the run's
+    model selection that has a checkpoint, with the run's own model first, times each noise of
+    :data:`~iresflow.models.forecasting.FORECAST_NOISE`) forecasts the last ``H`` frames of
+    the validation sequences with the forecast's other settings, and the option of the lowest
+    mean CRPS is kept, the first on a tie.
 
     Args:
         run: A loaded causal run.
-        settings: The forecast's settings; ``noise`` is ``"auto"``, ``"given"`` or ``"prior"``.
+        settings: The forecast's settings (``candidate``, ``noise``).
 
     Returns:
-        The noise and, for ``"auto"``, the validation CRPS of each noise; ``("given", None)``
-        where the validation split has no sequence longer than ``H``.
+        ``(model, candidate, noise, validation_crps)``: the run or candidate that draws (on the
+        run's data), its name (:attr:`Forecast.candidate`), the noise, and the validation CRPS
+        of every option keyed ``"CANDIDATE/NOISE"`` where there was a choice; ``None`` where
+        there was none or the validation split has no sequence longer than ``H`` (then the
+        first option draws: the run's own model, with the ``given`` noise for ``"auto"``).
+
+    Raises:
+        ConfigError: a ``candidate`` the run did not train.
     """
-    if settings.noise != "auto":
-        return settings.noise, None
+    models = _candidate_models(run, settings.candidate)
+    noises = FORECAST_NOISE if settings.noise == "auto" else (settings.noise,)
+    options = [(name, noise) for name in models for noise in noises]
+    if len(options) == 1:
+        name, noise = options[0]
+        return models[name], name, noise, None
     crps = {}
     try:
-        for noise in FORECAST_NOISE:
-            scores = forecast_run(run, settings, data=None, split="val", noise=noise).scores
+        for name, noise in options:
+            scores = forecast_run(models[name], settings, data=None, split="val", noise=noise,
+                                  candidate=KEPT).scores
             assert scores is not None  # a held-out forecast is scored
-            crps[noise] = scores["crps_mean"]
+            crps[name, noise] = scores["crps_mean"]
     except ConfigError:  # no validation sequence longer than the horizon
-        return FORECAST_NOISE[0], None
-    return min(crps, key=crps.__getitem__), crps
+        name, noise = options[0]
+        return models[name], name, noise, None
+    name, noise = min(crps, key=crps.__getitem__)
+    return models[name], name, noise, {f"{n}/{z}": value for (n, z), value in crps.items()}
+
+
+def _candidate_models(run: LoadedRun, which: str) -> dict[str, LoadedRun]:
+    """The models a forecast may draw with, by name: the run's own (under the name of the
+    candidate it kept, or ``"kept"``) and, for ``which = "auto"``, every other candidate with
+    a checkpoint; only the one named otherwise."""
+    selection = read_selection(run.paths)
+    kept = KEPT if selection is None else choose(selection).name
+    trained = [] if selection is None else [
+        result.name for result in selection if result.name != kept
+        and candidate_paths(run.paths, result.name).last.is_file()]
+    if which in (KEPT, kept):
+        return {kept: run}
+    if which == "auto":
+        return {kept: run} | {name: load_candidate(run, name) for name in trained}
+    if which not in trained:
+        raise ConfigError(f"{run.paths.root} holds no trained candidate {which!r}: its models "
+                          f"are {', '.join([kept, *trained])}")
+    return {which: load_candidate(run, which)}
 
 
 def _given_scale(
@@ -324,8 +371,9 @@ def save_forecast(forecast: Forecast, path: str | os.PathLike) -> Path:
     The arrays: ``samples (S, B, H, D)``, ``quantiles (Q, B, H, D)`` at the ``levels (Q,)`` of
     :data:`~iresflow.runs.scoring.QUANTILES`, ``observed (B, N, D)``, ``mask (B, N)``,
     ``start (B,)``, ``index (B,)``, ``noise`` (its name), ``scale (B,)`` (where the base
-    reports it), ``noise_crps`` (the validation CRPS of ``given`` and ``prior`` where ``auto``
-    chose);
+    reports it), ``candidate`` (the model that drew), ``options (K,)`` and ``validation_crps
+    (K,)`` (where the validation split chose: every option ``"CANDIDATE/NOISE"`` and the mean
+    CRPS of its validation forecasts);
     for a held-out forecast also ``truth (B, H, D)``, ``truth_mask (B, H)``, ``crps (D,)``,
     ``energy``, ``coverage_50`` and ``coverage_90``.
 
@@ -344,10 +392,11 @@ def save_forecast(forecast: Forecast, path: str | os.PathLike) -> Path:
         "levels": levels.numpy(),
         "observed": forecast.observed.numpy(), "mask": forecast.mask.numpy(),
         "start": forecast.start.numpy(), "index": forecast.index.numpy(),
-        "noise": np.array(forecast.noise),
+        "noise": np.array(forecast.noise), "candidate": np.array(forecast.candidate),
     }
-    if forecast.noise_crps is not None:
-        arrays["noise_crps"] = np.array([forecast.noise_crps[k] for k in FORECAST_NOISE])
+    if forecast.validation_crps is not None:
+        arrays["options"] = np.array(list(forecast.validation_crps))
+        arrays["validation_crps"] = np.array(list(forecast.validation_crps.values()))
     if forecast.scale is not None:
         arrays["scale"] = forecast.scale.numpy()
     if forecast.truth is not None and forecast.truth_mask is not None and forecast.scores:

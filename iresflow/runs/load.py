@@ -4,7 +4,8 @@
 and the model of those settings (:func:`~iresflow.train.factories.load_data`,
 :func:`~iresflow.train.factories.build_model`) and the weights of the checkpoint (the moving
 average of the weights when the run kept one). :func:`trained_run` does the same for a run just
-trained, reusing the model and the data of its training instead of building them again. Either
+trained, reusing the model and the data of its training instead of building them again, and
+:func:`load_candidate` for one candidate of a run's model selection, on the run's data. Every
 way the loaded model's invertibility guarantees are re-checked (:func:`check_guarantees`).
 """
 
@@ -27,8 +28,11 @@ from iresflow.train.config import ConfigError, TrainConfig
 from iresflow.train.factories import build_model, load_data, resolve_device, resolve_model_config
 from iresflow.train.loop import FittedRun
 from iresflow.train.paths import RunPaths
+from iresflow.train.selection import candidate_paths
 
-__all__ = ["LoadedRun", "check_guarantees", "full_history", "load_run", "trained_run"]
+__all__ = [
+    "LoadedRun", "check_guarantees", "full_history", "load_candidate", "load_run", "trained_run",
+]
 
 
 @dataclass(frozen=True)
@@ -89,10 +93,7 @@ def load_run(
         raise FileNotFoundError(f"{paths.root} holds no checkpoint (checkpoints/last.pt)")
     path = paths.checkpoint(settings.checkpoint)
     state = load_checkpoint(path)
-    try:
-        config = TrainConfig.from_dict(state["config"], stored=True)
-    except (KeyError, TypeError) as error:
-        raise CheckpointError(f"checkpoint {path} holds no settings: {error}") from None
+    config = _stored_settings(state, path)
     device = resolve_device(settings.device if settings.device is not None else config.device)
     dataset = load_data(config)
     return _restored(paths, config, dataset, build_model(config, dataset), path, state, device)
@@ -125,6 +126,42 @@ def trained_run(fitted: FittedRun, settings: RunSettings | None = None) -> Loade
     device = next(model.parameters()).device
     state = load_checkpoint(path)
     return _restored(paths, fitted.config, fitted.dataset, model, path, state, device)
+
+
+def load_candidate(run: LoadedRun, name: str) -> LoadedRun:
+    """One candidate of a run's model selection (``RUN/candidates/NAME``), as a run of its own
+    on the run's data, with the same kind of checkpoint (``best`` or ``last``) on the same
+    device.
+
+    Args:
+        run: A loaded run that trained candidates.
+        name: The candidate, ``"configured"`` or an alternative's name.
+
+    Returns:
+        A :class:`LoadedRun` whose ``paths`` are the candidate's folder and whose ``dataset`` is
+        ``run.dataset``.
+
+    Raises:
+        FileNotFoundError: the run holds no checkpoint of that candidate.
+        CheckpointError: as in :func:`load_run`.
+    """
+    paths = candidate_paths(run.paths, name)
+    if not paths.last.is_file():
+        raise FileNotFoundError(f"{run.paths.root} holds no checkpoint of the candidate {name!r}")
+    path = paths.checkpoint(run.checkpoint)
+    state = load_checkpoint(path)
+    config = _stored_settings(state, path)
+    device = next(run.model.parameters()).device
+    return _restored(paths, config, run.dataset, build_model(config, run.dataset), path, state,
+                     device)
+
+
+def _stored_settings(state: dict[str, Any], path: Path) -> TrainConfig:
+    """The training settings a checkpoint holds."""
+    try:
+        return TrainConfig.from_dict(state["config"], stored=True)
+    except (KeyError, TypeError) as error:
+        raise CheckpointError(f"checkpoint {path} holds no settings: {error}") from None
 
 
 def _restored(

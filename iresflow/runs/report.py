@@ -17,7 +17,7 @@ import torch
 from iresflow.runs.forecast import Forecast
 from iresflow.runs.load import LoadedRun
 from iresflow.runs.sample import Samples
-from iresflow.runs.settings import InfoSettings
+from iresflow.runs.settings import KEPT, InfoSettings
 from iresflow.train.config import ConfigError
 from iresflow.train.loop import TrainResult
 from iresflow.train.selection import CandidateResult, choose, read_selection
@@ -253,14 +253,15 @@ def _worst_solve(diagnostics: dict[str, Any]) -> str:
 
 
 def describe_forecast(run: LoadedRun, forecast: Forecast) -> str:
-    """What was forecast, its scores against the frames that followed (held-out forecasts), where
-    the new frames' noise came from, how far the observed frames widened the base's draws (where
+    """What was forecast, its scores against the frames that followed (held-out forecasts), which
+    model drew it and where the new frames' noise came from (with the validation scores that
+    chose them), how far the observed frames widened the base's draws (where
     it reports it), and whether every fixed-point inverse converged."""
     draws, sequences, horizon, _ = forecast.samples.shape
     what = ("in place of the last frames of" if forecast.truth is not None
             else "after the end of")
     lines = [f"forecast {horizon} frames {what} {sequences} sequences of {forecast.source}, "
-             f"{draws} draws each ({run.checkpoint} checkpoint, epoch {run.epoch})"]
+             f"{draws} draws each ({run.checkpoint} checkpoint)"]
     scores = forecast.scores
     if scores is not None:
         per_feature = ", ".join(f"{value:.4g}" for value in scores["crps"][:8])
@@ -271,9 +272,13 @@ def describe_forecast(run: LoadedRun, forecast: Forecast) -> str:
             f"coverage of the 50% interval {scores['coverage']['50']:.1%}, of the 90% interval "
             f"{scores['coverage']['90']:.1%} ({scores['frames']} frames scored)",
         ]
-    chosen = ("" if forecast.noise_crps is None else " (chosen on the validation split, CRPS "
-              + ", ".join(f"{k} {v:.4g}" for k, v in forecast.noise_crps.items()) + ")")
-    lines.append(f"noise of the new frames: {forecast.noise}{chosen}")
+    model = ("the run's model" if forecast.candidate == KEPT
+             else f"the {forecast.candidate} candidate")
+    lines.append(f"drawn by {model} (epoch {forecast.epoch}), noise of the new frames: "
+                 f"{forecast.noise}")
+    if forecast.validation_crps is not None:
+        lines.append("chosen on the validation split, CRPS " + ", ".join(
+            f"{option} {value:.4g}" for option, value in forecast.validation_crps.items()))
     if forecast.scale is not None:
         widest = int(forecast.scale.argmax())
         lines.append(

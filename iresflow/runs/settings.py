@@ -15,10 +15,15 @@ from pathlib import Path
 from iresflow._settings import ConfigError, SettingsRecord, check_device, check_minimum, setting
 from iresflow.models.forecasting import FORECAST_NOISE
 from iresflow.train.metrics import SCORE_SUFFIXES
+from iresflow.train.selection import ALTERNATIVES, CONFIGURED
 
 __all__ = [
-    "EvaluateSettings", "ForecastSettings", "InfoSettings", "RunSettings", "SampleSettings",
+    "KEPT", "EvaluateSettings", "ForecastSettings", "InfoSettings", "RunSettings",
+    "SampleSettings",
 ]
+
+#: The ``candidate`` of a forecast that is the run's own model, the one its training kept.
+KEPT = "kept"
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,15 @@ class ForecastSettings(SettingsRecord):
         "the one of the two whose forecasts of the last horizon frames of the validation "
         "sequences score the lower CRPS",
         ("auto", *FORECAST_NOISE),
+    )
+    candidate: str = setting(
+        "auto",
+        "model that forecasts: kept, the run's own, which its model selection kept for the "
+        "lowest validation NLL; configured, recurrent or maf, that candidate of the selection; "
+        "auto, among the run's candidates (the run's own model where it has none) the one "
+        "whose forecasts of the last horizon frames of the validation sequences score the "
+        "lowest CRPS (with noise auto, choosing candidate and noise together)",
+        ("auto", KEPT, CONFIGURED, *ALTERNATIVES),
     )
     plot_sequence: int = setting(0, "index of the sequence whose fan chart is drawn")
 
