@@ -109,8 +109,9 @@ def test_auto_forecast_draws_with_the_candidate_and_noise_of_the_lowest_validati
     causal_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """By default (``candidate`` and ``noise`` ``auto``) every candidate the run trained
-    forecasts the validation split's last frames with each noise, and the forecast is drawn by
-    the option of the lowest CRPS: bit-identical to that candidate's own run asked for it."""
+    forecasts the validation split's last frames (from three origins) with each noise, and the
+    forecast is drawn by the option of the lowest CRPS: bit-identical to that candidate's own
+    run asked for it."""
     out = tmp_path / "auto.npz"
     assert main(["forecast", str(causal_run), "--horizon", "2", "--num", "4", "--seed", "3",
                  "--out", str(out)]) == 0
@@ -118,8 +119,8 @@ def test_auto_forecast_draws_with_the_candidate_and_noise_of_the_lowest_validati
     assert len(names) == 3  # configured, recurrent, maf: twelve features
     alone = {name: load_run(causal_run / "candidates" / name) for name in names}
     validation = {f"{name}/{noise}": forecast_run(
-        alone[name], horizon=2, num=4, seed=3, split="val", noise=noise,
-        candidate="kept").scores["crps_mean"] for name in names for noise in ("given", "prior")}
+        alone[name], horizon=2, num=4, seed=3, split="val", noise=noise, candidate="kept",
+        origins=3).scores["crps_mean"] for name in names for noise in ("given", "prior")}
     assert len(set(validation.values())) == 6
     name, noise = min(validation, key=validation.__getitem__).split("/")
     auto = forecast_run(load_run(causal_run), horizon=2, num=4, seed=3)
@@ -193,7 +194,7 @@ def test_forecast_reports_the_scale_the_observed_noise_gives_the_new_noise(
     """The sequence-level t of the run: sqrt((nu + q_o) / (nu + k_o)) of the observed frames'
     noise; a base that does not report it leaves it out."""
     run = load_run(causal_run)
-    forecast = forecast_run(run, horizon=2, num=4, seed=3)
+    forecast = forecast_run(run, horizon=2, num=4, seed=3, candidate="kept")
     held = hold_out(run.dataset.test, 2)
     x = torch.where(held.observed[..., None], held.x, 0.0).to(next(run.model.parameters()))
     with torch.no_grad():
@@ -209,7 +210,29 @@ def test_forecast_reports_the_scale_the_observed_noise_gives_the_new_noise(
         raise NotImplementedError
 
     monkeypatch.setattr(run.model.base, "given_scale", silent)
-    assert forecast_run(run, horizon=2, num=4, seed=3).scale is None
+    assert forecast_run(run, horizon=2, num=4, seed=3, candidate="kept").scale is None
+
+
+def test_several_origins_hold_out_every_window_before_the_last_frames_too(
+    causal_run: Path,
+) -> None:
+    test = load_run(causal_run).dataset.test
+    held = hold_out(test, 2, origins=3)
+    end = test.mask.sum(1)  # no gaps in these data
+    expected = sorted((b, int(end[b]) - 2 * k) for k in range(1, 4) for b in range(len(test))
+                      if end[b] - 2 * k >= 1)
+    rows = list(zip(held.index.tolist(), held.start.tolist(), strict=True))
+    assert sorted(rows) == expected
+    positions = torch.arange(held.x.shape[1])
+    for row, (b, start) in enumerate(rows):
+        assert torch.equal(held.observed[row], test.mask[b, :held.x.shape[1]]
+                           & (positions < start))
+        assert torch.equal(held.truth[row], test.x[b, start:start + 2])
+    assert torch.equal(held.index[:len(test)], torch.arange(len(test)))  # the last windows first
+    forecast = forecast_run(load_run(causal_run), horizon=2, num=4, seed=3, candidate="kept",
+                            noise="given", origins=3)
+    assert torch.equal(forecast.index, held.index)
+    assert forecast.scores is not None and forecast.scores["frames"] == 2 * len(held.index)
 
 
 def test_forecast_of_a_file_continues_every_sequence(causal_run: Path, tmp_path: Path) -> None:
@@ -235,6 +258,7 @@ def test_forecast_of_a_file_continues_every_sequence(causal_run: Path, tmp_path:
     (["--plot-sequence", "99"], "plot_sequence must be in [0, "),
     (["--horizon", "40"], "no sequence of the split has more than horizon = 40 frames"),
     (["--data", "series.xlsx"], "data must be a .npz, .ts, .csv or .parquet file"),
+    (["--data", "series.npz", "--origins", "2"], "origins applies to the held-out frames"),
 ])
 def test_bad_forecast_requests_end_with_one_line(
     causal_run: Path, flags: list[str], message: str, tmp_path: Path,

@@ -124,7 +124,8 @@ def forecast_run(run: LoadedRun, settings: ForecastSettings | None = None,
                           "true (--causal) forecasts")
     held = None
     if settings.data is None:
-        held = hold_out(getattr(run.dataset, settings.split), settings.horizon)
+        held = hold_out(getattr(run.dataset, settings.split), settings.horizon,
+                        settings.origins)
         source, x, observed, index = settings.split, held.x, held.observed, held.index
     else:
         source, (x, observed) = settings.data, _read_observed(run, Path(settings.data),
@@ -169,8 +170,9 @@ def choose_forecaster(
     Where ``candidate`` or ``noise`` is ``"auto"``, every option (each candidate of the run's
     model selection that has a checkpoint, with the run's own model first, times each noise of
     :data:`~iresflow.models.forecasting.FORECAST_NOISE`) forecasts the last ``H`` frames of
-    the validation sequences with the forecast's other settings, and the option of the lowest
-    mean CRPS is kept, the first on a tie.
+    the validation sequences, and the ``H`` before them and so on from ``validation_origins``
+    origins (:func:`hold_out`), with the forecast's other settings, and the option of the
+    lowest mean CRPS over every frame forecast is kept, the first on a tie.
 
     Args:
         run: A loaded causal run.
@@ -196,7 +198,7 @@ def choose_forecaster(
     try:
         for name, noise in options:
             scores = forecast_run(models[name], settings, data=None, split="val", noise=noise,
-                                  candidate=KEPT).scores
+                                  candidate=KEPT, origins=settings.validation_origins).scores
             assert scores is not None  # a held-out forecast is scored
             crps[name, noise] = scores["crps_mean"]
     except ConfigError:  # no validation sequence longer than the horizon
@@ -247,7 +249,8 @@ class HeldOut:
         mask: Their real frames ``(B, N)``.
         observed: The frames a forecast may condition on: the real frames before the last
             ``H`` positions of every sequence ``(B, N)``.
-        index: The sequences' indices in their split ``(B,)`` (those with an observed frame).
+        index: Every row's sequence in its split ``(B,)`` (those with an observed frame; one
+            sequence may give several rows, one per forecast origin).
         start: One past every sequence's last observed frame ``(B,)``: the forecast's first
             position.
         truth: The ``H`` frames from ``start`` on ``(B, H, D)``, zero where not real.
@@ -263,17 +266,20 @@ class HeldOut:
     truth_mask: Tensor
 
 
-def hold_out(split: SequenceSplit | StoredSplit, horizon: int) -> HeldOut:
+def hold_out(split: SequenceSplit | StoredSplit, horizon: int, origins: int = 1) -> HeldOut:
     """Hold out the last ``horizon`` positions of every sequence of a split, for forecasts
-    scored against them.
+    scored against them; with ``origins = k``, also the ``horizon`` positions before those, and
+    so on, each window a row of its own conditioned on the frames before it.
 
     Args:
         split: Sequences with their mask.
         horizon: ``H >= 1``.
+        origins: Windows per sequence ``k >= 1``: the last ``H`` positions, then the ``H``
+            before them, ... (the rows of the last windows of every sequence come first).
 
     Returns:
-        A :class:`HeldOut` of the sequences with at least one frame before their last ``H``
-        positions, on the CPU.
+        A :class:`HeldOut` of the windows with at least one frame before them, on the CPU
+        (``index`` names each row's sequence).
 
     Raises:
         ConfigError: no sequence is longer than ``H``.
@@ -284,16 +290,20 @@ def hold_out(split: SequenceSplit | StoredSplit, horizon: int) -> HeldOut:
         >>> held = hold_out(split, 2)
         >>> held.start.tolist(), held.truth_mask.tolist()
         ([2], [[True, True]])
+        >>> hold_out(split, 1, origins=3).start.tolist(), hold_out(split, 1, origins=3).index
+        ([3, 1, 2, 1], tensor([0, 1, 0, 0]))
     """
     x, mask = trimmed_batch(split, torch.arange(len(split)), torch.device("cpu"))
     positions = torch.arange(x.shape[1])
     end = (mask * (positions + 1)).amax(1)
-    observed = mask & (positions < (end - horizon)[:, None])
-    keep = observed.any(1).nonzero().flatten()
-    if len(keep) == 0:
+    cut = end - horizon * torch.arange(1, origins + 1)[:, None]  # (k, B)
+    observed = (mask & (positions < cut[..., None])).flatten(0, 1)  # origin after origin
+    rows = observed.any(1).nonzero().flatten()
+    if len(rows) == 0:
         raise ConfigError(f"no sequence of the split has more than horizon = {horizon} frames "
                           "to condition on")
-    x, mask, observed = x[keep], mask[keep], observed[keep]
+    keep = rows % len(x)
+    x, mask, observed = x[keep], mask[keep], observed[rows]
     start = (observed * (positions + 1)).amax(1)
     spots = start[:, None] + torch.arange(horizon)  # (B, H)
     inside = spots < x.shape[1]

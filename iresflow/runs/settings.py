@@ -204,12 +204,22 @@ class ForecastSettings(SettingsRecord):
         "lowest CRPS (with noise auto, choosing candidate and noise together)",
         ("auto", KEPT, CONFIGURED, *ALTERNATIVES),
     )
+    origins: int = setting(
+        1, "forecasts per held-out sequence when data is not given: 1, its last horizon frames; "
+        "k, also the horizon frames before those, and so on, each from the frames before it, "
+        "scored together")
+    validation_origins: int = setting(
+        3, "forecasts per validation sequence by which auto chooses the candidate or the noise "
+        "(as origins)")
     plot_sequence: int = setting(0, "index of the sequence whose fan chart is drawn")
 
     def check(self) -> None:
         check_minimum(self, ("plot_sequence",), 0)
-        check_minimum(self, ("horizon",), 1)
+        check_minimum(self, ("horizon", "origins", "validation_origins"), 1)
         check_minimum(self, ("num",), 2)
+        if self.origins > 1 and self.data is not None:
+            raise ConfigError("origins applies to the held-out frames of a split: leave it at "
+                              "1 with data")
         if not self.temperature > 0:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
 
