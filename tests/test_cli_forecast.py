@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,9 @@ from iresflow.cli import main
 from iresflow.data.datasets import load_dataset
 from iresflow.runs.evaluate import frame_scores
 from iresflow.runs.forecast import forecast_run, hold_out
-from iresflow.runs.load import load_run
+from iresflow.runs.load import load_candidate, load_run
 from iresflow.runs.scoring import QUANTILES
+from iresflow.train.config import ConfigError
 
 TINY = [
     "--n-blocks", "1", "--hidden", "8", "--max-train", "12", "--max-eval", "6",
@@ -155,6 +157,21 @@ def test_a_forecast_of_a_named_candidate_or_noise_chooses_the_rest_only(
                        .samples)
     noises = forecast_run(run, horizon=2, num=4, seed=3, noise="given")
     assert list(noises.validation_crps) == [f"{name}/given" for name in names]
+
+
+def test_a_candidate_without_a_checkpoint_is_no_option(causal_run: Path, tmp_path: Path) -> None:
+    kept, names = _candidates(causal_run)
+    gone = next(name for name in names if name != kept)
+    copy = tmp_path / "run"
+    shutil.copytree(causal_run, copy)
+    shutil.rmtree(copy / "candidates" / gone)
+    run = load_run(copy)
+    forecast = forecast_run(run, horizon=2, num=4, seed=3, noise="given")
+    assert list(forecast.validation_crps) == [f"{n}/given" for n in names if n != gone]
+    with pytest.raises(ConfigError, match=f"holds no trained candidate '{gone}'"):
+        forecast_run(run, horizon=2, num=4, candidate=gone)
+    with pytest.raises(FileNotFoundError, match=f"no checkpoint of the candidate '{gone}'"):
+        load_candidate(run, gone)
 
 
 def test_a_run_of_one_model_forecasts_with_it_and_names_no_other(
