@@ -288,7 +288,8 @@ def noise_table(rows: list[dict[str, Any]]) -> str:
 def candidates_table(rows: list[dict[str, Any]]) -> str:
     """Every flow forecast of the records that chose their model on validation: the forecast of
     the run's own model with the noise it would choose alone, the model and noise chosen among
-    the run's candidates and its forecast (the lower CRPS in bold), and the best baseline."""
+    the run's candidates and its forecast (the lower CRPS in bold), and the classical
+    forecasters' (ETS: univariate data only)."""
     lines = []
     for r in sorted((r for r in rows if "flow" in r and "validation" in r["flow"]),
                     key=lambda r: (DATASETS.index(r["dataset"]), r["seed"])):
@@ -299,10 +300,11 @@ def candidates_table(rows: list[dict[str, Any]]) -> str:
         crps = [flow[f"{noise}_noise"]["crps_mean"], flow["crps_mean"]]
         cells = [f"**{v:.5g}**" if v == min(crps) and crps[0] != crps[1] else f"{v:.5g}"
                  for v in crps]
+        classical = [f"{r[m]['crps_mean']:.5g}" if m in r else "—" for m in MODELS[1:4]]
         lines.append([r["dataset"], str(r["seed"]), flow.get("kept") or "—", noise, cells[0],
-                      f"{flow['candidate']}, {flow['noise']}", cells[1], _best_baseline(r)])
+                      f"{flow['candidate']}, {flow['noise']}", cells[1], *classical])
     header = ["dataset", "seed", "kept", "its noise", "CRPS, kept model",
-              "chosen model, noise", "CRPS, chosen", "best baseline"]
+              "chosen model, noise", "CRPS, chosen", *(NAMES[m] for m in MODELS[1:4])]
     return records.markdown_table(header, lines)
 
 

@@ -151,9 +151,9 @@ def test_the_candidates_table_sets_the_kept_models_forecast_beside_the_chosen_on
                       "given_noise": {"crps_mean": 0.7}, "prior_noise": {"crps_mean": 0.9}}
     table = forecast.candidates_table([chose, alone, _record("GunPoint", 2, 0.4)]).splitlines()
     assert len(table) == 4  # the record without a choice is left out
-    assert table[2] == "| GunPoint | 0 | — | given | 0.7 | kept, given | 0.7 | AR(p) Gaussian 0.8 |"
+    assert table[2] == "| GunPoint | 0 | — | given | 0.7 | kept, given | 0.7 | 1 | 0.8 | — |"
     assert table[3] == ("| co2_windows | 1 | recurrent | prior | 0.5 | configured, given | "
-                        "**0.45** | AR(p) Gaussian 0.8 |")
+                        "**0.45** | 1 | 0.8 | — |")
 
 
 def test_the_causal_flow_takes_the_settings_of_an_ablation(monkeypatch: pytest.MonkeyPatch,
