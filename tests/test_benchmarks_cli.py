@@ -45,6 +45,8 @@ TABLES = [
     (["initial", "--table-from", "docs/initial_models.json"], ["docs/small_data.md"]),
     (["forecast", "--table-from", "docs/forecast_noise.json", "--table", "noise"],
      ["docs/forecasting.md"]),
+    (["forecast", "--table-from", "docs/forecast_candidates.json", "--table", "candidates"],
+     ["docs/forecasting.md"]),
 ]
 
 
