@@ -85,6 +85,8 @@ MAX_HORIZON = 24
 #: The fields that identify a record.
 KEY = ("dataset", "seed")
 MODELS = ("flow", "seasonal_naive", "ar", "ets", "gru_maf")
+#: The fields of a flow record that its training gives (the others, its forecasts).
+TRAINING_FIELDS = ("test_nll", "epochs", "kept", "best_epoch", "train_seconds", "settings")
 NAMES = {"flow": "flow (causal)", "seasonal_naive": "seasonal naive", "ar": "AR(p) Gaussian",
          "ets": "ETS", "gru_maf": "GRU + MAF"}
 
@@ -387,8 +389,9 @@ def run(args: argparse.Namespace) -> int:
 
 def reforecast(args: argparse.Namespace) -> list[dict[str, Any]]:
     """``--reforecast``: the records of ``--out`` of the requested datasets and seeds with the
-    flow's forecasts drawn again from the runs kept in ``--runs`` (:func:`forecast_flow`); the
-    file is rewritten with them.
+    flow's forecasts drawn again from the runs kept in ``--runs`` (:func:`forecast_flow`), every
+    earlier forecast field of the flow dropped (:data:`TRAINING_FIELDS` stay); the file is
+    rewritten with them.
 
     Raises:
         SystemExit: no ``--runs``, no records, or a requested record or run missing.
@@ -407,8 +410,9 @@ def reforecast(args: argparse.Namespace) -> list[dict[str, Any]]:
             record = rows[name, seed]
             ds = first_test(load(name, seed), args.max_sequences)
             held = hold_out(ds.test, record["horizon"])
-            record["flow"] |= forecast_flow(run_dir, ds, seed, record["horizon"],
-                                            record["draws"], held)
+            trained = {k: v for k, v in record["flow"].items() if k in TRAINING_FIELDS}
+            record["flow"] = trained | forecast_flow(run_dir, ds, seed, record["horizon"],
+                                                     record["draws"], held)
             print(f"{name} seed {seed}: flow CRPS {record['flow']['crps_mean']:.4g}",
                   file=sys.stderr, flush=True)
     written = list(rows.values())

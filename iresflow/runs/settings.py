@@ -191,8 +191,8 @@ class ForecastSettings(SettingsRecord):
         "noise of the new frames: given, drawn from the base given the observed frames' noise "
         "(the model's conditional); prior, from the base's own density of new frames, which a "
         "surprising past does not widen (differs for the sequence-level t base only); auto, "
-        "the one of the two whose forecasts of the last horizon frames of the validation "
-        "sequences score the lower CRPS",
+        "the one of the two whose forecasts of the validation sequences (validation_origins "
+        "windows of horizon frames each) score the lower CRPS",
         ("auto", *FORECAST_NOISE),
     )
     candidate: str = setting(
@@ -200,8 +200,9 @@ class ForecastSettings(SettingsRecord):
         "model that forecasts: kept, the run's own, which its model selection kept for the "
         "lowest validation NLL; configured, recurrent or maf, that candidate of the selection; "
         "auto, among the run's candidates (the run's own model where it has none) the one "
-        "whose forecasts of the last horizon frames of the validation sequences score the "
-        "lowest CRPS (with noise auto, choosing candidate and noise together)",
+        "whose forecasts of the validation sequences (validation_origins windows of horizon "
+        "frames each) score the lowest CRPS (with noise auto, choosing candidate and noise "
+        "together)",
         ("auto", KEPT, CONFIGURED, *ALTERNATIVES),
     )
     origins: int = setting(
