@@ -78,7 +78,7 @@ from iresflow.runs.scoring import forecast_scores
 from iresflow.runs.settings import KEPT
 from iresflow.train.config import TrainConfig
 from iresflow.train.loop import train
-from iresflow.train.selection import choose, read_selection
+from iresflow.train.selection import choose
 
 #: Longest horizon forecast.
 MAX_HORIZON = 24
@@ -141,9 +141,7 @@ def forecast_flow(run_dir: Path, ds: SequenceDataset, seed: int, horizon: int, n
                                             noise=noise, candidate=KEPT).scores
              for noise in FORECAST_NOISE}
     assert forecast.scores is not None
-    selection = read_selection(run.paths)
-    drew = (run if selection is None or forecast.candidate == choose(selection).name
-            else load_candidate(run, forecast.candidate))
+    drew = run if forecast.candidate == KEPT else load_candidate(run, forecast.candidate)
     past, observed = held.x[:1], held.observed[:1]
     one = median_seconds(lambda: drew.model.forecast(
         torch.where(observed[..., None], past, 0.0), observed, horizon=horizon,
@@ -293,7 +291,7 @@ def candidates_table(rows: list[dict[str, Any]]) -> str:
     the run's candidates and its forecast (the lower CRPS in bold), and the classical
     forecasters' (ETS: univariate data only)."""
     lines = []
-    for r in sorted((r for r in rows if "flow" in r and "validation" in r["flow"]),
+    for r in sorted((r for r in rows if "flow" in r and r["flow"].get("validation")),
                     key=lambda r: (DATASETS.index(r["dataset"]), r["seed"])):
         flow = r["flow"]
         own = _own_validation(flow)
@@ -313,7 +311,7 @@ def candidates_table(rows: list[dict[str, Any]]) -> str:
 def _own_validation(flow: dict[str, Any]) -> dict[str, float] | None:
     """The validation CRPS of each noise of the run's own model, where the record has them: the
     noise choice of the records made before the model was chosen too (``noise_validation``)."""
-    if "validation" in flow and flow["validation"] is not None:
+    if flow.get("validation"):
         name = flow.get("kept") or KEPT
         return {noise: flow["validation"][f"{name}/{noise}"] for noise in FORECAST_NOISE}
     return flow.get("noise_validation")

@@ -149,8 +149,11 @@ def test_the_candidates_table_sets_the_kept_models_forecast_beside_the_chosen_on
     alone["flow"] |= {"kept": None, "candidate": "kept", "noise": "given",
                       "validation": {"kept/given": 0.3, "kept/prior": 0.4},
                       "given_noise": {"crps_mean": 0.7}, "prior_noise": {"crps_mean": 0.9}}
-    table = forecast.candidates_table([chose, alone, _record("GunPoint", 2, 0.4)]).splitlines()
-    assert len(table) == 4  # the record without a choice is left out
+    unscored = _record("GunPoint", 1, 0.6)
+    unscored["flow"] |= {"kept": None, "candidate": "kept", "noise": "given", "validation": None}
+    table = forecast.candidates_table([chose, alone, _record("GunPoint", 2, 0.4),
+                                       unscored]).splitlines()
+    assert len(table) == 4  # the records without a choice are left out
     assert table[2] == "| GunPoint | 0 | — | given | 0.7 | kept, given | 0.7 | 1 | 0.8 | — |"
     assert table[3] == ("| co2_windows | 1 | recurrent | prior | 0.5 | configured, given | "
                         "**0.45** | 1 | 0.8 | — |")
