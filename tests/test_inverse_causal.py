@@ -15,14 +15,16 @@ F64 = torch.float64
 
 class CausalMap:
     """``T(x)_t = y_t + a * tanh(W x_{t-1} + V x_{t-2})``: causal over frames, with a record of
-    the calls, which checks the contract of ``image`` (windows that start at 0 and then between
-    the last start and stop, and the frames that the outputs before the start read, those
-    before ``start - 1``, left as they were)."""
+    the calls, which checks the contract of ``image`` (windows that start at the first frame
+    some sample has not settled, ``first``, and then between the last start and stop, and the
+    frames that the outputs before the start read, those before ``start - 1``, left as they
+    were)."""
 
-    def __init__(self, y: torch.Tensor, strength: float = 0.8, seed: int = 0) -> None:
+    def __init__(self, y: torch.Tensor, strength: float = 0.8, seed: int = 0,
+                 first: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
         features = y.shape[-1]
-        self.y, self.strength = y, strength
+        self.y, self.strength, self.first = y, strength, first
         self.w = torch.randn(features, features, generator=generator, dtype=y.dtype)
         self.v = torch.randn(features, features, generator=generator, dtype=y.dtype)
         self.calls: list[tuple[int, int]] = []
@@ -35,7 +37,7 @@ class CausalMap:
 
     def __call__(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         if not self.calls:
-            assert start == 0
+            assert start == self.first
         else:
             last_start, last_stop = self.calls[-1]
             assert last_start <= start <= last_stop
@@ -79,15 +81,16 @@ def test_a_window_that_settles_whole_doubles():
     assert stats.evaluations == 5 and (stats.residual == 0).all()
 
 
-def test_solved_frames_are_evaluated_once_and_settled_from_the_start():
+def test_solved_frames_are_settled_from_the_start_and_never_evaluated():
     y = torch.randn(3, 10, 2, dtype=F64)
     truth, _ = causal_fixed_point_inverse(CausalMap(y), y, window=None)
     solved = torch.tensor([4, 6, 10])
     x0 = torch.where(torch.arange(10)[None, :, None] < solved[:, None, None], truth, y)
-    image = CausalMap(y)
+    image = CausalMap(y, first=4)
     x, stats = causal_fixed_point_inverse(image, y, window=1, x0=x0, solved=solved)
     torch.testing.assert_close(x, truth, atol=1e-10, rtol=0)
-    assert image.calls[0] == (0, 5) and image.calls[1][0] == 5
+    # the sweeps begin at the first frame some sample has not solved, one frame at a time
+    assert image.calls[:2] == [(4, 5), (5, 6)]
     # the window is the batch's: the second sample waits for the first to reach its frame 6
     assert stats.evaluations == 10 - 4 and stats.iterations.tolist() == [6, 6, 0]
 
@@ -158,16 +161,37 @@ def test_windows_equal_the_network_on_the_whole_sequence(masked, context_feature
     context = torch.randn(4, 2, dtype=F64) if context_features else None
     windows = net.windows(x, mask, context)
     for start, stop in ((0, 0), (0, 3), (0, 5), (2, 4), (4, 9), (7, 8), (8, 9), (9, 9)):
-        x = x.clone()
-        x[:, max(start - 1, 0):] = torch.randn_like(x[:, max(start - 1, 0):])  # later frames move
-        out = windows(x, start, stop)
-        assert out.shape == (4, stop - start, 6)
-        torch.testing.assert_close(out, net(x, mask, context)[:, start:stop], atol=1e-14,
-                                   rtol=0)
+        x = _moved_call(windows, net, x, mask, context, start, stop)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("first", [(3, 4), (5, 9), (9, 9)])
+def test_a_first_window_after_frame_0_reads_the_frames_before_it(masked, first):
+    net = _network(2, "sinusoidal")
+    x = torch.randn(4, 9, 3, dtype=F64)
+    mask = None
+    if masked:
+        mask = torch.ones(4, 9, dtype=torch.bool)
+        mask[1, 6:], mask[2, 1] = False, False
+    context = torch.randn(4, 2, dtype=F64)
+    windows = net.windows(x, mask, context)
+    for start, stop in (first, (first[0], 9)):
+        x = _moved_call(windows, net, x, mask, context, start, stop)
+
+
+def _moved_call(windows, net, x, mask, context, start, stop):
+    """One call of ``windows`` after the frames from ``start - 1`` on moved, checked against
+    the network on the whole sequence; returns the frames of the call."""
+    x = x.clone()
+    x[:, max(start - 1, 0):] = torch.randn_like(x[:, max(start - 1, 0):])  # later frames move
+    out = windows(x, start, stop)
+    assert out.shape == (4, stop - start, 6)
+    torch.testing.assert_close(out, net(x, mask, context)[:, start:stop], atol=1e-14, rtol=0)
+    return x
 
 
 @pytest.mark.parametrize(("calls", "bad"), [
-    ([], (1, 3)),  # the first window starts at 0
+    ([], (4, 3)),  # a start after the stop
     ([(0, 4)], (5, 6)),  # beyond the last stop: tokens 4 and on were never stored
     ([(0, 4), (3, 6)], (2, 6)),  # before the last start
     ([], (0, 10)),  # past N

@@ -59,10 +59,11 @@ def causal_fixed_point_inverse(
     Args:
         image: :math:`T` as ``image(x, start, stop)``: ``x`` the iterates ``(B, N, D)``,
             returns :math:`T(x)` on frames ``start`` to ``stop - 1``, ``(B, stop - start, D)``.
-            It is called first with ``start = 0``, then with ``start`` between the ``start``
-            and ``stop`` of the call before and ``x`` unchanged on the frames before
-            ``start - 1``, which are all that its outputs before ``start`` read: it may keep
-            what it computed for them.
+            It is called first with ``start`` the first frame that some sample has not
+            solved (0 without ``solved``; the frames before it are read, and their images not
+            asked for), then with ``start`` between the ``start`` and ``stop`` of the call
+            before and ``x`` unchanged on the frames before ``start - 1``, which are all that
+            its outputs before ``start`` read: it may keep what it computed for them.
         y: Starting point and scale of the default tolerance, ``(B, N, D)``, finite.
         window: Frames per sweep after the frames already solved (``None``: all ``N``), doubled
             after a sweep that settles them all by their steps.
@@ -75,8 +76,8 @@ def causal_fixed_point_inverse(
             then measures the steps of its unsettled frames, which join its residual.
         x0: Optional starting point ``(B, N, D)`` (default ``y``).
         solved: Optional number of leading frames of ``x0`` that are the solution, per sample
-            ``(B,)`` (int64): they are settled from the start, and the first sweep evaluates
-            them once with its window.
+            ``(B,)`` (int64): they are settled from the start, and the first sweep begins at
+            the first frame that some sample has not solved.
 
     Returns:
         The solution ``(B, N, D)`` and the
@@ -128,20 +129,19 @@ def _sweep(image: Callable[[Tensor, int, int], Tensor], y: Tensor, window: int,
     tolerance = default_tolerance(y) if tol is None else torch.full_like(y[:, 0, 0], tol)
     residual = torch.zeros_like(tolerance)
     iterations = torch.where(settled == length, 0, max_iter)
-    # The first call starts at frame 0, the later ones at the batch's first unsettled frame.
-    sweeps = evaluations = start = 0
-    size, lowest = window, int(settled.min())
-    while lowest < length:
+    # Every call starts at the batch's first unsettled frame.
+    sweeps = evaluations = 0
+    size, start = window, int(settled.min())
+    while start < length:
         sweeps = evaluations = sweeps + 1
-        first = lowest
-        stop = min(first + size, length)
+        first, stop = start, min(start + size, length)
         t_x = image(x, start, stop)
         settle = _settle_frame if stop - start == 1 else _settle_window
         settled, residual, moved = settle(x, t_x, start, settled, tolerance, residual)
         size = window if moved else 2 * size
         iterations = torch.where((settled == length) & (iterations == max_iter), sweeps,
                                  iterations)
-        start = lowest = int(settled.min())
+        start = int(settled.min())
         if start < length and (sweeps == max_iter or start == first):
             # Out of sweeps, or stopped by a non-finite image: the steps of the unsettled frames
             # of the iterate returned, measured by one more evaluation, join the residual.

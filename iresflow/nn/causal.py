@@ -209,10 +209,11 @@ class WindowEvaluator:
 
     Output frame :math:`t` reads tokens :math:`0, \dots, t` only, and token :math:`u + 1` holds
     frame :math:`u`. A call evaluates the tokens of its window, attending to the keys and values
-    stored for the tokens before ``start``, and stores theirs in their place. The outputs equal
-    the network's on the whole sequence (``net(x)[:, start:stop]``, to rounding) provided the
-    first call has ``start = 0`` and every later call has its ``start`` between the ``start`` and
-    the ``stop`` of the call before, with ``x`` unchanged on the frames before ``start - 1``. A
+    stored for the tokens before ``start``, and stores theirs in their place; the first call
+    evaluates the tokens before its window too (their outputs are not asked for). The outputs
+    equal the network's on the whole sequence (``net(x)[:, start:stop]``, to rounding) provided
+    every call after the first has its ``start`` between the ``start`` and the ``stop`` of the
+    call before, with ``x`` unchanged on the frames before ``start - 1``. A
     fixed-point solve whose frames settle from the first on
     (:func:`~iresflow.inverse.causal.causal_fixed_point_inverse`) makes such calls, and its
     sweeps then cost the tokens of their windows, not the whole sequence. Runs without gradient
@@ -234,7 +235,8 @@ class WindowEvaluator:
         head_width = net.width // net.heads
         self.keys = [x.new_empty(batch, net.heads, length, head_width) for _ in net.layers]
         self.values = [torch.empty_like(k) for k in self.keys]
-        self.length, self.stored = length, (0, 0)  # the window of the call before
+        self.length = length
+        self.stored: tuple[int, int] | None = None  # the window of the call before
 
     @torch.no_grad()
     def __call__(self, x: Tensor, start: int, stop: int) -> Tensor:
@@ -243,43 +245,44 @@ class WindowEvaluator:
         Args:
             x: Frames ``(B, N, D)``, equal to those of the call before on frames
                 ``< start - 1``.
-            start: First frame of the window, 0 on the first call, then between the ``start``
-                and the ``stop`` of the call before.
+            start: First frame of the window: any on the first call, then between the
+                ``start`` and the ``stop`` of the call before.
             stop: End of the window, ``start <= stop <= N``.
 
         Raises:
             ValueError: the window breaks these rules.
         """
+        begin = 0 if self.stored is None else start  # the first call reads the frames before
         check_window(self.stored, start, stop, self.length)
         self.stored = (start, stop)
         net = self.net
-        h = net._tokens(x, start, stop, self.mask, self.context, self.table)
+        h = net._tokens(x, begin, stop, self.mask, self.context, self.table)
         # one query token of a batch without padding may attend to every stored token
-        single = self.mask is None and stop - start == 1
-        allowed = None if single else self.allowed[:, :, start:stop, :stop]
+        single = self.mask is None and stop - begin == 1
+        allowed = None if single else self.allowed[:, :, begin:stop, :stop]
         for layer, keys, values in zip(net.layers, self.keys, self.values, strict=True):
-            h = layer(h, allowed, keys, values, start)
-        return net.head(net.norm(h))
+            h = layer(h, allowed, keys, values, begin)
+        return net.head(net.norm(h[:, start - begin:]))
 
 
-def check_window(stored: tuple[int, int], start: int, stop: int, length: int) -> None:
+def check_window(stored: tuple[int, int] | None, start: int, stop: int, length: int) -> None:
     """Check a window ``[start, stop)`` of an evaluator against its call rules.
 
     Args:
-        stored: The window of the call before (``(0, 0)`` before the first call).
+        stored: The window of the call before (``None`` before the first call).
         start: First frame of the window.
         stop: End of the window.
         length: Number of frames ``N`` served.
 
     Raises:
         ValueError: ``start`` is not between the ``start`` and the ``stop`` of the call before
-            (or after ``stop``), or ``stop > N``.
+            (0 and ``stop`` on the first call), or after ``stop``, or ``stop > N``.
     """
-    lowest, highest = stored
+    lowest, highest = (0, stop) if stored is None else stored
     if not lowest <= start <= min(highest, stop) or stop > length:
         raise ValueError(f"the window [start, stop) must start between the start and the "
-                         f"stop of the call before ({lowest} and {highest}; 0 and 0 on the "
-                         f"first call) and end by N = {length}, got [{start}, {stop})")
+                         f"stop of the call before ({lowest} and {highest}) and end by "
+                         f"N = {length}, got [{start}, {stop})")
 
 
 def _allowed(batch: int, length: int, mask: Tensor | None, device: torch.device) -> Tensor:

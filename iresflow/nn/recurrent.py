@@ -119,10 +119,11 @@ class RecurrentWindows:
 
     Output frame :math:`t` is the state after token :math:`t` (token :math:`u + 1` holds frame
     :math:`u`, skipped when it is padded). A call continues from the state kept after token
-    ``start - 1`` through the tokens of its window and keeps their states. Under the call rules
-    of :class:`~iresflow.nn.causal.WindowEvaluator` (the first call with ``start = 0``, every
-    later ``start`` between the ``start`` and the ``stop`` of the call before, ``x`` unchanged on
-    the frames before ``start - 1``) the outputs equal the network's on the whole sequence
+    ``start - 1`` through the tokens of its window and keeps their states (the first call runs
+    through the tokens before its window too). Under the call rules of
+    :class:`~iresflow.nn.causal.WindowEvaluator` (every ``start`` after the first call's between
+    the ``start`` and the ``stop`` of the call before, ``x`` unchanged on the frames before
+    ``start - 1``) the outputs equal the network's on the whole sequence
     (``net(x)[:, start:stop]``, to rounding), and a sweep of one frame costs one GRU update.
     Runs without gradient tracking.
 
@@ -139,7 +140,8 @@ class RecurrentWindows:
         self.net, self.mask = net, mask
         # states[t]: the GRU's layers after token t, (depth, B, width)
         self.states = x.new_zeros(length, net.depth, batch, net.width)
-        self.length, self.stored = length, (0, 0)  # the window of the call before
+        self.length = length
+        self.stored: tuple[int, int] | None = None  # the window of the call before
         table = net.positional_rows(x)
         # token t (frame t - 1) carries the position of the first real frame from t on: frame t
         # itself without padding
@@ -170,23 +172,40 @@ class RecurrentWindows:
         Args:
             x: Frames ``(B, N, D)``, equal to those of the call before on frames
                 ``< start - 1``.
-            start: First frame of the window, 0 on the first call, then between the ``start``
-                and the ``stop`` of the call before.
+            start: First frame of the window: any on the first call, then between the
+                ``start`` and the ``stop`` of the call before.
             stop: End of the window, ``start <= stop <= N``.
 
         Raises:
             ValueError: the window breaks these rules.
         """
+        first = self.stored is None
         check_window(self.stored, start, stop, self.length)
         self.stored = (start, stop)
-        state = self.states[start - 1] if start else torch.zeros_like(self.states[0])
+        begin = start  # the first call reads the frames before its window
+        if first and start and self.mask is None:  # their tokens in one call of the GRU
+            self.states[start - 1] = self._prefix(x, start)
+        elif first:
+            begin = 0
+        state = self.states[begin - 1] if begin else torch.zeros_like(self.states[0])
         outputs = []
-        for t in range(start, stop):  # one GRU update per token (a window is usually one)
+        for t in range(begin, stop):  # one GRU update per token (a window is usually one)
             self.states[t] = state = self._update(x, t, state)
-            outputs.append(state[-1])
+            if t >= start:
+                outputs.append(state[-1])
         if not outputs:
             return x.new_empty(x.shape[0], 0, self.net.out_features)
         return self.net.head(torch.stack(outputs, dim=1))
+
+    def _prefix(self, x: Tensor, count: int) -> Tensor:
+        """The layers' states ``(depth, B, width)`` after the first ``count >= 1`` tokens of
+        frames ``x`` ``(B, N, D)`` without padding."""
+        net = self.net
+        tokens = torch.cat([net._start_tokens(x.shape[0]), net.embed(x[:, :count - 1])], dim=1)
+        tokens = tokens + self.positions[:, :count]
+        if self.context_token is not None:
+            tokens = tokens + self.context_token.unsqueeze(1)
+        return net.gru(tokens)[1]
 
     def _update(self, x: Tensor, t: int, state: Tensor) -> Tensor:
         """The layers' states ``(depth, B, width)`` after token ``t`` from those before it."""
