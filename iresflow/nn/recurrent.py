@@ -199,13 +199,19 @@ class RecurrentWindows:
 
     def _prefix(self, x: Tensor, count: int) -> Tensor:
         """The layers' states ``(depth, B, width)`` after the first ``count >= 1`` tokens of
-        frames ``x`` ``(B, N, D)`` without padding."""
+        frames ``x`` ``(B, N, D)`` without padding. Sequences whose frames before ``count - 1``
+        (and context) are equal, such as the draws of one forecast, share one pass."""
         net = self.net
-        tokens = torch.cat([net._start_tokens(x.shape[0]), net.embed(x[:, :count - 1])], dim=1)
-        tokens = tokens + self.positions[:, :count]
+        frames = x[:, :count - 1].flatten(1)
         if self.context_token is not None:
-            tokens = tokens + self.context_token.unsqueeze(1)
-        return net.gru(tokens)[1]
+            frames = torch.cat([frames, self.context_token], dim=1)
+        frames, shared = torch.unique(frames, dim=0, return_inverse=True)
+        tokens = net.embed(frames[:, : (count - 1) * x.shape[-1]].unflatten(1, (count - 1, -1)))
+        tokens = torch.cat([net._start_tokens(len(frames)), tokens], dim=1)
+        tokens = tokens + self.positions[: len(frames), :count]
+        if self.context_token is not None:
+            tokens = tokens + frames[:, None, (count - 1) * x.shape[-1]:]
+        return net.gru(tokens)[1][:, shared]
 
     def _update(self, x: Tensor, t: int, state: Tensor) -> Tensor:
         """The layers' states ``(depth, B, width)`` after token ``t`` from those before it."""
