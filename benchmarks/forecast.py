@@ -64,7 +64,7 @@ from benchmarks.baselines.forecasters import (
     ets_forecast,
     seasonal_naive,
 )
-from benchmarks.baselines.recurrent import train_recurrent_flow
+from benchmarks.baselines.recurrent import GRU_HIDDEN, RecurrentFlow, train_recurrent_flow
 from benchmarks.results_specs import gru_maf_config
 from benchmarks.small_data import DATASETS, MAX_AR_ORDER, data_settings, load
 from benchmarks.timing import median_seconds
@@ -129,7 +129,9 @@ def forecast_flow(run_dir: Path, ds: SequenceDataset, seed: int, horizon: int, n
     """The forecasts of a trained causal run of the test sequences of ``ds``:
     :func:`~iresflow.runs.forecast.forecast_run` with its defaults (model and noise chosen on
     validation: ``candidate``, ``noise``, ``validation``), and the run's own model's with each
-    noise (``given_noise``, ``prior_noise``)."""
+    noise (``given_noise``, ``prior_noise``); ``latency``: the median seconds of the chosen
+    model's ``num`` draws of the first held-out sequence, ``peer_latency`` those of a GRU + MAF
+    (timed untrained: its cost does not depend on its weights), timed in turn."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         run = load_run(run_dir)
@@ -143,11 +145,17 @@ def forecast_flow(run_dir: Path, ds: SequenceDataset, seed: int, horizon: int, n
     assert forecast.scores is not None
     drew = run if forecast.candidate == KEPT else load_candidate(run, forecast.candidate)
     past, observed = held.x[:1], held.observed[:1]
-    one = median_seconds(lambda: drew.model.forecast(
-        torch.where(observed[..., None], past, 0.0), observed, horizon=horizon,
-        num_samples=num))
+    start = torch.where(observed[..., None], past, 0.0)
+    peer = RecurrentFlow(ds.features, ds.max_len, hidden=GRU_HIDDEN).eval()
+    timings: dict[str, list[float]] = {"flow": [], "peer": []}
+    for _ in range(3):  # in turn, so that a change of the machine's load reaches both
+        timings["flow"].append(median_seconds(lambda: drew.model.forecast(
+            start, observed, horizon=horizon, num_samples=num)))
+        timings["peer"].append(median_seconds(lambda: peer.forecast(past, observed, horizon,
+                                                                      num)))
     return forecast.scores | {
-        "seconds": seconds, "latency": one, "candidate": forecast.candidate,
+        "seconds": seconds, "latency": statistics.median(timings["flow"]),
+        "peer_latency": statistics.median(timings["peer"]), "candidate": forecast.candidate,
         "noise": forecast.noise, "validation": forecast.validation_crps, **fixed,
         "converged": forecast.diagnostics["converged"]}
 
@@ -288,8 +296,9 @@ def noise_table(rows: list[dict[str, Any]]) -> str:
 def candidates_table(rows: list[dict[str, Any]]) -> str:
     """Every flow forecast of the records that chose their model on validation: the forecast of
     the run's own model with the noise it would choose alone, the model and noise chosen among
-    the run's candidates and its forecast (the lower CRPS in bold), and the classical
-    forecasters' (ETS: univariate data only)."""
+    the run's candidates and its forecast (the lower CRPS in bold), the classical
+    forecasters' (ETS: univariate data only), and the seconds of the chosen model's draws of
+    one sequence beside a GRU + MAF's (where the record has them)."""
     lines = []
     for r in sorted((r for r in rows if "flow" in r and r["flow"].get("validation")),
                     key=lambda r: (DATASETS.index(r["dataset"]), r["seed"])):
@@ -301,10 +310,13 @@ def candidates_table(rows: list[dict[str, Any]]) -> str:
         cells = [f"**{v:.5g}**" if v == min(crps) and crps[0] != crps[1] else f"{v:.5g}"
                  for v in crps]
         classical = [f"{r[m]['crps_mean']:.5g}" if m in r else "—" for m in MODELS[1:4]]
+        speed = (f"{flow['latency']:.3f} / {flow['peer_latency']:.3f}"
+                 if "peer_latency" in flow else "—")
         lines.append([r["dataset"], str(r["seed"]), flow.get("kept") or "—", noise, cells[0],
-                      f"{flow['candidate']}, {flow['noise']}", cells[1], *classical])
+                      f"{flow['candidate']}, {flow['noise']}", cells[1], *classical, speed])
     header = ["dataset", "seed", "kept", "its noise", "CRPS, kept model",
-              "chosen model, noise", "CRPS, chosen", *(NAMES[m] for m in MODELS[1:4])]
+              "chosen model, noise", "CRPS, chosen", *(NAMES[m] for m in MODELS[1:4]),
+              "seconds, chosen / GRU + MAF"]
     return records.markdown_table(header, lines)
 
 

@@ -144,7 +144,8 @@ def test_the_candidates_table_sets_the_kept_models_forecast_beside_the_chosen_on
     chose["flow"] |= {"kept": "recurrent", "candidate": "configured", "noise": "given",
                       "validation": {"recurrent/given": 0.61, "recurrent/prior": 0.6,
                                      "configured/given": 0.58, "configured/prior": 0.59},
-                      "given_noise": {"crps_mean": 0.55}, "prior_noise": {"crps_mean": 0.5}}
+                      "given_noise": {"crps_mean": 0.55}, "prior_noise": {"crps_mean": 0.5},
+                      "latency": 0.0512, "peer_latency": 0.0734}
     alone = _record("GunPoint", 0, 0.7)
     alone["flow"] |= {"kept": None, "candidate": "kept", "noise": "given",
                       "validation": {"kept/given": 0.3, "kept/prior": 0.4},
@@ -154,9 +155,9 @@ def test_the_candidates_table_sets_the_kept_models_forecast_beside_the_chosen_on
     table = forecast.candidates_table([chose, alone, _record("GunPoint", 2, 0.4),
                                        unscored]).splitlines()
     assert len(table) == 4  # the records without a choice are left out
-    assert table[2] == "| GunPoint | 0 | — | given | 0.7 | kept, given | 0.7 | 1 | 0.8 | — |"
+    assert table[2] == "| GunPoint | 0 | — | given | 0.7 | kept, given | 0.7 | 1 | 0.8 | — | — |"
     assert table[3] == ("| co2_windows | 1 | recurrent | prior | 0.5 | configured, given | "
-                        "**0.45** | 1 | 0.8 | — |")
+                        "**0.45** | 1 | 0.8 | — | 0.051 / 0.073 |")
 
 
 def test_the_causal_flow_takes_the_settings_of_an_ablation(monkeypatch: pytest.MonkeyPatch,
@@ -222,7 +223,8 @@ def test_runs_keeps_every_trained_run_to_forecast_again(tmp_path) -> None:
     assert forecast.run(reforecast) == 0
     stored = records.load(tmp_path / "r.json")
     (again,) = stored["records"]
-    timings = ("seconds", "latency")
+    assert record["flow"]["latency"] > 0 and record["flow"]["peer_latency"] > 0
+    timings = ("seconds", "latency", "peer_latency")
     assert {k: v for k, v in again["flow"].items() if k not in timings} == {
         k: v for k, v in record["flow"].items() if k not in timings}
     assert again | {"flow": None} == record | {"flow": None} and len(stored["commands"]) == 2
