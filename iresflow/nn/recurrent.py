@@ -87,12 +87,16 @@ class CausalGRU(CausalConditioner):
             frames = _gather_frames(torch.where(mask.unsqueeze(-1), x, 0.0), order)
             positions = positions[order]  # token k: the position of the k-th real frame
             rank = (mask.cumsum(1) - mask.long()).unsqueeze(-1)  # real frames before t
-        tokens = torch.cat([self._start_tokens(x.shape[0]), self.embed(frames[:, :-1])],
-                           dim=1) + positions
+        tokens = self._frame_tokens(frames[:, :-1], positions)
         states, _ = self.gru(self._with_context(tokens, context))
         if rank is not None:
             states = states.gather(1, rank.expand(-1, -1, self.width))
         return self.head(states)
+
+    def _frame_tokens(self, frames: Tensor, positions: Tensor) -> Tensor:
+        """The start token and the tokens of ``frames`` ``(B, L, D)``, with their positional
+        rows ``positions`` ``(B or 1, L + 1, width)`` added: ``(B, L + 1, width)``."""
+        return torch.cat([self._start_tokens(len(frames)), self.embed(frames)], dim=1) + positions
 
     def windows(self, x: Tensor, mask: Tensor | None = None,
                 context: Tensor | None = None) -> RecurrentWindows:
@@ -201,17 +205,19 @@ class RecurrentWindows:
         """The layers' states ``(depth, B, width)`` after the first ``count >= 1`` tokens of
         frames ``x`` ``(B, N, D)`` without padding. Sequences whose frames before ``count - 1``
         (and context) are equal, such as the draws of one forecast, share one pass."""
-        net = self.net
-        frames = x[:, :count - 1].flatten(1)
+        width = (count - 1) * x.shape[-1]
+        rows = x[:, :count - 1].flatten(1)
         if self.context_token is not None:
-            frames = torch.cat([frames, self.context_token], dim=1)
-        frames, shared = torch.unique(frames, dim=0, return_inverse=True)
-        tokens = net.embed(frames[:, : (count - 1) * x.shape[-1]].unflatten(1, (count - 1, -1)))
-        tokens = torch.cat([net._start_tokens(len(frames)), tokens], dim=1)
-        tokens = tokens + self.positions[: len(frames), :count]
+            rows = torch.cat([rows, self.context_token], dim=1)
+        if rows.shape[1]:
+            rows, shared = torch.unique(rows, dim=0, return_inverse=True)
+        else:  # the start token alone, the same for every sequence
+            rows, shared = rows[:1], torch.zeros(len(x), dtype=torch.long, device=x.device)
+        frames = rows[:, :width].reshape(len(rows), count - 1, x.shape[-1])
+        tokens = self.net._frame_tokens(frames, self.positions[: len(rows), :count])
         if self.context_token is not None:
-            tokens = tokens + frames[:, None, (count - 1) * x.shape[-1]:]
-        return net.gru(tokens)[1][:, shared]
+            tokens = tokens + rows[:, None, width:]
+        return self.net.gru(tokens)[1][:, shared]
 
     def _update(self, x: Tensor, t: int, state: Tensor) -> Tensor:
         """The layers' states ``(depth, B, width)`` after token ``t`` from those before it."""
