@@ -80,6 +80,26 @@ def test_windows_equal_the_whole_sequence(device, masked, windows, context_featu
                                        atol=1e-13)
 
 
+@pytest.mark.parametrize("context_features", [0, 2])
+@pytest.mark.parametrize("first", [1, 3])  # 1: the start token alone before the window
+def test_draws_that_share_their_past_share_its_pass_and_keep_their_outputs(device, first,
+                                                                          context_features):
+    net = make_net(device, context_features=context_features)
+    past = torch.randn(2, 5, D, dtype=F64, device=device)
+    x = past[[0, 1, 0, 0]].clone()  # four draws of two sequences
+    x[:, first:] = torch.randn(4, 5 - first, D, dtype=F64, device=device)  # new frames differ
+    context = torch.randn(2, 2, dtype=F64, device=device)[[0, 1, 0, 0]] if context_features \
+        else None
+    evaluator = net.windows(x, None, context)
+    torch.testing.assert_close(evaluator(x, first, first + 1),
+                               net(x, None, context)[:, first:first + 1], rtol=1e-13, atol=1e-13)
+    if context_features:  # equal frames under another context are not shared
+        context[3] = torch.randn(2, dtype=F64, device=device)
+        evaluator = net.windows(x, None, context)
+        torch.testing.assert_close(evaluator(x, first, 5), net(x, None, context)[:, first:],
+                                   rtol=1e-13, atol=1e-13)
+
+
 def test_a_window_reads_the_frames_of_its_call(device):
     # Frames in the window (and the one before it) may change from call to call, as in a
     # fixed-point sweep; the frames before that are settled.
