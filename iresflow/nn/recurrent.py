@@ -95,7 +95,8 @@ class CausalGRU(CausalConditioner):
 
     def _frame_tokens(self, frames: Tensor, positions: Tensor) -> Tensor:
         """The start token and the tokens of ``frames`` ``(B, L, D)``, with their positional
-        rows ``positions`` ``(B or 1, L + 1, width)`` added: ``(B, L + 1, width)``."""
+        rows ``positions`` (broadcastable to ``(B, L + 1, width)``) added:
+        ``(B, L + 1, width)``."""
         return torch.cat([self._start_tokens(len(frames)), self.embed(frames)], dim=1) + positions
 
     def windows(self, x: Tensor, mask: Tensor | None = None,
