@@ -235,10 +235,11 @@ def _default_nll(default: dict[str, Any] | None, name: str) -> list[float]:
             if r["dataset"] == name and "flow" in r]
 
 
-def markdown_tables(rows: list[dict[str, Any]], default: dict[str, Any] | None
-                    ) -> dict[str, str]:
+def markdown_tables(rows: list[dict[str, Any]], default: dict[str, Any] | None,
+                    block: str = "forecast") -> dict[str, str]:
     """The CRPS table (best in bold; coverage of the 90% interval in brackets), and the
-    causal-versus-default NLL table with the causal runs whose best epoch is their last."""
+    causal-versus-default NLL table with the causal runs whose best epoch is their last, as
+    the blocks ``BLOCK-crps`` and ``BLOCK-nll``."""
     names = sorted(dict.fromkeys(r["dataset"] for r in rows), key=DATASETS.index)
     crps_rows, nll_rows = [], []
     for name in names:
@@ -268,8 +269,8 @@ def markdown_tables(rows: list[dict[str, Any]], default: dict[str, Any] | None
     crps_header = ["dataset", "H", "sequences", *(NAMES[m] for m in MODELS)]
     nll_header = ["dataset", "causal flow test NLL", "default flow test NLL", "difference",
                   "causal runs cut short"]
-    return {"forecast-crps": records.markdown_table(crps_header, crps_rows),
-            "forecast-nll": records.markdown_table(nll_header, nll_rows)}
+    return {f"{block}-crps": records.markdown_table(crps_header, crps_rows),
+            f"{block}-nll": records.markdown_table(nll_header, nll_rows)}
 
 
 def noise_table(rows: list[dict[str, Any]]) -> str:
@@ -362,6 +363,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "validation (records that have it) (default: scores)")
     cli.add_records(parser, "forecast", ("forecast-crps", "forecast-nll", "forecast-noise",
                                          "forecast-candidates"))
+    parser.add_argument("--block", dest="blocks", metavar="BLOCK",
+                        type=lambda name: (f"{name}-crps", f"{name}-nll"),
+                        help="the blocks of the --doc pages the scores tables go into: "
+                        "BLOCK-crps and BLOCK-nll (default: forecast)")
     cli.add_threads(parser)
 
 
@@ -388,7 +393,8 @@ def run(args: argparse.Namespace) -> int:
                     print(f"{name} seed {seed}: CRPS {crps}", file=sys.stderr, flush=True)
                     written = cli.save(args, rows, KEY, {}, earlier)[0]
         rows = written
-    tables = {"scores": lambda: markdown_tables(rows, default),
+    block = args.blocks[0].removesuffix("-crps")
+    tables = {"scores": lambda: markdown_tables(rows, default, block),
               "noise": lambda: {"forecast-noise": noise_table(rows)},
               "candidates": lambda: {"forecast-candidates": candidates_table(rows)}}[args.table]()
     for table in tables.values():

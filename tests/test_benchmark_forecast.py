@@ -120,6 +120,21 @@ def test_tables_bold_the_best_and_compare_with_the_default_nll() -> None:
     assert "| GunPoint | 1.500 ± 0.000 | 1.400 | +0.100 | 1 of 2 |" in tables["forecast-nll"]
 
 
+def test_the_scores_tables_go_into_the_blocks_named(tmp_path) -> None:
+    records.save(tmp_path / "r.json", [_record("GunPoint", 0, 0.5)], ["run"], {})
+    page = tmp_path / "page.md"
+    markers = [f"<!-- {name}:{end} -->" for name in ("forecast-crps", "other-crps",
+                                                       "other-nll") for end in ("start", "end")]
+    page.write_text("\n".join(markers) + "\n")
+    assert cli.main(["forecast", "--table-from", str(tmp_path / "r.json"), "--block", "other",
+                     "--doc", str(page)]) == 0
+    text = page.read_text()
+    assert "<!-- forecast-crps:start -->\n<!-- forecast-crps:end -->" in text  # untouched
+    for name in ("other-crps", "other-nll"):
+        block = text.split(f"<!-- {name}:start -->")[1].split(f"<!-- {name}:end -->")[0]
+        assert "| GunPoint |" in block
+
+
 def test_the_noise_table_lists_every_forecast_with_both_noises() -> None:
     chose = _record("co2_windows", 1, 0.5)
     chose["flow"] |= {"kept": "recurrent", "noise": "prior",
