@@ -47,6 +47,9 @@ TABLES = [
      ["docs/forecasting.md"]),
     (["forecast", "--table-from", "docs/forecast_candidates.json", "--table", "candidates"],
      ["docs/forecasting.md"]),
+    (["forecast", "--table-from", "docs/forecast_candidates.json", "docs/forecast.json",
+      "docs/forecast_one_pass.json", "--default-from", "docs/small_data_selection.json",
+      "--block", "forecast-default"], ["docs/forecasting.md"]),
 ]
 
 
