@@ -70,7 +70,7 @@ def test_every_step_splits_its_logdet_into_its_diagonal_blocks(device, recipe):
     x, mask = _batch(device, torch.float64)
     context = _context(model, 3, device).get("context")
     c = None if context is None else model.context_encoder(context)
-    trace = model.transform.forward_trace(x, c, mask=mask)
+    trace = model.transform.forward_trace(x, c, mask=mask).states
     for (name, step), h in zip(model.transform.named_steps(), trace[:-1], strict=True):
         frames = step._forward(h, c, mask, FRAMES)[1]
         for b in range(3):
@@ -394,6 +394,25 @@ def test_the_autoregressive_step_recovers_new_frames_from_the_first_one_on(recip
                        pinned[:, first:])
 
 
+def test_the_trace_keeps_what_the_pinned_inverse_reuses_and_repeats_it_by_draw():
+    """The trace holds every member's input and the GRU-conditioned steps' states (the other
+    members keep nothing); repeated for two draws, copy i of sequence b sits at row 3 i + b."""
+    model = _model(torch.device("cpu"), torch.float64, **RECIPES["recurrent"])
+    x, mask, known, c = _pinned_case(model, FEATURES)
+    trace = model.transform.forward_trace(x, c, mask=known)
+    assert len(trace.states) == len(trace.memory) + 1 == len(model.transform.steps) + 1
+    for step, state, kept in zip(model.transform.steps, trace.states, trace.memory,
+                                 strict=False):
+        assert (kept is not None) == isinstance(step, AutoregressiveAffine)
+        if kept is not None:
+            assert torch.equal(kept, step.conditioner.states(state, known, c))
+    repeated = trace.repeat(2)
+    for one, two in zip(trace.states + trace.memory, repeated.states + repeated.memory,
+                        strict=True):
+        if one is not None:
+            assert torch.equal(two, torch.cat([one, one]))
+
+
 @pytest.mark.parametrize("recipe", ["every kind", "conditional", "recurrent", "maf"])
 def test_the_autoregressive_affine_step_solves_the_new_frames_only(recipe):
     """The Transformer- or GRU-conditioned step's pinned inverse equals inverting it whole and
@@ -411,3 +430,13 @@ def test_the_autoregressive_affine_step_solves_the_new_frames_only(recipe):
         torch.testing.assert_close(pinned, whole, atol=1e-10, rtol=0)
         torch.testing.assert_close(step._forward(pinned, c, mask, False)[0][mask], y[mask],
                                    atol=1e-10, rtol=0)
+        # A GRU's states kept by the forward of the known frames (a forecast's trace): the
+        # solve starts from them, to the same frames; other states would move them.
+        outputs, memory = step.forward_with_memory(x, c, known)
+        assert torch.equal(outputs, step._forward(x, c, known, False)[0])
+        assert (memory is not None) == (RECIPES[recipe].get("conditioner") == "gru")
+        if memory is not None:
+            torch.testing.assert_close(step.inverse_pinned(y, x, known, c, mask, memory), pinned,
+                                       atol=1e-12, rtol=0)
+            other = step.inverse_pinned(y, x, known, c, mask, torch.zeros_like(memory))
+            assert not torch.allclose(other, pinned)

@@ -100,6 +100,41 @@ def test_draws_that_share_their_past_share_its_pass_and_keep_their_outputs(devic
                                    rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.parametrize("context_features", [0, 2])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("windows", [[(2, 3), (3, 4)], [(1, 4)], [(3, 4)], [(0, 2), (1, 4)]])
+def test_a_first_window_starts_from_the_states_kept_in_memory(device, masked, windows,
+                                                               context_features):
+    """The states of the whole sequence (:meth:`CausalGRU.states`) as memory: a first window
+    after frame 0 starts from the state before it and equals the network's outputs; a memory
+    that is not the frames' states changes them (it is read, not recomputed)."""
+    net = make_net(device, depth=1, context_features=context_features)
+    x, mask = padded_batch(device)
+    mask = mask if masked else None
+    context = torch.randn(3, 2, dtype=F64, device=device) if context_features else None
+    expected, memory = net(x, mask, context), net.states(x, mask, context)
+    torch.testing.assert_close(net.head(memory), expected, rtol=0, atol=0)
+    evaluator = net.windows(x, mask, context, memory=memory)
+    real = torch.ones(3, 4, dtype=torch.bool, device=device) if mask is None else mask
+    for start, stop in windows:
+        out = evaluator(x, start, stop)
+        inside = real[:, start:stop]
+        torch.testing.assert_close(out[inside], expected[:, start:stop][inside], rtol=1e-13,
+                                   atol=1e-13)
+    start, stop = windows[0]
+    if start:
+        wrong = net.windows(x, mask, context, memory=torch.zeros_like(memory))(x, start, stop)
+        assert not torch.allclose(wrong, expected[:, start:stop])
+
+
+@pytest.mark.parametrize(("depth", "shape"), [(2, (3, 4, 6)), (1, (3, 4, 5)), (1, (2, 4, 6))])
+def test_a_memory_of_another_shape_or_depth_raises(device, depth, shape):
+    net = make_net(device, depth=depth)
+    x = torch.randn(3, 4, D, dtype=F64, device=device)
+    with pytest.raises(ValueError, match="memory must be the states"):
+        net.windows(x, memory=torch.zeros(shape, dtype=F64, device=device))
+
+
 def test_a_window_reads_the_frames_of_its_call(device):
     # Frames in the window (and the one before it) may change from call to call, as in a
     # fixed-point sweep; the frames before that are settled.

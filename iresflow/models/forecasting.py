@@ -154,12 +154,10 @@ class CausalMethods:
         known = torch.nn.functional.pad(observed, (0, total - length))
         data = torch.nn.functional.pad(x, (0, 0, 0, total - length))
         with value_checks(False):
-            trace = self.transform.forward_trace(data, c, mask=known)
-            repeat = (num_samples,) + (1,) * (trace[0].dim() - 1)
-            trace = [state.repeat(repeat) for state in trace]
+            trace = self.transform.forward_trace(data, c, mask=known).repeat(num_samples)
             known, new = known.repeat(num_samples, 1), new.repeat(num_samples, 1)
             c = None if c is None else c.repeat(num_samples, 1)
-            z = draw(trace[-1], known, known | new, generator, temperature, context=c)
+            z = draw(trace.states[-1], known, known | new, generator, temperature, context=c)
             out = self.transform.inverse_given(z, trace, known, c, mask=known | new)
         index = (ends[:, None] + torch.arange(horizon, device=x.device)).repeat(num_samples, 1)
         future = torch.gather(out, 1, index[..., None].expand(-1, -1, features))

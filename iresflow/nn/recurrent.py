@@ -81,6 +81,22 @@ class CausalGRU(CausalConditioner):
         Returns:
             ``(B, N, out_features)``; row ``t`` depends on the real frames before ``t`` only.
         """
+        return self.head(self.states(x, mask, context))
+
+    def states(
+        self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None
+    ) -> Tensor:
+        """The state of the GRU's last layer that every frame's output reads (before the output
+        layer): after the start token and the tokens of the real frames before the frame.
+
+        Args:
+            x: Frames ``(B, N, D)``; values at padded frames are ignored.
+            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real frames.
+            context: Context ``(B, C)`` of a conditional network, else ``None``.
+
+        Returns:
+            ``(B, N, width)``; row ``t`` depends on the real frames before ``t`` only.
+        """
         frames, rank, positions = x, None, self.positional_rows(x)
         if mask is not None:  # the real frames first, in order; padding after them, as zeros
             order = real_first(mask)
@@ -91,7 +107,7 @@ class CausalGRU(CausalConditioner):
         states, _ = self.gru(self._with_context(tokens, context))
         if rank is not None:
             states = states.gather(1, rank.expand(-1, -1, self.width))
-        return self.head(states)
+        return states
 
     def _frame_tokens(self, frames: Tensor, positions: Tensor) -> Tensor:
         """The start token and the tokens of ``frames`` ``(B, L, D)``, with their positional
@@ -100,7 +116,8 @@ class CausalGRU(CausalConditioner):
         return torch.cat([self._start_tokens(len(frames)), self.embed(frames)], dim=1) + positions
 
     def windows(self, x: Tensor, mask: Tensor | None = None,
-                context: Tensor | None = None) -> RecurrentWindows:
+                context: Tensor | None = None, *,
+                memory: Tensor | None = None) -> RecurrentWindows:
         """An evaluator of the outputs on windows of frames of sequences whose earlier frames
         no longer change (see :class:`RecurrentWindows`).
 
@@ -109,8 +126,11 @@ class CausalGRU(CausalConditioner):
                 not read).
             mask: Optional boolean padding mask ``(B, N)``, fixed for the evaluator's life.
             context: Context ``(B, C)`` of a conditional network, else ``None``.
+            memory: Optional :meth:`states` ``(B, N, width)`` of a one-layer network at frames
+                equal to ``x``'s before the first call's window (see
+                :class:`RecurrentWindows`).
         """
-        return RecurrentWindows(self, x, mask, context)
+        return RecurrentWindows(self, x, mask, context, memory)
 
     def extra_repr(self) -> str:
         return (f"features={self.features}, out_features={self.out_features}, "
@@ -125,7 +145,8 @@ class RecurrentWindows:
     Output frame :math:`t` is the state after token :math:`t` (token :math:`u + 1` holds frame
     :math:`u`, skipped when it is padded). A call continues from the state kept after token
     ``start - 1`` through the tokens of its window and keeps their states (the first call runs
-    through the tokens before its window too). Under the call rules of
+    through the tokens before its window too, or takes the state after them from ``memory``).
+    Under the call rules of
     :class:`~iresflow.nn.causal.WindowEvaluator` (every ``start`` after the first call's between
     the ``start`` and the ``stop`` of the call before, ``x`` unchanged on the frames before
     ``start - 1``) the outputs equal the network's on the whole sequence
@@ -137,12 +158,24 @@ class RecurrentWindows:
         x: Frames ``(B, N, D)`` of the batch and length served (values not read).
         mask: Optional boolean padding mask ``(B, N)``.
         context: Context ``(B, C)`` of a conditional network, else ``None``.
+        memory: Optional :meth:`CausalGRU.states` ``(B, N, width)`` of a one-layer network, from
+            frames (and a mask) equal to those of the first call on the frames before its
+            ``start - 1``: that call reads its state after token ``start - 1`` there instead of
+            running the GRU through the tokens before its window (a forecast's trace computed
+            it already).
+
+    Raises:
+        ValueError: ``memory`` of another shape, or for a network of more than one layer.
     """
 
     def __init__(self, net: CausalGRU, x: Tensor, mask: Tensor | None,
-                 context: Tensor | None) -> None:
+                 context: Tensor | None, memory: Tensor | None = None) -> None:
         batch, length, _ = x.shape
-        self.net, self.mask = net, mask
+        if memory is not None and (net.depth != 1 or memory.shape != (batch, length, net.width)):
+            raise ValueError(f"memory must be the states ({batch}, {length}, {net.width}) of a "
+                             f"one-layer network, got {tuple(memory.shape)} for depth "
+                             f"{net.depth}")
+        self.net, self.mask, self.memory = net, mask, memory
         # states[t]: the GRU's layers after token t, (depth, B, width)
         self.states = x.new_zeros(length, net.depth, batch, net.width)
         self.length = length
@@ -188,7 +221,9 @@ class RecurrentWindows:
         check_window(self.stored, start, stop, self.length)
         self.stored = (start, stop)
         begin = start  # the first call reads the frames before its window
-        if first and start and self.mask is None:  # their tokens in one call of the GRU
+        if first and start and self.memory is not None:  # or their state, kept by the caller
+            self.states[start - 1] = self.memory[:, start - 1]
+        elif first and start and self.mask is None:  # their tokens in one call of the GRU
             self.states[start - 1] = self._prefix(x, start)
         elif first:
             begin = 0

@@ -182,7 +182,11 @@ class AutoregressiveAffine(SettlingStep):
             ``(shift, log_scale)``, each ``(B, N, D)``; row ``t`` depends on the real frames
             before ``t`` only, and ``|log_scale| <= max_log_scale``.
         """
-        outputs = self.conditioner(x, mask, context)
+        return self._shift_and_log_scale(x, self.conditioner(x, mask, context), mask)
+
+    def _shift_and_log_scale(self, x: Tensor, outputs: Tensor,
+                             mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """:meth:`shift_and_log_scale` from the conditioner's outputs ``(B, N, O)``."""
         if self.frame_net is not None:
             outputs = self.frame_net(x, outputs)
         shift, log_scale = self._split(outputs)
@@ -209,6 +213,20 @@ class AutoregressiveAffine(SettlingStep):
             logabsdet = -log_scale.sum(-1) if logdet == FRAMES else -log_scale.sum((1, 2))
         return (y.squeeze(1) if vector else y), logabsdet
 
+    def forward_with_memory(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """The forward without log-determinant and, for a one-layer GRU conditioner, its
+        :meth:`~iresflow.nn.recurrent.CausalGRU.states` ``(B, N, width)``: a pinned inverse of
+        the same known frames starts from them instead of reading those frames again
+        (:class:`~iresflow.nn.recurrent.RecurrentWindows`). Other conditioners keep nothing."""
+        net = self.conditioner
+        if not isinstance(net, CausalGRU) or net.depth != 1 or inputs.dim() != 3:
+            return super().forward_with_memory(inputs, context, mask)
+        states = net.states(inputs, mask, context)
+        shift, log_scale = self._shift_and_log_scale(inputs, net.head(states), mask)
+        return (inputs - shift) * torch.exp(-log_scale), states
+
     def _inverse(
         self, inputs: Tensor, context: Tensor | None, mask: Tensor | None, logdet: LogDetRequest
     ) -> tuple[Tensor, Tensor | None]:
@@ -221,9 +239,11 @@ class AutoregressiveAffine(SettlingStep):
                 logabsdet = self.shift_and_log_scale(x, context, mask)[1].sum((1, 2))
         return (x.squeeze(1) if vector else x), logabsdet
 
-    def _image(self, target: Tensor, context: Tensor | None,
-               mask: Tensor | None) -> Callable[[Tensor, int, int], Tensor]:
-        windows = self.conditioner.windows(target, mask, context)
+    def _image(self, target: Tensor, context: Tensor | None, mask: Tensor | None,
+               memory: Tensor | None = None) -> Callable[[Tensor, int, int], Tensor]:
+        net = self.conditioner
+        windows = (net.windows(target, mask, context, memory=memory)
+                   if isinstance(net, CausalGRU) else net.windows(target, mask, context))
 
         # one pass from the conditioner's outputs; with a frame net, D passes, pass k fixing
         # the k-th feature of the order from those before it

@@ -317,6 +317,23 @@ class SequenceTransform(Transform, ABC):
     def _check_options(self, inputs: Tensor, context: Tensor | None, logdet: object) -> None:
         """Checks of a call specific to the transform; must not read tensor values."""
 
+    def forward_with_memory(
+        self, inputs: Tensor, context: Tensor | None, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """The unchecked forward without log-determinant, and what :meth:`inverse_pinned` may
+        reuse of it as its ``memory`` (``None`` here: nothing).
+
+        Args:
+            inputs: Validated sequences ``(B, N, D)``.
+            context: Conditioning input, or ``None``.
+            mask: Optional boolean padding mask ``(B, N)``.
+
+        Returns:
+            The outputs ``(B, N, D)`` and the memory: ``None``, or a tensor whose first dimension
+            is the batch's (a forecast repeats it with the states, one copy per draw).
+        """
+        return self._forward(inputs, context, mask, False)[0], None
+
     def inverse_pinned(
         self, inputs: Tensor, state: Tensor, known: Tensor, context: Tensor | None,
         mask: Tensor | None,

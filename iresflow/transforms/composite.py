@@ -11,6 +11,7 @@ causal flow forecasts (docs/forecasting.md#pinned-inverse).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from nflows.transforms.base import Transform
@@ -18,7 +19,32 @@ from torch import Tensor, nn
 
 from iresflow.transforms.base import FRAMES, LogDetRequest, SequenceTransform
 
-__all__ = ["SequenceCompositeTransform"]
+__all__ = ["SequenceCompositeTransform", "Trace"]
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What :meth:`SequenceCompositeTransform.forward_trace` records of a chain's forward.
+
+    Attributes:
+        states: ``K + 1`` tensors ``(B, N, D)`` for ``K`` members: the input of member ``k`` at
+            index ``k``, the output of the chain last.
+        memory: Per member, what its :meth:`~iresflow.transforms.base.SequenceTransform.
+            forward_with_memory` kept for its pinned inverse (batch first), or ``None``.
+    """
+
+    states: list[Tensor]
+    memory: list[Tensor | None]
+
+    def repeat(self, count: int) -> Trace:
+        """Every tensor repeated ``count`` times along the batch (copy ``i`` of sequence ``b``
+        at row ``i B + b``), as a forecast repeats its sequences, one copy per draw."""
+
+        def rows(value: Tensor) -> Tensor:
+            return value.repeat((count,) + (1,) * (value.dim() - 1))
+
+        return Trace([rows(state) for state in self.states],
+                     [None if kept is None else rows(kept) for kept in self.memory])
 
 
 class SequenceCompositeTransform(SequenceTransform):
@@ -120,8 +146,9 @@ class SequenceCompositeTransform(SequenceTransform):
 
     def forward_trace(
         self, inputs: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None
-    ) -> list[Tensor]:
-        """The input of every member and the output of the chain, from data to noise.
+    ) -> Trace:
+        """The input of every member and the output of the chain, from data to noise, and what
+        each member keeps of its forward for its pinned inverse.
 
         The unchecked map (no log-determinant) of validated inputs, for
         :meth:`inverse_given`; every member must be a :class:`SequenceTransform`.
@@ -132,18 +159,20 @@ class SequenceCompositeTransform(SequenceTransform):
             mask: Optional boolean padding mask ``(B, N)``.
 
         Returns:
-            ``K + 1`` tensors ``(B, N, D)`` for ``K`` members: the input of member ``k`` at
-            index ``k``, the noise last.
+            The :class:`Trace`: ``K + 1`` states ``(B, N, D)`` for ``K`` members (the noise
+            last) and each member's memory.
         """
-        states = [inputs]
+        states, memory = [inputs], []
         for t in self.steps:
-            states.append(t._forward(states[-1], context, mask, False)[0])
-        return states
+            outputs, kept = t.forward_with_memory(states[-1], context, mask)
+            states.append(outputs)
+            memory.append(kept)
+        return Trace(states, memory)
 
     def inverse_given(
         self,
         inputs: Tensor,
-        trace: Sequence[Tensor],
+        trace: Trace,
         known: Tensor,
         context: Tensor | None = None,
         *,
@@ -159,9 +188,10 @@ class SequenceCompositeTransform(SequenceTransform):
         fixed. Unchecked: the caller validated the batch.
 
         Args:
-            inputs: Noise ``(B, N, D)``; its known frames are replaced by ``trace[-1]``.
+            inputs: Noise ``(B, N, D)``; its known frames are replaced by the trace's last
+                state.
             trace: :meth:`forward_trace` of data that hold the known frames, with ``known`` as
-                its mask.
+                its mask (a member that kept a memory gets it).
             known: Boolean mask ``(B, N)`` of the known frames.
             context: Conditioning input (``None`` for unconditional transforms).
             mask: Boolean mask ``(B, N)`` of all real frames (known and new).
@@ -169,9 +199,11 @@ class SequenceCompositeTransform(SequenceTransform):
         Returns:
             Data ``(B, N, D)``: ``trace[0]`` on the known frames.
         """
-        outputs = torch.where(known.unsqueeze(-1), trace[-1], inputs)
-        for t, state in zip(reversed(self.steps), reversed(trace[:-1]), strict=True):
-            outputs = t.inverse_pinned(outputs, state, known, context, mask)
+        outputs = torch.where(known.unsqueeze(-1), trace.states[-1], inputs)
+        members = zip(self.steps, trace.states[:-1], trace.memory, strict=True)
+        for t, state, kept in reversed(list(members)):
+            outputs = (t.inverse_pinned(outputs, state, known, context, mask) if kept is None
+                       else t.inverse_pinned(outputs, state, known, context, mask, kept))
         return outputs
 
     def _initialization_pass(

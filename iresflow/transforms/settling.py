@@ -66,18 +66,21 @@ class SettlingStep(SequenceTransform):
         self.last_inverse_stats = None
 
     @abstractmethod
-    def _image(self, target: Tensor, context: Tensor | None,
-               mask: Tensor | None) -> Callable[[Tensor, int, int], Tensor]:
+    def _image(self, target: Tensor, context: Tensor | None, mask: Tensor | None,
+               memory: Tensor | None = None) -> Callable[[Tensor, int, int], Tensor]:
         r"""The map :math:`T_y` for ``y = target`` ``(B, N, D)`` (zero at padded frames), as
         ``image(x, start, stop)``: the frames ``start`` to ``stop - 1`` of :math:`T_y(x)`,
         ``(B, stop - start, D)``, under the call rules of
         :func:`~iresflow.inverse.causal.causal_fixed_point_inverse`. ``mask`` is ``None`` when
-        no frame is padded."""
+        no frame is padded; ``memory`` is the step's :meth:`forward_with_memory` of frames
+        equal to the solve's solved ones, or ``None``."""
 
     def _solve(self, y: Tensor, context: Tensor | None, mask: Tensor | None,
-               x0: Tensor | None = None, solved: Tensor | None = None) -> Tensor:
+               x0: Tensor | None = None, solved: Tensor | None = None,
+               memory: Tensor | None = None) -> Tensor:
         """The frames ``(B, N, D)`` that ``y`` ``(B, N, D)`` is the image of, from ``x0``
-        (default ``y``) whose first ``solved`` ``(B,)`` frames are solutions."""
+        (default ``y``) whose first ``solved`` ``(B,)`` frames are solutions (``memory``: see
+        :meth:`_image`)."""
         with torch.no_grad():
             if mask is not None and bool(mask.all()):
                 mask = None  # no padding: nothing to mask
@@ -89,7 +92,7 @@ class SettlingStep(SequenceTransform):
 
             target = real(y)
             x, stats = causal_fixed_point_inverse(
-                self._image(target, context, mask), target, window=self.inverse_window,
+                self._image(target, context, mask, memory), target, window=self.inverse_window,
                 tol=self.inverse_tol, max_iter=self.inverse_max_iter,
                 on_failure=self.on_failure, x0=None if x0 is None else real(x0), solved=solved,
             )
@@ -98,15 +101,16 @@ class SettlingStep(SequenceTransform):
 
     def inverse_pinned(
         self, inputs: Tensor, state: Tensor, known: Tensor, context: Tensor | None,
-        mask: Tensor | None,
+        mask: Tensor | None, memory: Tensor | None = None,
     ) -> Tensor:
         """The inverse with the known frames, and the missing ones before the first new frame,
         settled from the start at their inputs ``state``: the sweeps evaluate the new frames
-        only (:meth:`SequenceTransform.inverse_pinned`, same arguments)."""
+        only (:meth:`SequenceTransform.inverse_pinned`, same arguments; ``memory``: the step's
+        :meth:`forward_with_memory` of ``state`` with ``known`` as its mask)."""
         new = known.logical_not() if mask is None else mask & ~known
         solved = torch.where(new.any(1), new.long().argmax(1), new.shape[1])
         x = self._solve(inputs, context, mask, torch.where(known.unsqueeze(-1), state, inputs),
-                        solved)
+                        solved, memory)
         return torch.where(known.unsqueeze(-1), state, x)
 
     def extra_repr(self) -> str:

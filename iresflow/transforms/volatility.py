@@ -165,8 +165,8 @@ class VolatilityScale(SettlingStep, DataInitializedTransform):
                                                 0.5 * self.variance(x, mask).log().sum(-1), logdet)
         return (x.squeeze(1) if inputs.dim() == 2 else x), logabsdet
 
-    def _image(self, target: Tensor, context: Tensor | None,
-               mask: Tensor | None) -> Callable[[Tensor, int, int], Tensor]:
+    def _image(self, target: Tensor, context: Tensor | None, mask: Tensor | None,
+               memory: Tensor | None = None) -> Callable[[Tensor, int, int], Tensor]:
         def image(x: Tensor, start: int, stop: int) -> Tensor:  # T_y(x) on the window
             value = target[:, start:stop] * self.variance(x, mask, start, stop).sqrt()
             return value if mask is None else torch.where(mask[:, start:stop, None], value, 0.0)
