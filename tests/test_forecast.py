@@ -58,6 +58,7 @@ RECIPES = {
                   "conditioner": "gru"},
     "dilated": {"dilation": 2},
     "maf": {"layers": ("maf", "conv"), "conditioner": "gru", "ar_order": 0},
+    "attention": {"layers": ("attention", "relative", "mlp"), "relative_window": 3},
 }
 BASES = ("sequence-t", "normal", "student-t", "multivariate-t")
 

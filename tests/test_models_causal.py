@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iresflow.models.config import ConfigError, ModelConfig
+from iresflow.models.config import ModelConfig
 from iresflow.models.residual_flow import ResidualSequenceFlow
 from tests.oracles import jacobian, jacobian_logdet
 
@@ -44,12 +44,15 @@ def test_causal_is_off_by_default_and_builds_causal_convolutions():
     assert not dict(plain.transform.named_steps())["block0.conv"].branch.causal
 
 
+@pytest.mark.parametrize("layers", [("conv", "mlp"), ("attention", "relative", "mlp")])
 @pytest.mark.parametrize("conditional", [False, True])
-def test_whole_flow_jacobian_is_block_lower_triangular_and_exact(device, dtype, conditional):
+def test_whole_flow_jacobian_is_block_lower_triangular_and_exact(device, dtype, conditional,
+                                                                 layers):
     """The exact log-density (diagonal blocks) equals the base density plus the dense-Jacobian
     log-det of the whole flow, with padding and a gap; the Jacobian is zero above its diagonal
     blocks."""
-    model = _causal_model(device, dtype, num_classes=2 if conditional else 0)
+    model = _causal_model(device, dtype, num_classes=2 if conditional else 0, layers=layers,
+                          relative_window=3)
     x, mask = _batch(device, dtype)
     context = torch.tensor([0, 1, 1], device=device)
 
@@ -73,8 +76,9 @@ def test_whole_flow_jacobian_is_block_lower_triangular_and_exact(device, dtype, 
                                    base + torch.cat(logdet), atol=tol, rtol=tol)
 
 
-def test_a_prefix_of_the_noise_depends_on_the_prefix_of_the_data_only(device, dtype):
-    model = _causal_model(device, dtype)
+@pytest.mark.parametrize("layers", [("conv", "mlp"), ("attention", "relative", "mlp")])
+def test_a_prefix_of_the_noise_depends_on_the_prefix_of_the_data_only(device, dtype, layers):
+    model = _causal_model(device, dtype, layers=layers, relative_window=3)
     x, mask = _batch(device, dtype)
     z = model.transform_to_noise(x, mask)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
@@ -85,10 +89,3 @@ def test_a_prefix_of_the_noise_depends_on_the_prefix_of_the_data_only(device, dt
     later[:, 3:] = 100 * torch.randn_like(later[:, 3:])  # the future does not move the past
     torch.testing.assert_close(model.transform_to_noise(later, mask)[:, :3], z[:, :3],
                                atol=tol, rtol=0)
-
-
-@pytest.mark.parametrize("kind", ["attention", "relative"])
-def test_kinds_without_a_causal_variant_are_refused(kind):
-    with pytest.raises(ConfigError, match=f"'{kind}' has no causal variant"):
-        ResidualSequenceFlow(features=FEATURES, max_len=LENGTH, n_blocks=1, causal=True,
-                             layers=(kind, "mlp"))

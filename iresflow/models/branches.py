@@ -83,8 +83,9 @@ def layer_steps(
     if not entry.residual:
         return [(name, layer)]
     if config.causal and not (layer.causal or layer.position_wise):
-        raise ConfigError(f"layer kind {kind!r} has no causal variant (yet): with causal = "
-                          f"true every layer must be causal over frames")
+        raise ConfigError(f"layer kind {kind!r} has no causal variant with these settings "
+                          f"(attention: only attention = l2 has a certificate for a causal "
+                          f"mask): with causal = true every layer must be causal over frames")
     if config.conditional:
         layer = ConditionalBranch(layer, config.resolved_context_features)
     return [(f"{name}.actnorm", ActNorm(config.features)),
@@ -101,7 +102,8 @@ def _attention(config: ModelConfig, encoding: nn.Module | None) -> LipschitzBran
     attention: LipschitzBranch
     if config.attention == "l2":
         attention = ContractiveL2MultiheadAttention(
-            config.features, heads, coeff=config.coeff, max_offset=config.relative_window
+            config.features, heads, coeff=config.coeff, max_offset=config.relative_window,
+            causal=config.causal,
         )
     else:
         attention = ContractiveLipschitzNormAttention(config.features, heads, coeff=config.coeff)
@@ -110,7 +112,8 @@ def _attention(config: ModelConfig, encoding: nn.Module | None) -> LipschitzBran
 
 def _relative(config: ModelConfig, encoding: nn.Module | None) -> LipschitzBranch:
     window = config.relative_window or max(config.max_len - 1, 1)
-    return RelativeMixingBranch(config.features, config.hidden, window, config.coeff)
+    return RelativeMixingBranch(config.features, config.hidden, window, config.coeff,
+                                causal=config.causal)
 
 
 def _conv(config: ModelConfig, encoding: nn.Module | None, *, block: int) -> LipschitzBranch:

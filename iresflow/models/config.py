@@ -116,8 +116,9 @@ class ModelConfig(SettingsRecord):
     )
     causal: bool = setting(
         False, "make every layer causal over frames, so noise frame t depends on data frames "
-        "<= t only: conv layers read the current and past frames, mlp, mix, autoregressive "
-        "and maf layers are kept as they are; attention and relative have no causal variant yet"
+        "<= t only: conv, attention and relative layers read the current and past frames "
+        "(attention: with attention = l2 only), mlp, mix, autoregressive and maf layers are kept "
+        "as they are (docs/math.md#causal-attention)"
     )
     heads: int | None = setting(
         None, "attention heads, dividing the number of features",

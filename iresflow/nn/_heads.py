@@ -19,19 +19,23 @@ from torch import Tensor
 
 from iresflow._validation import under_functorch_transform
 
-__all__ = ["attend", "merge_heads", "relative_scores", "split_heads"]
+__all__ = ["attend", "causal_keys", "merge_heads", "relative_scores", "split_heads"]
 
 
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, bias: Tensor | None = None
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, bias: Tensor | None = None,
+    causal: bool = False,
 ) -> Tensor:
     """``softmax(q k^T * scale + bias) v`` per (batch, head), padded keys excluded.
 
     Shapes: ``q, k`` ``(B, H, N, E)``, ``v`` ``(B, H, N, d)``, ``mask`` ``(B, N)``, ``bias``
     ``(H, N, N)`` (added to the scaled scores, not scaled itself); returns ``(B, H, N, d)``. See
-    the module docstring for the choice of path.
+    the module docstring for the choice of path. ``causal``: query ``i`` reads the keys
+    ``j <= i`` only (:func:`causal_keys`).
     """
     key_mask = None if mask is None else mask[:, None, None, :]
+    if causal:
+        key_mask = causal_keys(q.shape[-2], None if mask is None else mask[:, None], q.device)
     if torch.is_grad_enabled() or under_functorch_transform():
         logits = (q * scale) @ k.transpose(-1, -2)  # scaling q is cheaper than scaling logits
         if bias is not None:
@@ -48,6 +52,30 @@ def attend(
     v = F.pad(v, (0, q.shape[-1] - width))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=scale)
     return out[..., :width]
+
+
+def causal_keys(length: int, mask: Tensor | None, device: torch.device) -> Tensor:
+    """The keys every query reads under a causal mask: the real keys at or before it, and
+    itself (a padded query too, so that no row of the softmax is empty; its output is zeroed).
+
+    Args:
+        length: Sequence length ``N``.
+        mask: Optional boolean padding mask ``(..., N)`` of the keys.
+        device: Device of the result.
+
+    Returns:
+        Boolean ``(N, N)`` without a mask, ``(..., N, N)`` with one: entry ``[i, j]`` is whether
+        query ``i`` reads key ``j``.
+
+    Example:
+        >>> causal_keys(3, torch.tensor([True, False, True]), torch.device("cpu")).int().tolist()
+        [[1, 0, 0], [1, 1, 0], [1, 0, 1]]
+    """
+    earlier = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    if mask is None:
+        return earlier
+    itself = torch.eye(length, dtype=torch.bool, device=device)
+    return (earlier & mask[..., None, :]) | itself
 
 
 def relative_scores(table: Tensor, length: int) -> Tensor:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from iresflow._validation import check_inputs, check_int, under_functorch_transform
 from iresflow.nn._heads import attend, merge_heads, relative_scores, split_heads
 from iresflow.nn.base import LipschitzBranch
-from iresflow.nn.bounds import l2_attention_bound
+from iresflow.nn.bounds import causal_l2_attention_bound, l2_attention_bound
 from iresflow.nn.linear import check_coefficient
 from iresflow.nn.lipschitz_norm import (
     check_positive,
@@ -71,12 +71,16 @@ class L2MultiheadAttention(nn.Module):
     :math:`d_h \times d_h` product without :math:`A_h`; cost :math:`O(N^2 D + N D^2)`; the bias
     is added to these scores. Its Lipschitz bounds are :func:`lipschitz_bound`.
 
+    With ``causal=True`` query :math:`i` reads the keys :math:`j \le i` only: row :math:`i` is
+    row :math:`i` of the unmasked map of the frames up to :math:`i` (docs/math.md#causal-attention).
+
     Args:
         dim: Token dimension ``D``.
         heads: Number of heads ``H`` (divides ``D``).
         max_offset: Window ``W >= 1`` of the relative-position bias, a parameter
             ``relative_bias`` of shape ``(H, 2W + 1)`` initialised to zero (the unbiased map);
             ``None`` (default): no bias.
+        causal: Whether every query reads the keys at or before it only.
 
     Example:
         >>> attn = L2MultiheadAttention(dim=4, heads=2, max_offset=3)
@@ -86,11 +90,13 @@ class L2MultiheadAttention(nn.Module):
 
     relative_bias: nn.Parameter | None
 
-    def __init__(self, dim: int, heads: int, max_offset: int | None = None) -> None:
+    def __init__(self, dim: int, heads: int, max_offset: int | None = None,
+                 causal: bool = False) -> None:
         super().__init__()
         _check_dims(dim, heads)
         self.dim = dim
         self.heads = heads
+        self.causal = bool(causal)
         self.max_offset = None if max_offset is None else check_int(max_offset, "max_offset", 1)
         self.w_query = nn.Parameter(torch.empty(dim, dim))
         self.w_value = nn.Parameter(torch.empty(dim, dim))
@@ -135,7 +141,7 @@ class L2MultiheadAttention(nn.Module):
         bias = None
         if self.relative_bias is not None:
             bias = relative_scores(self.relative_bias, x.shape[1])  # (H, N, N)
-        heads = attend(query, key, value, mask, d_head**-0.5, bias)
+        heads = attend(query, key, value, mask, d_head**-0.5, bias, self.causal)
         return merge_heads(heads, self.w_out, mask)
 
 
@@ -248,8 +254,8 @@ class _ContractiveAttention(LipschitzBranch):
             Branch output, shape ``(B, N, D)``, zero at padded positions.
         """
         y = self.attention(x, mask)
-        bound = self.raw_bound(x.shape[1], mask if self.length == "actual" else None)
-        return self.coeff * y / bound.reshape(-1, 1, 1)
+        bound = self.raw_bound(x.shape[1], mask if self.length == "actual" or self.causal else None)
+        return self.coeff * y / (bound[..., None] if self.causal else bound.reshape(-1, 1, 1))
 
     @abstractmethod
     def raw_bound(self, seq_len: int | Tensor, mask: Tensor | None = None) -> Tensor:
@@ -289,7 +295,9 @@ class ContractiveL2MultiheadAttention(_ContractiveAttention):
     weights. With a mask and ``length="actual"`` the bound uses each sequence's real tokens (real
     outputs only see real tokens, so the bound of the shorter sequence holds; with a bias, the
     positions of its real tokens, docs/math.md#relative-bias); ``length="max"`` uses the padded
-    length, also valid because :math:`\varphi^{-1}` increases.
+    length, also valid because :math:`\varphi^{-1}` increases. Causal: output frame :math:`t` is
+    divided by its own row's bound, which reads no later frame, in the :math:`\infty`-norm only
+    (:func:`~iresflow.nn.bounds.causal_l2_attention_bound`, docs/math.md#causal-attention).
 
     Args:
         dim: Token dimension ``D``.
@@ -301,6 +309,7 @@ class ContractiveL2MultiheadAttention(_ContractiveAttention):
             length).
         max_offset: Window ``W`` of a learned relative-position bias of the scores
             (:class:`L2MultiheadAttention`); ``None`` (default): none.
+        causal: Whether output frame :math:`t` reads input frames :math:`\le t` only (``"inf"``).
 
     Example:
         >>> branch = ContractiveL2MultiheadAttention(dim=4, heads=2, coeff=0.9)
@@ -318,6 +327,7 @@ class ContractiveL2MultiheadAttention(_ContractiveAttention):
         norm: Literal["inf", "2"] = "inf",
         length: Literal["actual", "max"] = "actual",
         max_offset: int | None = None,
+        causal: bool = False,
     ) -> None:
         super().__init__()
         coeff = check_coefficient(coeff, strict=True)
@@ -325,15 +335,22 @@ class ContractiveL2MultiheadAttention(_ContractiveAttention):
             raise ValueError(f"norm must be 'inf' or '2', got {norm!r}")
         if length not in ("actual", "max"):
             raise ValueError(f"length must be 'actual' or 'max', got {length!r}")
-        if norm == "2" and max_offset is not None:
-            raise ValueError("norm='2' has no certificate with a relative bias (max_offset)")
-        self.attention = L2MultiheadAttention(dim, heads, max_offset)
+        if norm == "2" and (max_offset is not None or causal):
+            raise ValueError("norm='2' has no certificate with a relative bias (max_offset) or "
+                             "a causal mask (causal=True)")
+        self.attention = L2MultiheadAttention(dim, heads, max_offset, causal)
+        self.causal = bool(causal)
         self.coeff = float(coeff)
         self.norm = norm  # type: ignore[misc]  # per-instance choice of the certified norm
         self.length = length
 
     def raw_bound(self, seq_len: int | Tensor, mask: Tensor | None = None) -> Tensor:
-        """The bound :math:`B(\\theta, N)` of the unnormalised L2-MHA (:func:`lipschitz_bound`)."""
+        """The bound :math:`B(\\theta, N)` of the unnormalised L2-MHA (:func:`lipschitz_bound`);
+        causal: every frame's (``causal_l2_attention_bound``, ``(N,)`` or ``(B, N)``)."""
+        if self.causal:
+            a = self.attention
+            return causal_l2_attention_bound(a.w_query, a.w_value, a.w_out, a.heads,
+                                             int(seq_len), a.relative_bias, mask)
         return lipschitz_bound(self.attention, seq_len, self.norm, mask)
 
 
@@ -428,7 +445,5 @@ def _check_inputs(x: Tensor, mask: Tensor | None, weight: Tensor) -> Tensor | No
 
 
 def _check_dims(dim: int, heads: int) -> None:
-    check_int(dim, "dim", 1)
-    check_int(heads, "heads", 1)
-    if dim % heads != 0:
+    if check_int(dim, "dim", 1) % check_int(heads, "heads", 1) != 0:
         raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads}")

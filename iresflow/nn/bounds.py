@@ -35,7 +35,7 @@ from torch import Tensor
 from iresflow._validation import check_int, values_checked
 from iresflow.nn._heads import relative_scores
 
-__all__ = ["check_norm", "l2_attention_bound", "phi", "phi_inv"]
+__all__ = ["causal_l2_attention_bound", "check_norm", "l2_attention_bound", "phi", "phi_inv"]
 
 # Halley's iteration for W_0 starting from Winitzki's approximation reaches float64 precision in
 # two steps on [0, 1e12] (checked against scipy); four leave a wide margin.
@@ -170,19 +170,82 @@ def l2_attention_bound(
         spread = _length_term(lengths, w_query)[..., None]  # phi^{-1}(N - 1), every head
     else:
         spread = _biased_spread(relative_bias, heads, seq_len, mask)  # phi^{-1}(R_h), (..., H)
+    if norm == "inf":
+        direct, through_scores = _column_factors(w_query, w_value, w_out, heads)
+        return (direct + 4 * spread[..., None] * through_scores).sum(dim=-2).amax(dim=-1)
     d_head = dim // heads
     wq = w_query.reshape(dim, heads, d_head).transpose(0, 1)  # (H, D, d_h)
     wv = w_value.reshape(dim, heads, d_head).transpose(0, 1)
-    if norm == "inf":
-        g = wq.transpose(1, 2) @ wv @ w_out.reshape(heads, d_head, dim)  # G_h, (H, d_h, D)
-        direct = (wq @ g).abs().sum(dim=1) * d_head**-0.5  # (H, D)
-        through_scores = wq.abs().sum(dim=1).amax(dim=1, keepdim=True) * g.abs().sum(dim=1)
-        return (direct + 4 * spread[..., None] * through_scores).sum(dim=-2).amax(dim=-1)
     q_spec = torch.linalg.matrix_norm(wq, ord=2)  # ||W^{Q,h}||_2, (H,)
     v_spec = torch.linalg.matrix_norm(wv, ord=2)  # ||W^{V,h}||_2, (H,)
     weights = (q_spec**4 * v_spec**2).sum().sqrt() * torch.linalg.matrix_norm(w_out, ord=2)
     n = lengths.to(spread) if isinstance(lengths, Tensor) else spread.new_tensor(lengths)
     return torch.sqrt(n / d_head) * (4 * spread[..., 0] + 1) * weights
+
+
+def causal_l2_attention_bound(
+    w_query: Tensor,
+    w_value: Tensor,
+    w_out: Tensor,
+    heads: int,
+    seq_len: int,
+    relative_bias: Tensor | None = None,
+    mask: Tensor | None = None,
+) -> Tensor:
+    r"""Certified bound of every row of causal L2-MHA, in the :math:`\infty`-norm
+    (docs/math.md#causal-attention).
+
+    Row :math:`i` of the causal map (query :math:`i` reads the keys :math:`j \le i`) obeys the
+    head-by-head bound of :func:`l2_attention_bound` with :math:`R_h` replaced by the row's own
+    :math:`R^h_i = \sum_{k < i} e^{b_h(k - i) - b_h(0)}` over its real keys (without a bias, their
+    number): the largest absolute row sum of the Jacobian's rows of output frame :math:`i` is at
+    most entry :math:`i`. Each entry depends on the weights, the bias and the mask at or before
+    frame :math:`i` only, so a branch that divides frame :math:`i` by it stays causal.
+
+    Args:
+        w_query: :math:`W^Q`, shape ``(D, D)``.
+        w_value: :math:`W^V`, shape ``(D, D)``.
+        w_out: :math:`W^O`, shape ``(D, D)``.
+        heads: Number of heads ``H`` (divides ``D``).
+        seq_len: Sequence length ``N >= 1``.
+        relative_bias: Optional per-head table over the clipped offsets, ``(H, 2W + 1)``.
+        mask: Optional boolean padding mask ``(B, N)``: only real keys count.
+
+    Returns:
+        ``(N,)``, or ``(B, N)`` with a mask.
+
+    Example:
+        >>> w = torch.eye(2, dtype=torch.float64)
+        >>> causal_l2_attention_bound(w, w, w, heads=1, seq_len=10)[[0, 9]]  # 1/sqrt(2), then
+        tensor([0.7071, 5.1111], dtype=torch.float64)
+    """
+    _check_weights(w_query, w_value, w_out, heads)
+    n = check_int(seq_len, "seq_len", 1)
+    mask = None if mask is None else _check_bound_mask(mask, n)
+    earlier = torch.ones(n, n, dtype=torch.bool, device=w_query.device).tril(-1)
+    weight = earlier.to(w_query.dtype).expand(heads, n, n)  # (H, N, N): query i, key k < i
+    if relative_bias is not None:
+        weight = weight * _bias_weights(relative_bias, heads, n)
+    rows = weight.sum(-1) if mask is None else torch.einsum("hik,bk->bhi", weight,
+                                                           mask.to(weight.dtype))
+    spread = phi_inv(rows)  # (..., H, N)
+    direct, through_scores = _column_factors(w_query, w_value, w_out, heads)
+    per_column = direct.sum(0) + 4 * torch.einsum("...hi,hc->...ic", spread, through_scores)
+    return per_column.amax(dim=-1)
+
+
+def _column_factors(w_query: Tensor, w_value: Tensor, w_out: Tensor,
+                    heads: int) -> tuple[Tensor, Tensor]:
+    r"""The two factors of the head-by-head :math:`\infty`-bound (docs/math.md#l2-bounds-heads),
+    per head and output column, each ``(H, D)``: :math:`\|(W^{Q,h} G_h)_{:,c}\|_1 / \sqrt{d_h}`
+    and :math:`\|W^{Q,h\top}\|_\infty \|(G_h)_{:,c}\|_1`."""
+    dim = w_query.shape[0]
+    d_head = dim // heads
+    wq = w_query.reshape(dim, heads, d_head).transpose(0, 1)  # (H, D, d_h)
+    wv = w_value.reshape(dim, heads, d_head).transpose(0, 1)
+    g = wq.transpose(1, 2) @ wv @ w_out.reshape(heads, d_head, dim)  # G_h, (H, d_h, D)
+    direct = (wq @ g).abs().sum(dim=1) * d_head**-0.5
+    return direct, wq.abs().sum(dim=1).amax(dim=1, keepdim=True) * g.abs().sum(dim=1)
 
 
 def _phi_inv_tensor(y: Tensor) -> Tensor:
@@ -237,22 +300,27 @@ def _biased_spread(
 ) -> Tensor:
     r""":math:`\varphi^{-1}(R_h)` with :math:`R_h = \max_i \sum_{k \ne i} e^{b_h(k-i) - b_h(0)}`
     over the real tokens (docs/math.md#relative-bias); shape ``(H,)``, or ``(B, H)`` with a mask."""
-    if not isinstance(table, Tensor) or table.dim() != 2 or table.shape[0] != heads or (
-        table.shape[1] % 2 == 0
-    ):
-        shape = tuple(table.shape) if isinstance(table, Tensor) else type(table).__name__
-        raise ValueError(f"relative_bias must have shape (heads={heads}, 2W + 1), got {shape}")
     if isinstance(seq_len, Tensor):
         raise ValueError("with a relative bias, give the real tokens as a mask, not as lengths")
     n = check_int(seq_len, "seq_len", 1)
-    window = table.shape[1] // 2
-    # e^{b_h(k - i) - b_h(0)} for every query i and key k != i, shape (H, N, N).
-    weight = torch.exp(relative_scores(table, n) - table[:, window, None, None])
+    weight = _bias_weights(table, heads, n)
     weight = weight.masked_fill(torch.eye(n, dtype=torch.bool, device=table.device), 0.0)
     if mask is None:
         return phi_inv(weight.sum(dim=-1).amax(dim=-1))
     rows = torch.einsum("hik,bk->bhi", weight, mask.to(weight.dtype))  # real keys only
     return phi_inv(rows.masked_fill(~mask[:, None, :], 0.0).amax(dim=-1))  # real queries only
+
+
+def _bias_weights(table: Tensor, heads: int, length: int) -> Tensor:
+    r""":math:`e^{b_h(k - i) - b_h(0)}` for every query :math:`i` and key :math:`k` of a
+    sequence of ``length`` tokens, ``(H, N, N)``, from a checked table ``(H, 2W + 1)``."""
+    if not isinstance(table, Tensor) or table.dim() != 2 or table.shape[0] != heads or (
+        table.shape[1] % 2 == 0
+    ):
+        shape = tuple(table.shape) if isinstance(table, Tensor) else type(table).__name__
+        raise ValueError(f"relative_bias must have shape (heads={heads}, 2W + 1), got {shape}")
+    window = table.shape[1] // 2
+    return torch.exp(relative_scores(table, length) - table[:, window, None, None])
 
 
 def _check_bound_mask(mask: Tensor, seq_len: int | Tensor) -> Tensor:

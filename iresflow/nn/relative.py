@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from iresflow._validation import check_int, check_mask, check_sequence
-from iresflow.nn._heads import relative_scores
+from iresflow.nn._heads import causal_keys, relative_scores
 from iresflow.nn.base import LipschitzBranch
 from iresflow.nn.linear import check_coefficient
 from iresflow.nn.mlp import LipschitzMLP
@@ -43,6 +43,8 @@ class RelativeMixingBranch(LipschitzBranch):
             score of :math:`\pm W`.
         coeff: Certified Lipschitz bound in :math:`(0, 1)` (each of the MLP's three linear
             layers gets ``coeff ** (1/3)``).
+        causal: Whether frame :math:`i` averages the frames :math:`j \le i` only (the softmax
+            over those; the certificate is unchanged, docs/math.md#causal-attention).
 
     Example:
         >>> g = RelativeMixingBranch(features=2, hidden=8, window=4)
@@ -54,8 +56,10 @@ class RelativeMixingBranch(LipschitzBranch):
     position_wise = False
     norm = "inf"
 
-    def __init__(self, features: int, hidden: int, window: int, coeff: float = 0.9) -> None:
+    def __init__(self, features: int, hidden: int, window: int, coeff: float = 0.9,
+                 causal: bool = False) -> None:
         super().__init__()
+        self.causal = bool(causal)
         self.features = check_int(features, "features", 1)
         self.window = check_int(window, "window", 1)
         hidden = check_int(hidden, "hidden", 1)
@@ -74,12 +78,17 @@ class RelativeMixingBranch(LipschitzBranch):
             mask: Optional boolean padding mask ``(B, N)``.
 
         Returns:
-            ``(N, N)`` without a mask, ``(B, N, N)`` with one; rows sum to one over real keys.
+            ``(N, N)`` without a mask, ``(B, N, N)`` with one; rows sum to one over real keys
+            (causal: the real keys at or before the row, and the row itself).
         """
         logits = SCORE_SCALE * relative_scores(self.scores[None], seq_len)[0]  # (N, N)
-        if mask is None:
+        if self.causal:
+            keys = causal_keys(seq_len, mask, logits.device)
+        elif mask is None:
             return torch.softmax(logits, dim=-1)
-        return torch.softmax(logits.masked_fill(~mask[:, None, :], -torch.inf), dim=-1)
+        else:
+            keys = mask[:, None, :]
+        return torch.softmax(logits.masked_fill(~keys, -torch.inf), dim=-1)
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """Evaluate :math:`g(X)`.
@@ -106,4 +115,4 @@ class RelativeMixingBranch(LipschitzBranch):
         return self.mlp.lipschitz_constant()
 
     def extra_repr(self) -> str:
-        return f"features={self.features}, window={self.window}"
+        return f"features={self.features}, window={self.window}, causal={self.causal}"
