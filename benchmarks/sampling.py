@@ -9,7 +9,9 @@ GRU + MAF and the Transformer + MAF of the small-data suite
 number of sequences of the same length, one frame after another. A peer's drawing cost does not
 depend on its weights (it runs the same layers whatever they hold), so the peers are timed
 untrained; the flow's does (its inverses stop at their tolerance), so it is timed trained. Each
-time is the median of ``--repeats`` calls after a warm-up, on ``--threads`` CPU threads. Prints
+time is the median of ``--repeats`` calls after a warm-up, on ``--threads`` CPU threads; with
+``--rounds R`` the samplers are timed in turn ``R`` times and each one's time is the median of
+its rounds, so that a change of the machine's load reaches every sampler alike. Prints
 the seconds, the ratio of every peer's time to the flow's (above 1: the flow is faster) and the
 most iterations of every step of the flow's last inverse.
 
@@ -31,6 +33,7 @@ them. Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "instead (a causal run)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed calls per sampler (default: 3)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times every sampler is timed, in turn; each one's time is the "
+                             "median of its rounds (default: 1)")
     parser.add_argument("--peers", nargs="+", choices=ENCODERS, default=list(ENCODERS),
                         help="the peers' encoders of the past (default: both)")
     cli.add_threads(parser)
@@ -84,12 +90,16 @@ def _samplers(trained: LoadedRun, args: argparse.Namespace
 def run(args: argparse.Namespace) -> int:
     """Time the samplers and print the table; 1 if the flow's inverse did not converge."""
     trained = load_run(args.run, device="cpu")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     if args.horizon is not None and not trained.model.causal:
         raise SystemExit(f"{args.run} is not a causal run: --horizon needs one (iresflow train "
                          "--causal)")
     what, samplers = _samplers(trained, args)
     with torch.no_grad():
-        seconds = {name: median_seconds(call, args.repeats) for name, call in samplers.items()}
+        rounds = [{name: median_seconds(call, args.repeats) for name, call in samplers.items()}
+                  for _ in range(args.rounds)]
+        seconds = {name: statistics.median(r[name] for r in rounds) for name in samplers}
         samplers["iresflow"]()
     diagnostics = trained.model.inverse_diagnostics()
     print(f"{what} ({torch.get_num_threads()} thread(s))")

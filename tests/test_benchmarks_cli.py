@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import cli, records
+from benchmarks import sampling as sampling_benchmark
 from iresflow.cli import main as iresflow_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,6 +264,34 @@ def test_sampling_times_forecasts_of_a_causal_run(tmp_path: Path, capsys) -> Non
                      "--peers", "gru"]) == 0
     out = capsys.readouterr().out
     assert "  GRU + MAF " in out and "Transformer" not in out
+
+
+def test_sampling_rounds_time_the_samplers_in_turn_and_report_medians(tmp_path: Path, capsys,
+                                                                      monkeypatch) -> None:
+    run = tmp_path / "run"
+    assert iresflow_main(["train", "--data", "co2_windows", "--epochs", "1", "--max-train", "16",
+                          "--max-eval", "8", "--n-blocks", "1", "--hidden", "8", "--out",
+                          str(run), "--quiet", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    order: list[str] = []
+    times = iter([3.0, 1.0, 5.0, 2.0, 4.0, 1.5])  # flow, peer; three rounds
+
+    def timed(call, repeats):
+        order.append("flow" if call is samplers["iresflow"] else "peer")
+        return next(times)
+
+    samplers: dict = {}
+    real = sampling_benchmark._samplers
+    monkeypatch.setattr(sampling_benchmark, "_samplers",
+                        lambda *a: (lambda out: samplers.update(out[1]) or out)(real(*a)))
+    monkeypatch.setattr(sampling_benchmark, "median_seconds", timed)
+    assert cli.main(["sampling", "--run", str(run), "--num", "2", "--peers", "gru",
+                     "--rounds", "3"]) == 0
+    out = capsys.readouterr().out
+    assert order == ["flow", "peer"] * 3
+    assert "iresflow                4.000 s" in out and "GRU + MAF               1.500 s" in out
+    with pytest.raises(SystemExit, match="--rounds"):
+        cli.main(["sampling", "--run", str(run), "--rounds", "0"])
 
 
 def test_benchmarks_keep_freed_memory_as_the_command_does(monkeypatch, capsys) -> None:
