@@ -71,16 +71,9 @@ class CausalGRU(CausalConditioner):
     def forward(
         self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None
     ) -> Tensor:
-        """Per-frame outputs from the past of every frame.
-
-        Args:
-            x: Frames ``(B, N, D)``; values at padded frames are ignored.
-            mask: Optional boolean padding mask ``(B, N)``, ``True`` for real frames.
-            context: Context ``(B, C)`` of a conditional network, else ``None``.
-
-        Returns:
-            ``(B, N, out_features)``; row ``t`` depends on the real frames before ``t`` only.
-        """
+        """Per-frame outputs from the past of every frame, ``(B, N, out_features)``: the output
+        layer on :meth:`states` (same arguments); row ``t`` depends on the real frames before
+        ``t`` only."""
         return self.head(self.states(x, mask, context))
 
     def states(
