@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from iresflow.cli import main
 from iresflow.models.config import ConfigError
 from iresflow.models.residual_flow import ResidualSequenceFlow
 from iresflow.nn._heads import causal_keys
@@ -169,3 +170,28 @@ def test_causal_models_build_attention_and_relative_layers_but_not_lipschitznorm
     with pytest.raises(ConfigError, match="attention = l2"):
         ResidualSequenceFlow(features=2, max_len=8, causal=True, layers=("attention",),
                              attention="lipschitznorm")
+
+
+def test_the_lipschitz_report_gives_a_causal_attentions_largest_frame_bound():
+    torch.manual_seed(0)
+    flow = ResidualSequenceFlow(features=2, max_len=8, n_blocks=1, hidden=8, causal=True,
+                                layers=("attention",)).double().eval()
+    (row,) = flow.lipschitz_report(seq_len=6, n_inputs=2)
+    attn = dict(flow.transform.named_steps())["block0.attention"].branch.branch.attention
+    rows = causal_l2_attention_bound(attn.w_query, attn.w_value, attn.w_out, attn.heads, 6)
+    assert row["raw_bound"] == pytest.approx(float(rows.max()), rel=1e-12)
+    assert 0 < row["estimate"] <= row["certified"] == pytest.approx(0.9)
+
+
+def test_a_causal_attention_run_trains_forecasts_and_reports_from_the_command_line(tmp_path,
+                                                                                  capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--data", "co2_windows", "--causal", "--layers",
+                 "attention,relative,mlp", "--alternative", "none", "--epochs", "1",
+                 "--max-train", "16", "--max-eval", "8", "--n-blocks", "1", "--hidden", "8",
+                 "--out", str(run), "--quiet", "--device", "cpu"]) == 0
+    assert main(["forecast", str(run), "--horizon", "4", "--num", "5", "--out",
+                 str(tmp_path / "forecast.npz")]) == 0
+    assert main(["info", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "ContractiveL2MultiheadAttention" in out and "RelativeMixingBranch" in out

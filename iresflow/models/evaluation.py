@@ -170,7 +170,9 @@ def lipschitz_report(
       bound of the true constant, so ``estimate <= certified``.
     * ``"raw_bound"``: for attention, the certified bound of the attention map *before* the
       normalisation by it (docs/math.md#l2-bounds, docs/math.md#lipschitznorm), at the probe
-      length, which measures how expansive the learned weights are; ``None`` otherwise.
+      length (causal attention: the largest of its frames' bounds,
+      docs/math.md#causal-attention), which measures how expansive the learned weights are;
+      ``None`` otherwise.
 
     A row names and bounds the innermost branch, seen through its wrappers (the positional shift
     of attention, the context shift of a conditional model, which keep its certificate), so the
@@ -210,6 +212,6 @@ def lipschitz_report(
             "seq_len": seq_len,
             "certified": float(branch.lipschitz_constant(seq_len)),
             "estimate": float(local.max()),
-            "raw_bound": None if raw is None else float(raw(seq_len)),
+            "raw_bound": None if raw is None else float(raw(seq_len).max()),
         })
     return report
