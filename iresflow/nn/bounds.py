@@ -216,7 +216,7 @@ def causal_l2_attention_bound(
 
     Example:
         >>> w = torch.eye(2, dtype=torch.float64)
-        >>> causal_l2_attention_bound(w, w, w, heads=1, seq_len=10)[[0, 9]]  # 1/sqrt(2), then
+        >>> causal_l2_attention_bound(w, w, w, heads=1, seq_len=10)[[0, 9]]  # frames 0 and 9
         tensor([0.7071, 5.1111], dtype=torch.float64)
     """
     _check_weights(w_query, w_value, w_out, heads)
