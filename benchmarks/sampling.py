@@ -89,9 +89,9 @@ def _samplers(trained: LoadedRun, args: argparse.Namespace
 
 def run(args: argparse.Namespace) -> int:
     """Time the samplers and print the table; 1 if the flow's inverse did not converge."""
-    trained = load_run(args.run, device="cpu")
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
+    trained = load_run(args.run, device="cpu")
     if args.horizon is not None and not trained.model.causal:
         raise SystemExit(f"{args.run} is not a causal run: --horizon needs one (iresflow train "
                          "--causal)")

@@ -226,9 +226,7 @@ def causal_l2_attention_bound(
     weight = earlier.to(w_query.dtype).expand(heads, n, n)  # (H, N, N): query i, key k < i
     if relative_bias is not None:
         weight = weight * _bias_weights(relative_bias, heads, n)
-    rows = weight.sum(-1) if mask is None else torch.einsum("hik,bk->bhi", weight,
-                                                           mask.to(weight.dtype))
-    spread = phi_inv(rows)  # (..., H, N)
+    spread = phi_inv(_key_mass(weight, mask))  # (..., H, N)
     direct, through_scores = _column_factors(w_query, w_value, w_out, heads)
     per_column = direct.sum(0) + 4 * torch.einsum("...hi,hc->...ic", spread, through_scores)
     return per_column.amax(dim=-1)
@@ -305,10 +303,18 @@ def _biased_spread(
     n = check_int(seq_len, "seq_len", 1)
     weight = _bias_weights(table, heads, n)
     weight = weight.masked_fill(torch.eye(n, dtype=torch.bool, device=table.device), 0.0)
+    rows = _key_mass(weight, mask)
+    if mask is not None:
+        rows = rows.masked_fill(~mask[:, None, :], 0.0)  # real queries only
+    return phi_inv(rows.amax(dim=-1))
+
+
+def _key_mass(weight: Tensor, mask: Tensor | None) -> Tensor:
+    """Every query's sum of ``weight`` ``(H, N, N)`` (query, key) over the real keys of
+    ``mask`` ``(B, N)``: ``(H, N)``, or ``(B, H, N)`` with a mask."""
     if mask is None:
-        return phi_inv(weight.sum(dim=-1).amax(dim=-1))
-    rows = torch.einsum("hik,bk->bhi", weight, mask.to(weight.dtype))  # real keys only
-    return phi_inv(rows.masked_fill(~mask[:, None, :], 0.0).amax(dim=-1))  # real queries only
+        return weight.sum(dim=-1)
+    return torch.einsum("hik,bk->bhi", weight, mask.to(weight.dtype))
 
 
 def _bias_weights(table: Tensor, heads: int, length: int) -> Tensor:
